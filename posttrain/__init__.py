@@ -1,0 +1,17 @@
+"""posttrain: reinforcement-learning post-training of language models with verl's config keys."""
+
+from posttrain.config import ConfigError, PostTrainConfig, load_config
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Trainers import torch and transformers; keep `import posttrain` light for `posttrain config`.
+    if name in ("GRPOTrainer", "PPOTrainer", "RayPPOTrainer"):
+        from posttrain.trainer import trainer as _trainer
+
+        return getattr(_trainer, name)
+    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "PostTrainConfig", "load_config", "GRPOTrainer", "PPOTrainer", "__version__"]

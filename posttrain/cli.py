@@ -1,0 +1,79 @@
+"""`posttrain` command line: train | config | prep | plan | diff | eval | export.
+
+Each sub-command lives in the module that owns its work; this file only routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+BUILTIN_CONFIG = Path(__file__).parent / "config" / "builtin.yaml"
+
+
+def _config_cmd(argv: list[str]) -> int:
+    from posttrain.config import ConfigError, derive_sizes, describe_sizes, load_config, to_yaml
+    from posttrain.config.docs import keys_table, markdown_reference
+
+    parser = argparse.ArgumentParser(prog="posttrain config", description="Print the resolved config as YAML.")
+    parser.add_argument("--config", help="YAML file layered over the defaults")
+    parser.add_argument("--builtin", action="store_true", help="start from the built-in default run instead of verl's defaults")
+    parser.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
+    parser.add_argument("--markdown", action="store_true", help="print the key reference as Markdown (docs/config.md)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as in verl scripts")
+    args = parser.parse_args(argv)
+    if args.keys:
+        print(keys_table())
+        return 0
+    if args.markdown:
+        sys.stdout.write(markdown_reference())
+        return 0
+    try:
+        config = load_config(args.config, args.overrides, base=BUILTIN_CONFIG if args.builtin else None)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(to_yaml(config), end="")
+    print("# derived batch sizes\n" + "\n".join(f"# {line}" for line in describe_sizes(derive_sizes(config)).splitlines()))
+    return 0
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+COMMANDS = {
+    "train": ("posttrain.trainer.main_ppo", "train with overrides (no arguments: the built-in default run)"),
+    "config": (None, "print the resolved config, --keys for the key reference"),
+    "prep": ("posttrain.data.prep", "prepare datasets: gsm8k, math, arithmetic"),
+    "plan": ("posttrain.plan", "explain a run before it starts: batch flow, models, memory, problems"),
+    "diff": ("posttrain.diff", "compare two launch scripts or configs key by key"),
+    "eval": ("posttrain.trainer.evaluate", "greedy accuracy of a model or checkpoint on a dataset"),
+    "export": ("posttrain.trainer.export", "write a checkpoint's actor as a Hugging Face folder"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
+        print("usage: posttrain <command> [args]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:8s} {help_text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    if command == "config":
+        return _config_cmd(rest)
+    if command == "train":
+        from posttrain.trainer.main_ppo import train_cli
+
+        return train_cli(rest, builtin=True)
+    return _delegate(COMMANDS[command][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

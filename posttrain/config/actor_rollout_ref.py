@@ -1,0 +1,352 @@
+"""Config sections under `actor_rollout_ref.*`: the policy model, its optimizer, the rollout
+engine and the frozen reference policy.
+
+Key names and defaults are verl 0.9's (`verl/trainer/config/ppo_trainer.yaml`). Keys marked
+"(posttrain)" are ours. A default of the form `${...}` follows another key, as in verl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _cfg(**kwargs):
+    """Dataclass decorator for config nodes: keyword-only, and slots so a typo'd attribute fails."""
+    return dataclass(kw_only=True, slots=True, **kwargs)
+
+
+@_cfg()
+class MixedPrecisionConfig:
+    param_dtype: str = "bf16"
+    """(posttrain) Compute dtype for forward/backward: bf16 (autocast; AMX on CPU, tensor cores on GPU) or fp32."""
+    reduce_dtype: str = "fp32"
+    """Dtype of gradient reduction across ranks."""
+    buffer_dtype: str = "fp32"
+    """Dtype of model buffers."""
+
+
+@_cfg()
+class WrapPolicyConfig:
+    min_num_params: int = 0
+    """FSDP auto-wrap threshold in parameters (0: wrap by transformer layer)."""
+
+
+@_cfg()
+class FSDPConfig:
+    wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+    """FSDP wrapping policy."""
+    param_offload: bool = False
+    """Keep parameters in CPU memory between uses (saves GPU memory, costs transfers)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state in CPU memory."""
+    offload_policy: bool = False
+    """FSDP2 CPUOffloadPolicy for parameters, gradients and optimizer state."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (FSDP2)."""
+    fsdp_size: int = -1
+    """Ranks per FSDP group (-1: all ranks)."""
+    forward_prefetch: bool = False
+    """Prefetch the next all-gather during forward."""
+    model_dtype: str = "fp32"
+    """Dtype of the master weights the optimizer updates (fp32 recommended)."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """Compute precision."""
+
+
+@_cfg()
+class OptimConfig:
+    lr: float = 1e-6
+    """Learning rate."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up steps as a fraction of total training steps (used when lr_warmup_steps < 0)."""
+    total_training_steps: int = -1
+    """Total optimizer schedule length; -1: filled in by the trainer."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    lr_warmup_steps: int = -1
+    """Warm-up steps; -1: use lr_warmup_steps_ratio."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    clip_grad: float = 1.0
+    """Unused alias kept for verl compatibility; the clip used is the role's grad_clip."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor as a fraction of lr."""
+    num_cycles: float = 0.5
+    """Cosine cycles over the schedule (0.5: one half-cosine down)."""
+    lr_scheduler_type: str = "constant"
+    """Schedule after warm-up: constant or cosine."""
+    warmup_style: Optional[str] = None
+    """Deprecated verl name of lr_scheduler_type; when set it wins."""
+
+
+@_cfg()
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """Policy loss: vanilla (PPO clip), gspo, gpg, clip_cov, kl_cov."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens whose gradient is clipped."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance window."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance window."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of tokens given the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: coefficient of that KL penalty."""
+
+
+@_cfg()
+class CheckpointContentsConfig:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What a checkpoint holds."""
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What resume loads."""
+    async_save: bool = False
+    """Save in the background (not supported yet; must stay false)."""
+
+
+@_cfg()
+class ActorConfig:
+    strategy: str = "fsdp"
+    """Training backend: fsdp or fsdp2."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per PPO mini-batch (one optimizer step); multiplied by rollout.n and split across ranks."""
+    ppo_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size; use ppo_micro_batch_size_per_gpu."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per forward/backward pass on one rank (gradient accumulation splits the mini-batch)."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of rows."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget per micro-batch when use_dynamic_bsz."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon (default for clip_ratio_low and clip_ratio_high)."""
+    clip_ratio_low: float = 0.2
+    """Lower clip epsilon: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO raises it)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy-loss variant and its knobs."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (must be > 1)."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus in the actor loss."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || reference) term to the actor loss (GRPO style); loads the reference model."""
+    use_torch_compile: bool = True
+    """Compile the log-prob/entropy kernels with torch.compile where supported."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the loss: kl/k1, abs, mse/k2, low_var_kl/k3, full."""
+    ppo_epochs: int = 1
+    """Passes over each training batch."""
+    shuffle: bool = False
+    """Shuffle responses before splitting into mini-batches."""
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+    """Checkpoint contents."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence-parallel group size."""
+    entropy_from_logits_with_chunking: bool = False
+    """Compute entropy in chunks (posttrain always chunks; accepted for compatibility)."""
+    entropy_checkpointing: bool = False
+    """Recompute entropy in backward to save memory."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP and precision settings."""
+    use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
+    """Follows actor_rollout_ref.model.use_remove_padding."""
+
+
+@_cfg()
+class RefFSDPConfig:
+    wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
+    """FSDP wrapping policy."""
+    param_offload: bool = False
+    """Keep reference parameters in CPU memory between uses."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward."""
+    forward_prefetch: bool = False
+    """Prefetch the next all-gather during forward."""
+    model_dtype: str = "fp32"
+    """Dtype the reference weights are kept in."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """Compute precision."""
+
+
+@_cfg()
+class RefConfig:
+    strategy: str = "${actor_rollout_ref.actor.strategy}"
+    """Backend of the reference model (follows the actor)."""
+    use_torch_compile: bool = "${actor_rollout_ref.actor.use_torch_compile}"  # type: ignore[assignment]
+    """Follows the actor."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size; use log_prob_micro_batch_size_per_gpu."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per reference forward pass on one rank."""
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    """Pack reference forward passes by tokens."""
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
+    """Token budget per reference forward pass when dynamic."""
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+    """FSDP settings of the reference model."""
+    ulysses_sequence_parallel_size: int = "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}"  # type: ignore[assignment]
+    """Follows the actor."""
+    entropy_from_logits_with_chunking: bool = False
+    """Accepted for compatibility."""
+    entropy_checkpointing: bool = False
+    """Accepted for compatibility."""
+
+
+@_cfg()
+class SamplingConfig:
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    temperature: float = 0.0
+    """Sampling temperature (0: greedy)."""
+    n: int = 1
+    """Samples per prompt in validation."""
+    do_sample: bool = False
+    """Sample (true) or decode greedily (false)."""
+
+
+@_cfg()
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollout with tools (not supported yet; must stay false)."""
+    max_assistant_turns: Optional[int] = None
+    """Most assistant turns per conversation."""
+    tool_config_path: Optional[str] = None
+    """Tool definitions file."""
+
+
+@_cfg()
+class EngineKwargsConfig:
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for vLLM."""
+    sglang: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for SGLang."""
+
+
+@_cfg()
+class RolloutConfig:
+    name: str = "hf"
+    """Generation engine: hf (transformers generate), vllm, sglang. verl requires it set; posttrain defaults to hf."""
+    mode: str = "async"
+    """sync or async rollout (engine scheduling mode)."""
+    temperature: float = 1.0
+    """Sampling temperature during training rollouts; log-probs use it too."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    prompt_length: int = "${data.max_prompt_length}"  # type: ignore[assignment]
+    """Follows data.max_prompt_length."""
+    response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
+    """Follows data.max_response_length."""
+    dtype: str = "bfloat16"
+    """Dtype of the inference engine."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the inference engine may take (weights + KV cache)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in the engine."""
+    free_cache_engine: bool = True
+    """Release the KV cache between rollouts."""
+    tensor_model_parallel_size: int = 2
+    """GPUs per inference-engine instance."""
+    max_num_batched_tokens: int = 8192
+    """Engine scheduler token budget."""
+    max_model_len: Optional[int] = None
+    """Engine context length (default prompt + response length)."""
+    max_num_seqs: int = 1024
+    """Engine concurrent sequences."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size; use log_prob_micro_batch_size_per_gpu."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per old-log-prob forward pass on one rank."""
+    log_prob_use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    """Pack log-prob passes by tokens."""
+    log_prob_max_token_len_per_gpu: int = "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
+    """Token budget per log-prob pass when dynamic."""
+    disable_log_stats: bool = True
+    """Silence engine statistics."""
+    do_sample: bool = True
+    """Sample (true) or greedy (false) in training rollouts."""
+    n: int = 1
+    """Responses sampled per prompt (the group size for GRPO/RLOO)."""
+    over_sample_rate: float = 0.0
+    """Fraction of extra requests to drop stragglers (not supported yet; must stay 0)."""
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    """Per-engine extra arguments."""
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling for validation."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn settings."""
+    calculate_log_probs: bool = True
+    """Record the engine's log-probs of sampled tokens (compared with the actor's: training/rollout_actor_probs_diff_*)."""
+    load_format: str = "dummy_dtensor"
+    """How the engine receives initial weights."""
+    layered_summon: bool = False
+    """Gather FSDP weights layer by layer for the engine."""
+    enable_chunked_prefill: bool = True
+    """Engine chunked prefill."""
+
+
+@_cfg()
+class ActorModelConfig:
+    path: str = "~/models/deepseek-llm-7b-chat"
+    """Policy model: a local HF folder, a hub id, a .gguf file, or smollm2-135m-instruct."""
+    custom_chat_template: Optional[str] = None
+    """Jinja chat template replacing the tokenizer's."""
+    use_shm: bool = False
+    """Copy the model to shared memory before loading."""
+    external_lib: Optional[str] = None
+    """Module to import before loading (registers custom models)."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Entries that override the model's HF config (e.g. attention_dropout)."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in backward to save memory."""
+    enable_activation_offload: bool = False
+    """Offload activations to CPU."""
+    use_remove_padding: bool = False
+    """Drop padding tokens before the forward pass (packed sequences)."""
+    lora_rank: int = 0
+    """LoRA rank (0: full fine-tuning; LoRA not supported yet)."""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    target_modules: Any = "all-linear"
+    """LoRA target modules."""
+    exclude_modules: Optional[str] = None
+    """LoRA modules to skip."""
+    use_liger: bool = False
+    """Use Liger kernels."""
+    use_fused_kernels: bool = False
+    """Use fused log-prob/entropy kernels."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint folder to run."""
+
+
+@_cfg()
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    """Actor and rollout share one set of weights on the same devices."""
+    nccl_timeout: int = 600
+    """Collective timeout in seconds."""
+    model: ActorModelConfig = field(default_factory=ActorModelConfig)
+    """The policy model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Frozen reference policy (for KL)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response generation."""

@@ -1,0 +1,150 @@
+"""Config sections `critic.*` (the learned value function of PPO/GAE) and `reward_model.*`."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any, Optional
+
+from posttrain.config.actor_rollout_ref import (
+    CheckpointContentsConfig,
+    FSDPConfig,
+    OptimConfig,
+    RefFSDPConfig,
+    _cfg,
+)
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@_cfg()
+class CriticModelConfig:
+    path: str = "~/models/deepseek-llm-7b-chat"
+    """Critic backbone (verl initialises it from the actor's checkpoint)."""
+    tokenizer_path: str = "${actor_rollout_ref.model.path}"
+    """Tokenizer of the critic (follows the actor's model path)."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Entries that override the critic's HF config."""
+    external_lib: Optional[str] = "${actor_rollout_ref.model.external_lib}"
+    """Module to import before loading."""
+    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
+    """Allow model code from the checkpoint folder to run."""
+    use_shm: bool = False
+    """Copy the model to shared memory before loading."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in backward to save memory."""
+    enable_activation_offload: bool = False
+    """Offload activations to CPU."""
+    use_remove_padding: bool = False
+    """Drop padding tokens before the forward pass."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP and precision settings of the critic."""
+    lora_rank: int = 0
+    """LoRA rank (0: full fine-tuning)."""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    target_modules: Any = "all-linear"
+    """LoRA target modules."""
+
+
+@_cfg()
+class CriticConfig:
+    rollout_n: int = "${actor_rollout_ref.rollout.n}"  # type: ignore[assignment]
+    """Follows actor_rollout_ref.rollout.n (mini-batches are multiplied by it)."""
+    strategy: str = "fsdp"
+    """Training backend."""
+    enable: Optional[bool] = None
+    """Use a critic; null: exactly when algorithm.adv_estimator=gae."""
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    """Optimizer and learning-rate schedule of the critic."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """The value model."""
+    ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
+    """Prompts per critic mini-batch (follows the actor's)."""
+    ppo_micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size; use ppo_micro_batch_size_per_gpu."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per critic forward/backward on one rank."""
+    use_dynamic_bsz: bool = "${actor_rollout_ref.actor.use_dynamic_bsz}"  # type: ignore[assignment]
+    """Pack micro-batches by tokens."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget per micro-batch when dynamic."""
+    forward_max_token_len_per_gpu: int = "${critic.ppo_max_token_len_per_gpu}"  # type: ignore[assignment]
+    """Token budget per value forward pass when dynamic."""
+    ppo_epochs: int = "${actor_rollout_ref.actor.ppo_epochs}"  # type: ignore[assignment]
+    """Passes over each batch (follows the actor)."""
+    shuffle: bool = "${actor_rollout_ref.actor.shuffle}"  # type: ignore[assignment]
+    """Shuffle before mini-batching (follows the actor)."""
+    cliprange_value: float = 0.5
+    """Value clip: new values stay within old values +- this."""
+    loss_agg_mode: str = "${actor_rollout_ref.actor.loss_agg_mode}"
+    """Aggregation of the value loss (follows the actor)."""
+    checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)
+    """Checkpoint contents."""
+    forward_micro_batch_size: Optional[int] = None
+    """Deprecated global forward micro-batch size."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per value forward pass on one rank (null: ppo_micro_batch_size_per_gpu)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence-parallel group size."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip of the critic."""
+
+
+@_cfg()
+class RewardModelSubConfig:
+    input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"
+    """Tokenizer the policy's text is decoded with before the reward model re-encodes it."""
+    path: str = "~/models/FsfairX-LLaMA3-RM-v0.1"
+    """Reward model checkpoint."""
+    external_lib: Optional[str] = "${actor_rollout_ref.model.external_lib}"
+    """Module to import before loading."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint folder to run."""
+    use_shm: bool = False
+    """Copy the model to shared memory before loading."""
+    use_remove_padding: bool = False
+    """Drop padding tokens before the forward pass."""
+    use_fused_kernels: bool = False
+    """Use fused kernels."""
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+    """FSDP settings of the reward model."""
+
+
+@_cfg()
+class SandboxFusionConfig:
+    url: Optional[str] = None
+    """Sandbox service for code rewards."""
+    max_concurrent: int = 64
+    """Concurrent sandbox requests."""
+    memory_limit_mb: int = 1024
+    """Sandbox memory limit."""
+
+
+@_cfg()
+class RewardModelConfig:
+    enable: bool = False
+    """Score with a learned reward model (not supported yet; rule-based rewards are)."""
+    strategy: str = "fsdp"
+    """Backend of the reward model."""
+    model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
+    """The reward model."""
+    micro_batch_size: Optional[int] = None
+    """Deprecated global micro-batch size."""
+    micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per reward-model forward pass on one rank."""
+    max_length: Optional[int] = None
+    """Longest input the reward model sees."""
+    use_dynamic_bsz: bool = "${critic.use_dynamic_bsz}"  # type: ignore[assignment]
+    """Pack reward-model passes by tokens."""
+    forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]
+    """Token budget per pass when dynamic."""
+    reward_manager: str = "naive"
+    """Reward manager: naive (one score per response; the one posttrain implements)."""
+    launch_reward_fn_async: bool = False
+    """Score in the background while the actor computes log-probs."""
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    """Code-execution sandbox."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence-parallel group size."""

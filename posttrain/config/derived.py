@@ -1,0 +1,204 @@
+"""Batch sizes derived from the config, computed exactly as verl's workers compute them.
+
+verl normalises inside each worker: `ppo_mini_batch_size *= rollout.n`, then
+`//= world_size // ulysses_sp`; a deprecated global micro-batch size is divided the same way.
+Here it happens once, right after the config loads, every check shows its arithmetic, and the
+workers receive the per-rank numbers through `worker_config()`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from posttrain.config.schema import PostTrainConfig
+
+
+@dataclass(frozen=True)
+class RoleSizes:
+    """Per-rank sizes of one trained role (actor or critic)."""
+
+    mini_batch: int
+    """Responses per optimizer step on one rank."""
+    micro_batch: Optional[int]
+    """Responses per forward/backward on one rank (None with dynamic batch size)."""
+    grad_accum: Optional[int]
+    """Micro-batches accumulated per optimizer step."""
+    mini_batches_per_step: int
+    """Optimizer steps per epoch over one training batch."""
+    optimizer_steps_per_step: int
+    """ppo_epochs x mini_batches_per_step."""
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    world_size: int
+    """nnodes x n_gpus_per_node."""
+    dp_size: int
+    """Data-parallel ranks: world_size / ulysses_sequence_parallel_size."""
+    prompts_per_step: int
+    """data.train_batch_size."""
+    responses_per_step: int
+    """train_batch_size x rollout.n."""
+    responses_per_rank: int
+    """responses_per_step / world_size."""
+    actor: RoleSizes
+    """Actor update sizes."""
+    critic: Optional[RoleSizes]
+    """Critic update sizes (None without a critic)."""
+    rollout_log_prob_micro_batch: Optional[int]
+    """Responses per old-log-prob pass on one rank."""
+    ref_log_prob_micro_batch: Optional[int]
+    """Responses per reference pass on one rank."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def uses_critic(config: PostTrainConfig) -> bool:
+    """verl's rule: critic.enable, or (when null) exactly for the gae estimator."""
+    if config.critic.enable is not None:
+        return bool(config.critic.enable)
+    return config.algorithm.adv_estimator == "gae"
+
+
+def uses_reference(config: PostTrainConfig) -> bool:
+    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+
+
+class SizeError(ValueError):
+    """A batch-size inconsistency; the message shows the arithmetic."""
+
+
+def _per_rank_micro(section: str, global_key: str, per_gpu_key: str, global_value, per_gpu_value, dp: int) -> Optional[int]:
+    """Resolve verl's deprecated global micro-batch size against the per-GPU one."""
+    if global_value is not None and per_gpu_value is not None:
+        raise SizeError(
+            f"{section}.{global_key}={global_value} and {section}.{per_gpu_key}={per_gpu_value} are both set; "
+            f"set only {section}.{per_gpu_key} ({global_key} is deprecated)"
+        )
+    if global_value is not None:
+        if global_value // dp == 0:
+            raise SizeError(f"{section}.{global_key}={global_value} / {dp} ranks = 0 per rank; raise it to at least {dp}")
+        return global_value // dp
+    return per_gpu_value
+
+
+def _role_sizes(section: str, prompts_per_mini: int, n: int, dp: int, global_micro, per_gpu_micro, dynamic: bool,
+                epochs: int, responses_per_rank: int) -> RoleSizes:
+    responses = prompts_per_mini * n
+    head = f"{section}.ppo_mini_batch_size: {prompts_per_mini} prompts x {n} samples = {responses} responses"
+    if responses % dp:
+        raise SizeError(f"{head}; {responses} / {dp} ranks is not a whole number; make it a multiple of {dp}")
+    mini = responses // dp
+    if mini == 0:
+        raise SizeError(f"{head}; {responses} / {dp} ranks = 0 per rank")
+    micro = _per_rank_micro(section, "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", global_micro, per_gpu_micro, dp)
+    accum = None
+    if not dynamic:
+        if micro is None:
+            raise SizeError(
+                f"{section}.ppo_micro_batch_size_per_gpu is not set; set it (responses per forward/backward on one "
+                f"rank, a divisor of {mini}) or set use_dynamic_bsz=True"
+            )
+        if micro <= 0 or mini % micro:
+            raise SizeError(
+                f"{head}; {responses} / {dp} ranks = {mini} per rank; {mini} is not divisible by "
+                f"{section}.ppo_micro_batch_size_per_gpu={micro}"
+            )
+        accum = mini // micro
+    per_step = -(-responses_per_rank // mini)  # a smaller last mini-batch is allowed, as in verl
+    return RoleSizes(mini, micro, accum, per_step, epochs * per_step)
+
+
+def _log_prob_micro(section: str, global_value, per_gpu_value, dp: int, dynamic: bool, needed: bool) -> Optional[int]:
+    micro = _per_rank_micro(section, "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu", global_value, per_gpu_value, dp)
+    if needed and micro is None and not dynamic:
+        raise SizeError(
+            f"{section}.log_prob_micro_batch_size_per_gpu is not set; set it (responses per log-prob forward pass "
+            f"on one rank) or set {section}.log_prob_use_dynamic_bsz=True"
+        )
+    if micro is not None and micro <= 0:
+        raise SizeError(f"{section}.log_prob_micro_batch_size_per_gpu={micro} must be positive")
+    return micro
+
+
+def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
+    """All derived batch sizes; raises SizeError with the arithmetic when they do not fit."""
+    arr = config.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    if world <= 0:
+        raise SizeError(f"trainer.nnodes={config.trainer.nnodes} x trainer.n_gpus_per_node={config.trainer.n_gpus_per_node} must be positive")
+    sp = actor.ulysses_sequence_parallel_size
+    if sp <= 0 or world % sp:
+        raise SizeError(f"{world} ranks are not divisible by actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}")
+    dp = world // sp
+    n, tbs = rollout.n, config.data.train_batch_size
+    responses = tbs * n
+    if responses % world:
+        raise SizeError(
+            f"data.train_batch_size: {tbs} prompts x {n} samples = {responses} responses; {responses} / {world} ranks "
+            f"is not a whole number; make data.train_batch_size x actor_rollout_ref.rollout.n a multiple of {world}"
+        )
+    if actor.ppo_mini_batch_size > tbs:
+        raise SizeError(
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} prompts is larger than "
+            f"data.train_batch_size={tbs}; a mini-batch cannot exceed the training batch"
+        )
+    per_rank = responses // world
+    actor_sizes = _role_sizes("actor_rollout_ref.actor", actor.ppo_mini_batch_size, n, dp, actor.ppo_micro_batch_size,
+                              actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_epochs, per_rank)
+    critic_sizes = None
+    if uses_critic(config):
+        c = config.critic
+        c_dp = world // c.ulysses_sequence_parallel_size
+        critic_sizes = _role_sizes("critic", c.ppo_mini_batch_size, c.rollout_n, c_dp, c.ppo_micro_batch_size,
+                                   c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_epochs, per_rank)
+    rollout_micro = _log_prob_micro("actor_rollout_ref.rollout", rollout.log_prob_micro_batch_size,
+                                    rollout.log_prob_micro_batch_size_per_gpu, dp, rollout.log_prob_use_dynamic_bsz, True)
+    ref = arr.ref
+    ref_micro = _log_prob_micro("actor_rollout_ref.ref", ref.log_prob_micro_batch_size, ref.log_prob_micro_batch_size_per_gpu,
+                                dp, ref.log_prob_use_dynamic_bsz, uses_reference(config))
+    return DerivedSizes(world, dp, tbs, responses, per_rank, actor_sizes, critic_sizes, rollout_micro, ref_micro)
+
+
+def worker_config(config: PostTrainConfig, sizes: DerivedSizes) -> PostTrainConfig:
+    """A copy whose batch sizes are per rank, in responses: what verl's workers hold after normalising."""
+    out = copy.deepcopy(config)
+    actor, critic = out.actor_rollout_ref.actor, out.critic
+    actor.ppo_mini_batch_size = sizes.actor.mini_batch
+    actor.ppo_micro_batch_size, actor.ppo_micro_batch_size_per_gpu = None, sizes.actor.micro_batch
+    out.actor_rollout_ref.rollout.log_prob_micro_batch_size = None
+    out.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = sizes.rollout_log_prob_micro_batch
+    out.actor_rollout_ref.ref.log_prob_micro_batch_size = None
+    out.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = sizes.ref_log_prob_micro_batch or sizes.rollout_log_prob_micro_batch
+    if sizes.critic is not None:
+        critic.ppo_mini_batch_size = sizes.critic.mini_batch
+        critic.ppo_micro_batch_size, critic.ppo_micro_batch_size_per_gpu = None, sizes.critic.micro_batch
+        if critic.forward_micro_batch_size_per_gpu is None:
+            critic.forward_micro_batch_size_per_gpu = sizes.critic.micro_batch
+    return out
+
+
+def describe_sizes(sizes: DerivedSizes) -> str:
+    """Human-readable derived sizes (printed at start-up and by `posttrain config`)."""
+    a = sizes.actor
+    lines = [
+        f"{sizes.prompts_per_step} prompts x {sizes.responses_per_step // sizes.prompts_per_step} samples = "
+        f"{sizes.responses_per_step} responses per step; / {sizes.world_size} ranks = {sizes.responses_per_rank} per rank",
+        f"actor: {a.mini_batches_per_step} mini-batches of {a.mini_batch} responses per rank"
+        + (f", {a.grad_accum} micro-batches of {a.micro_batch} each (gradient accumulation)" if a.grad_accum else ", dynamic micro-batches")
+        + f"; {a.optimizer_steps_per_step} optimizer steps per training step",
+        f"old log-prob: micro-batches of {sizes.rollout_log_prob_micro_batch} responses per rank",
+    ]
+    if sizes.ref_log_prob_micro_batch is not None:
+        lines.append(f"reference: micro-batches of {sizes.ref_log_prob_micro_batch} responses per rank")
+    if sizes.critic is not None:
+        c = sizes.critic
+        lines.append(
+            f"critic: {c.mini_batches_per_step} mini-batches of {c.mini_batch} responses per rank"
+            + (f", {c.grad_accum} micro-batches of {c.micro_batch} each" if c.grad_accum else ", dynamic micro-batches")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,196 @@
+"""Build a config: verl's defaults, then an optional YAML file, then Hydra-style overrides.
+
+Overrides are written as verl launch scripts write them: `a.b=c`, `trainer.logger=[console,wandb]`,
+`x=null`, quoted strings, and `+a.new=1` / `++a.b=1` for entries under free-form dict keys
+(`override_config`, `engine_kwargs`, ...). Values are parsed with OmegaConf's YAML rules.
+Every error names the full dotted key (and the file or override it came from).
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from posttrain.config.docs import all_keys, leaf_type
+from posttrain.config.schema import PostTrainConfig
+
+# Keys verl's YAML files carry that describe Hydra plumbing, not settings.
+_HYDRA_ONLY_KEYS = {"_target_", "defaults", "hydra"}
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message names the key and what would be valid."""
+
+
+def _suggest(key: str) -> str:
+    """'did you mean' text: keys that end with what was typed (a missing section prefix), then
+    keys that are spelled closely."""
+    suffix = [k for k in all_keys() if k.endswith("." + key)]
+    close = difflib.get_close_matches(key, list(all_keys()), n=3, cutoff=0.6)
+    leaf = key.rsplit(".", 1)[-1]
+    close_leaf = [k for k in all_keys() if difflib.SequenceMatcher(None, k.rsplit(".", 1)[-1], leaf).ratio() > 0.85]
+    picks = list(dict.fromkeys(suffix + close + close_leaf))[:3]
+    return f"; did you mean {', '.join(picks)}?" if picks else ""
+
+
+def _is_free_dict(hint: Any) -> bool:
+    return typing.get_origin(hint) is dict or hint is dict
+
+
+def _check_key(key: str, where: str, allow_new: bool) -> None:
+    """Raise ConfigError unless `key` is a schema key or an entry under a free-form dict key."""
+    if key in all_keys():
+        return
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        if parent in all_keys() and not all_keys()[parent].is_section:
+            if _is_free_dict(leaf_type(parent)):
+                return  # entries of dict-valued keys (override_config, ...) are free-form
+            raise ConfigError(f"{where}: '{parent}' is a value, not a section, so '{key}' cannot be set")
+    hint = "" if allow_new else _suggest(key)
+    raise ConfigError(f"{where}: unknown config key '{key}'{hint}")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def parse_value(text: str) -> Any:
+    """A value as Hydra/OmegaConf read it: YAML scalars, `[a,b]` lists, `null`, quoted strings."""
+    if text == "":
+        return ""
+    node = OmegaConf.from_dotlist([f"v={text}"])
+    return OmegaConf.to_container(node, resolve=False)["v"]
+
+
+def split_override(item: str) -> tuple[str, str, bool]:
+    """'++a.b=c' -> ('a.b', 'c', True). Raises ConfigError on a malformed item."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value")
+    key, value = item.split("=", 1)
+    plus = key.startswith("+")
+    key = key.lstrip("+").strip()
+    if not key or key.startswith("~"):
+        raise ConfigError(f"override '{item}': deleting keys with '~' is not supported; set key=null instead")
+    return key, value, plus
+
+
+def _set(cfg: DictConfig, key: str, value: Any, where: str) -> None:
+    if key in all_keys():
+        info = all_keys()[key]
+        if info.is_section and value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' is a section of keys ({info.type}); set its keys instead, e.g. {key}.<name>=...")
+        hint = leaf_type(key) if not info.is_section else None
+        if typing.get_origin(hint) is list and isinstance(value, (str, int, float)):
+            value = [value]  # `trainer.logger=console` means a list of one
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=False)
+    except OmegaConfBaseException as err:
+        expected = _type_name(leaf_type(key)) if key in all_keys() and not all_keys()[key].is_section else "a section"
+        raise ConfigError(
+            f"{where}: {key}={value!r} has the wrong type: expected {expected} ({str(err).splitlines()[0]})"
+        ) from None
+
+
+def _flatten(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """Dotted (key, value) pairs of a nested dict, stopping at free-form dict keys."""
+    for name, value in node.items():
+        if name in _HYDRA_ONLY_KEYS:
+            continue
+        key = f"{prefix}{name}"
+        info = all_keys().get(key)
+        if isinstance(value, dict) and value and (info is None or info.is_section):
+            yield from _flatten(value, key + ".")
+        else:
+            yield key, value
+
+
+def _apply_yaml(cfg: DictConfig, path: str | Path) -> None:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except (yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(raw).__name__}")
+    lines = _key_lines(path)
+    for key, value in _flatten(raw):
+        where = f"{path}" + (f":{lines[key]}" if key in lines else "")
+        _check_key(key, where, allow_new=False)
+        _set(cfg, key, value, where)
+
+
+def _key_lines(path: Path) -> dict[str, int]:
+    """Line number of each dotted key in a YAML file (for error messages)."""
+    node = yaml.compose(path.read_text())
+    found: dict[str, int] = {}
+
+    def walk(n: Any, prefix: str) -> None:
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                key = f"{prefix}{k.value}"
+                found[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+
+    walk(node, "")
+    return found
+
+
+def apply_overrides(cfg: DictConfig, overrides: Iterable[str], source: str = "override") -> None:
+    for item in overrides:
+        key, text, plus = split_override(item)
+        where = f"{source} '{item}'"
+        _check_key(key, where, allow_new=plus)
+        _set(cfg, key, parse_value(text), where)
+
+
+def load_raw(path: str | Path | None = None, overrides: Iterable[str] = (), base: str | Path | None = None) -> DictConfig:
+    """The merged OmegaConf tree (interpolations unresolved), before validation."""
+    cfg = OmegaConf.structured(PostTrainConfig)
+    for layer in (base, path):
+        if layer is not None:
+            _apply_yaml(cfg, layer)
+    apply_overrides(cfg, list(overrides))
+    return cfg
+
+
+def to_dataclass(cfg: DictConfig) -> PostTrainConfig:
+    """Resolve interpolations and build the typed tree."""
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        full_key = getattr(err, "full_key", "?")
+        raise ConfigError(f"config key '{full_key}': {str(err).splitlines()[0]}") from None
+
+
+def to_yaml(config: PostTrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    base: str | Path | None = None,
+    validate: bool = True,
+) -> PostTrainConfig:
+    """Defaults (verl's) <- `base` YAML <- `path` YAML <- dotted overrides; then validated.
+
+    Raises ConfigError, before any model loads, for unknown keys, wrong types, unknown choices
+    and inconsistent settings.
+    """
+    config = to_dataclass(load_raw(path, overrides, base))
+    if validate:
+        from posttrain.config.validate import validate_config
+
+        validate_config(config)
+    return config

@@ -1,0 +1,230 @@
+"""The root of the config tree and the sections `data`, `algorithm`, `trainer`,
+`custom_reward_function`, `reward` (posttrain) and `ray_kwargs`.
+
+Every field carries a one-line doc string right under it; `posttrain config --keys` and
+`docs/config.md` are generated from them (see `posttrain.config.docs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any, Optional
+
+from posttrain.config.actor_rollout_ref import ActorRolloutRefConfig, _cfg
+from posttrain.config.critic import CriticConfig, RewardModelConfig
+
+
+@_cfg()
+class CustomClsConfig:
+    path: Optional[str] = None
+    """File defining a custom dataset class."""
+    name: Optional[str] = None
+    """Name of that class."""
+
+
+@_cfg()
+class DataConfig:
+    tokenizer: Optional[str] = None
+    """Tokenizer path (null: the actor model's)."""
+    use_shm: bool = False
+    """Copy data to shared memory first."""
+    train_files: Any = "~/data/rlhf/gsm8k/train.parquet"
+    """Training prompts: one parquet/jsonl path or a list of them (null: the built-in arithmetic task)."""
+    val_files: Any = "~/data/rlhf/gsm8k/test.parquet"
+    """Validation prompts: one path or a list (null: the built-in arithmetic task's test split)."""
+    prompt_key: str = "prompt"
+    """Column holding the chat messages."""
+    reward_fn_key: str = "data_source"
+    """Column that picks the scorer."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens (after the chat template)."""
+    max_response_length: int = 512
+    """Most tokens generated per response."""
+    train_batch_size: int = 1024
+    """Prompts per training step."""
+    val_batch_size: Optional[int] = None
+    """Prompts per validation batch (null: the whole validation set at once)."""
+    return_raw_input_ids: bool = False
+    """Also return the unpadded prompt ids."""
+    return_raw_chat: bool = False
+    """Also return the prompt messages (for engines that template themselves)."""
+    return_full_prompt: bool = False
+    """Also return the templated prompt text."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch."""
+    seed: int = 1
+    """Seed of the training-prompt shuffle."""
+    dataloader_num_workers: int = 8
+    """Worker processes of the prompt loader (posttrain tokenises up front, so this is unused)."""
+    validation_shuffle: bool = False
+    """Shuffle validation prompts."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length (the count is logged)."""
+    filter_overlong_prompts_workers: int = 1
+    """Processes used to filter overlong prompts."""
+    truncation: str = "error"
+    """What to do with an overlong prompt that is kept: error, left, right, middle."""
+    trust_remote_code: bool = False
+    """Allow tokenizer code from the model folder to run."""
+    custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
+    """Custom dataset class."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for tokenizer.apply_chat_template."""
+
+
+@_cfg()
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    """Python file defining the scoring function (null: built-in scorers by data_source)."""
+    name: str = "compute_score"
+    """Function name in that file: compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
+
+
+@_cfg()
+class RewardConfig:
+    num_workers: int = 0
+    """(posttrain) Processes scoring responses in parallel (0: in this process)."""
+    on_error: str = "raise"
+    """(posttrain) An exception in a scorer: raise (naming the row) or zero (score 0, counted in reward/errors)."""
+
+
+@_cfg()
+class KLControlConfig:
+    type: str = "fixed"
+    """KL coefficient controller for the in-reward penalty: fixed or adaptive."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL coefficient beta."""
+    horizon: int = 10000
+    """Adaptive controller horizon (in samples)."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@_cfg()
+class PFPPOConfig:
+    reweight_method: str = "pow"
+    """Preference-feedback PPO reweighting: pow, max_min, max_random."""
+    weight_pow: float = 2.0
+    """Exponent for the pow method."""
+
+
+@_cfg()
+class AlgorithmConfig:
+    gamma: float = 1.0
+    """Discount factor (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO divides by the group's std; false is Dr.GRPO."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL(actor || reference) from token rewards; loads the reference model."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty: kl/k1, abs, mse/k2, low_var_kl/k3, full."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """In-reward KL coefficient controller."""
+    use_pf_ppo: bool = False
+    """Preference-feedback PPO reweighting (not supported yet; must stay false)."""
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
+    """Its settings."""
+
+
+@_cfg()
+class TrainerConfig:
+    balance_batch: bool = True
+    """Reorder responses so ranks get equal token counts."""
+    total_epochs: int = 30
+    """Passes over the training prompts."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps (null: total_epochs x steps per epoch)."""
+    project_name: str = "verl_examples"
+    """Project name for trackers and the checkpoint folder."""
+    experiment_name: str = "gsm8k"
+    """Run name for trackers and the checkpoint folder."""
+    logger: list[str] = field(default_factory=lambda: ["console", "wandb"])
+    """Metric back ends: console, file, tensorboard, wandb, mlflow."""
+    log_val_generations: int = 0
+    """Validation generations to print each validation."""
+    rollout_data_dir: Optional[str] = None
+    """Folder to dump training rollouts as JSON lines."""
+    validation_data_dir: Optional[str] = None
+    """Folder to dump validation generations."""
+    nnodes: int = 1
+    """Machines."""
+    n_gpus_per_node: int = 8
+    """Devices (data-parallel ranks) per machine."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (-1: never)."""
+    esi_redundant_time: int = 0
+    """Seconds reserved before an expiring job to save."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint if any), disable, or resume_path."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint folder (global_step_N) for resume_mode=resume_path."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    val_only: bool = False
+    """Validate and stop."""
+    test_freq: int = -1
+    """Validate every this many steps (-1: never)."""
+    critic_warmup: int = 0
+    """Steps that update only the critic."""
+    default_hdfs_dir: Optional[str] = None
+    """Remote checkpoint copy (not supported)."""
+    del_local_ckpt_after_load: bool = False
+    """Delete a local checkpoint once loaded."""
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Checkpoint folder."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N actor checkpoints (null: all)."""
+    max_critic_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N critic checkpoints (null: all)."""
+    ray_wait_register_center_timeout: int = 300
+    """Seconds to wait for Ray workers to register."""
+    device: str = "auto"
+    """cuda, cpu or auto (cuda when present). verl's default is cuda."""
+    use_legacy_worker_impl: str = "auto"
+    """verl worker implementation switch (accepted; posttrain has one implementation)."""
+    seed: int = 1
+    """(posttrain) Seed of model sampling and initialisation."""
+    run_dir: Optional[str] = None
+    """(posttrain) Folder for metrics.jsonl, plots and tracker files (null: outputs/<project>/<experiment>)."""
+
+
+@_cfg()
+class RayInitConfig:
+    num_cpus: Optional[int] = None
+    """CPUs Ray may use."""
+
+
+@_cfg()
+class RayKwargsConfig:
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    """ray.init arguments."""
+    timeline_json_file: Optional[str] = None
+    """Write a Ray timeline here."""
+
+
+@_cfg()
+class PostTrainConfig:
+    """The whole run: verl's `ppo_trainer.yaml` tree plus a few posttrain keys."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Policy, rollout and reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value function (PPO with GAE)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Learned reward model."""
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """User scoring function."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """(posttrain) Rule-based reward execution."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimation and in-reward KL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The training loop."""
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
+    """Ray settings."""

@@ -1,0 +1,166 @@
+"""Config checks that run before any model loads.
+
+`find_problems` returns every error and warning at once (`posttrain plan` prints them all);
+`validate_config` raises one ConfigError listing every error. Each message names the full
+dotted key and what would be valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from posttrain.config.derived import SizeError, derive_sizes, uses_critic
+from posttrain.config.load import ConfigError
+from posttrain.config.schema import PostTrainConfig
+
+# Estimators whose baseline comes from the other samples of the same prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
+ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
+TRUNCATIONS = ("error", "left", "right", "middle")
+LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
+RESUME_MODES = ("auto", "disable", "resume_path")
+SCHEDULERS = ("constant", "cosine")
+DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    from posttrain.algorithms import LOSS_AGG_MODES, KL_PENALTY_TYPES, registered_adv_estimators, registered_policy_losses
+
+    return {
+        "algorithm.adv_estimator": registered_adv_estimators(),
+        "algorithm.kl_penalty": KL_PENALTY_TYPES,
+        "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+        "actor_rollout_ref.actor.kl_loss_type": KL_PENALTY_TYPES,
+        "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+        "actor_rollout_ref.actor.policy_loss.loss_mode": registered_policy_losses(),
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": SCHEDULERS,
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": DTYPES,
+        "actor_rollout_ref.actor.fsdp_config.model_dtype": DTYPES,
+        "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
+        "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES,
+        "critic.loss_agg_mode": LOSS_AGG_MODES,
+        "critic.optim.lr_scheduler_type": SCHEDULERS,
+        "data.truncation": TRUNCATIONS,
+        "reward.on_error": ("raise", "zero"),
+        "reward_model.reward_manager": ("naive",),
+        "trainer.resume_mode": RESUME_MODES,
+        "trainer.device": DEVICES,
+    }
+
+
+def get_key(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _check_choices(config: PostTrainConfig) -> Iterable[str]:
+    for key, valid in _choices().items():
+        value = get_key(config, key)
+        if value not in valid:
+            yield f"{key}={value!r} is not one of: {', '.join(valid)}"
+    for key in ("actor_rollout_ref.actor.optim.warmup_style", "critic.optim.warmup_style"):
+        value = get_key(config, key)
+        if value is not None and value not in SCHEDULERS:
+            yield f"{key}={value!r} is not one of: {', '.join(SCHEDULERS)}"
+    for name in config.trainer.logger:
+        if name not in LOGGERS:
+            yield f"trainer.logger contains {name!r}; valid back ends: {', '.join(LOGGERS)}"
+
+
+def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
+    arr = config.actor_rollout_ref
+    checks = [
+        ("actor_rollout_ref.rollout.n", arr.rollout.n >= 1, "must be >= 1"),
+        ("actor_rollout_ref.rollout.temperature", arr.rollout.temperature >= 0, "must be >= 0"),
+        ("actor_rollout_ref.rollout.top_p", 0 < arr.rollout.top_p <= 1, "must be in (0, 1]"),
+        ("actor_rollout_ref.actor.clip_ratio_c", arr.actor.clip_ratio_c > 1, "must be > 1 (dual-clip lower bound)"),
+        ("actor_rollout_ref.actor.ppo_epochs", arr.actor.ppo_epochs >= 1, "must be >= 1"),
+        ("actor_rollout_ref.actor.optim.lr", arr.actor.optim.lr >= 0, "must be >= 0"),
+        ("algorithm.gamma", 0 <= config.algorithm.gamma <= 1, "must be in [0, 1]"),
+        ("algorithm.lam", 0 <= config.algorithm.lam <= 1, "must be in [0, 1]"),
+        ("data.train_batch_size", config.data.train_batch_size >= 1, "must be >= 1"),
+        ("data.max_prompt_length", config.data.max_prompt_length >= 1, "must be >= 1"),
+        ("data.max_response_length", config.data.max_response_length >= 1, "must be >= 1"),
+        ("trainer.total_epochs", config.trainer.total_epochs >= 1, "must be >= 1"),
+    ]
+    for key, ok, rule in checks:
+        if not ok:
+            yield f"{key}={get_key(config, key)!r} {rule}"
+
+
+def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
+    """Settings verl accepts that posttrain does not implement yet: refused, never ignored."""
+    unsupported = [
+        ("reward_model.enable", True, "learned reward models are not supported yet; use rule-based rewards"),
+        ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollout is not supported yet"),
+        ("algorithm.use_pf_ppo", True, "PF-PPO reweighting is not supported yet"),
+        ("actor_rollout_ref.actor.checkpoint.async_save", True, "asynchronous checkpoint saving is not supported yet"),
+    ]
+    for key, bad, why in unsupported:
+        if get_key(config, key) == bad:
+            yield f"{key}={bad}: {why}; set it to {not bad}"
+    if config.actor_rollout_ref.model.lora_rank:
+        yield f"actor_rollout_ref.model.lora_rank={config.actor_rollout_ref.model.lora_rank}: LoRA is not supported yet; set it to 0"
+    if config.actor_rollout_ref.rollout.over_sample_rate:
+        yield "actor_rollout_ref.rollout.over_sample_rate: over-sampling is not supported yet; set it to 0"
+
+
+def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
+    algo, arr = config.algorithm, config.actor_rollout_ref
+    if algo.adv_estimator == "gae" and config.critic.enable is False:
+        yield ("algorithm.adv_estimator=gae needs a learned critic, but critic.enable=False; "
+               "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
+    if algo.adv_estimator in GROUP_ESTIMATORS and arr.rollout.n < 2:
+        yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses to the same prompt, but "
+               f"actor_rollout_ref.rollout.n={arr.rollout.n} gives groups of one; set rollout.n >= 2 "
+               "or use reinforce_plus_plus / gae")
+    if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
+        yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
+    if arr.rollout.temperature == 0 and arr.rollout.do_sample:
+        yield ("actor_rollout_ref.rollout.temperature=0 with do_sample=True: sampling needs a positive temperature; "
+               "set temperature > 0 or do_sample=False")
+    try:
+        derive_sizes(config)
+    except SizeError as err:
+        yield str(err)
+
+
+def find_warnings(config: PostTrainConfig) -> list[str]:
+    """Legal but suspicious settings."""
+    algo, arr = config.algorithm, config.actor_rollout_ref
+    warnings = []
+    if algo.use_kl_in_reward and arr.actor.use_kl_loss:
+        warnings.append("KL is used twice: algorithm.use_kl_in_reward=True and actor_rollout_ref.actor.use_kl_loss=True")
+    if arr.actor.entropy_coeff and algo.adv_estimator in GROUP_ESTIMATORS:
+        warnings.append(f"actor_rollout_ref.actor.entropy_coeff={arr.actor.entropy_coeff} with {algo.adv_estimator}: "
+                        "GRPO-style scripts usually set it to 0; an entropy bonus can destabilise them")
+    if not arr.rollout.do_sample and arr.rollout.n > 1:
+        warnings.append(f"actor_rollout_ref.rollout.do_sample=False with n={arr.rollout.n}: greedy samples are identical, "
+                        "so group advantages are all zero")
+    if uses_critic(config) and algo.adv_estimator != "gae":
+        warnings.append(f"critic.enable=True but algorithm.adv_estimator={algo.adv_estimator} ignores values: the critic is trained for nothing")
+    if config.critic.enable is None and algo.adv_estimator != "gae" and any(
+        k for k in ("critic.ppo_micro_batch_size_per_gpu",) if get_key(config, k) is not None
+    ):
+        warnings.append("critic.* keys are set but no critic is used (adv_estimator is not gae)")
+    return warnings
+
+
+def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of a loaded config."""
+    errors: list[str] = []
+    for check in (_check_choices, _check_ranges, _check_unsupported):
+        errors.extend(check(config))
+    if not errors:  # size arithmetic is only meaningful once values are individually valid
+        errors.extend(_check_conflicts(config))
+    return errors, find_warnings(config)
+
+
+def validate_config(config: PostTrainConfig) -> None:
+    errors, _ = find_problems(config)
+    if errors:
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{len(errors)} config problems:\n" + "\n".join(f"  - {e}" for e in errors))
