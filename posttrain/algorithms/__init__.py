@@ -1,0 +1,59 @@
+"""Pure tensor functions of RL post-training, registered by name, with verl 0.9 semantics.
+
+  advantages.py     advantage estimators (`algorithm.adv_estimator`) and their registry
+  policy_losses.py  policy-gradient losses (`actor.policy_loss.loss_mode`) and their registry
+  losses.py         agg_loss modes, clipped value loss, entropy loss
+  kl.py             KL penalty estimators, fixed/adaptive KL controllers
+  logprobs.py       token log-probs and entropies from logits (direct and chunked)
+  utils.py          masked mean/sum/var/whiten
+"""
+
+from posttrain.algorithms.advantages import (
+    get_adv_estimator_fn,
+    register_adv_est,
+    registered_adv_estimators,
+)
+from posttrain.algorithms.kl import (
+    KL_PENALTY_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_controller,
+    kl_penalty,
+)
+from posttrain.algorithms.logprobs import (
+    entropy_from_logits,
+    entropy_from_logits_chunked,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+    logprobs_from_logits_chunked,
+)
+from posttrain.algorithms.losses import LOSS_AGG_MODES, agg_loss, compute_entropy_loss, compute_value_loss
+from posttrain.algorithms.policy_losses import get_policy_loss_fn, register_policy_loss, registered_policy_losses
+from posttrain.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "KL_PENALTY_TYPES",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "compute_entropy_loss",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "entropy_from_logits_chunked",
+    "get_adv_estimator_fn",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "kl_penalty",
+    "logprobs_and_entropy",
+    "logprobs_from_logits",
+    "logprobs_from_logits_chunked",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+    "registered_adv_estimators",
+    "registered_policy_losses",
+]

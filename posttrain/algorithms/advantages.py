@@ -1,0 +1,348 @@
+"""Advantage estimators, registered by name (`algorithm.adv_estimator`), with verl 0.9 semantics.
+
+Calling convention (the same for every estimator, so the trainer never branches on the name)::
+
+    fn = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
+    advantages, returns = fn(
+        token_level_rewards=...,      # [batch, response_len] float
+        response_mask=...,            # [batch, response_len] 0/1 (bool, int or float)
+        index=uid,                    # [batch] numpy object array of group ids (uids)
+        values=...,                   # [batch, response_len] critic values, or None
+        reward_baselines=...,         # [batch] greedy-rollout rewards (ReMax), or None
+        gamma=..., lam=...,           # floats (algorithm.gamma / algorithm.lam)
+        norm_adv_by_std_in_grpo=...,  # bool (algorithm.norm_adv_by_std_in_grpo)
+        config=cfg.algorithm,         # the algorithm section (attributes or mapping)
+    )
+
+Every estimator takes keyword arguments with verl's names, ignores the ones it does not use
+(`**kwargs`), and returns `(advantages, returns)`, both `[batch, response_len]`.
+
+Where verl reads a setting from `config` rather than from its own argument, so do we (when
+`config` is given): REINFORCE++ takes `config.gamma`, Pass@k takes
+`config.norm_adv_by_std_in_grpo`. Without a config they fall back to the explicit argument.
+
+As in verl, the outcome estimators score a response by `token_level_rewards.sum(-1)` over the
+whole row (not only masked tokens): the reward manager puts the score on the last valid token and
+zeros elsewhere. Per-group statistics are taken with the same reductions verl uses (`torch.mean`,
+unbiased `torch.std`) so results agree to the last bit in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.algorithms.utils import config_value, masked_whiten
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering an advantage estimator under `name` (str or an Enum with `.value`).
+
+    Registering a name twice with a different function raises ValueError.
+    """
+    key = getattr(name, "value", name)
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        existing = _ADV_ESTIMATORS.get(key)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"advantage estimator {key!r} is already registered to {existing.__qualname__}")
+        _ADV_ESTIMATORS[key] = fn
+        return fn
+
+    return decorator
+
+
+def get_adv_estimator_fn(name: str) -> AdvantageFn:
+    """The estimator registered under `name`; ValueError listing the valid names otherwise."""
+    key = getattr(name, "value", name)
+    if key not in _ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {key!r}; registered: {registered_adv_estimators()}")
+    return _ADV_ESTIMATORS[key]
+
+
+def registered_adv_estimators() -> tuple[str, ...]:
+    """Names of all registered advantage estimators, sorted (for config validation messages)."""
+    return tuple(sorted(_ADV_ESTIMATORS))
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _groups(index: Any) -> dict[Any, torch.Tensor]:
+    """Row indices of each group id, in batch order: {uid: LongTensor[group_size]}."""
+    rows: dict[Any, list[int]] = {}
+    for i, uid in enumerate(np.asarray(index, dtype=object).tolist()):
+        rows.setdefault(uid, []).append(i)
+    return {uid: torch.tensor(r, dtype=torch.long) for uid, r in rows.items()}
+
+
+def _group_mean_std(scores: torch.Tensor, index: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group mean, unbiased std and size, `[batch]` each; a group of one has mean 0, std 1."""
+    mean = torch.zeros_like(scores)
+    std = torch.ones_like(scores)
+    size = torch.ones_like(scores)
+    for rows in _groups(index).values():
+        rows = rows.to(scores.device)
+        if len(rows) > 1:
+            group = scores[rows]
+            mean[rows] = torch.mean(group)
+            std[rows] = torch.std(group)
+            size[rows] = float(len(rows))
+    return mean, std, size
+
+
+def _float_mask(response_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """0/1 mask in `like`'s dtype, so `1 - mask` works for bool masks too."""
+    return response_mask.to(like.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# critic-based
+
+
+@register_adv_est("gae")
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation, https://arxiv.org/abs/1506.02438.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}.
+    Masked positions (observation tokens) are skipped: V_{t+1} and A_{t+1} carry across them.
+    returns = A + V (before whitening); advantages are whitened over the mask (not zeroed outside it).
+
+    token_level_rewards, values, response_mask: `[batch, response_len]`.
+    """
+    with torch.no_grad():
+        mask = _float_mask(response_mask, values)
+        next_value = torch.zeros_like(values[:, 0])
+        last_adv = torch.zeros_like(values[:, 0])
+        reversed_advs = []
+        for t in reversed(range(token_level_rewards.shape[-1])):
+            m_t = mask[:, t]
+            delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+            adv_t = delta + gamma * lam * last_adv
+            next_value = values[:, t] * m_t + (1 - m_t) * next_value
+            last_adv = adv_t * m_t + (1 - m_t) * last_adv
+            reversed_advs.append(last_adv)
+        advantages = torch.stack(reversed_advs[::-1], dim=1)
+        returns = advantages + values
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# group baselines (outcome reward: one scalar per response)
+
+
+@register_adv_est("grpo")
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO, https://arxiv.org/abs/2402.03300: A_i = (r_i - mean_g) / (std_g + epsilon).
+
+    std_g is the unbiased std of the group; a group of one uses mean 0 and std 1.
+    `norm_adv_by_std_in_grpo=False` drops the division (Dr.GRPO, https://arxiv.org/abs/2503.20783).
+    Returns the scalar broadcast over `[batch, response_len]` times the mask, twice.
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        mean, std, _ = _group_mean_std(scores, index)
+        if norm_adv_by_std_in_grpo:
+            scores = (scores - mean) / (std + epsilon)
+        else:
+            scores = scores - mean
+        advantages = scores.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("grpo_passk")
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO, https://arxiv.org/abs/2503.19595: only each group's best response gets
+    r_max - r_second_max (divided by std_g + epsilon when normalising); all others get 0.
+
+    The normalisation flag comes from `config.norm_adv_by_std_in_grpo` when a config is given
+    (as in verl). Every group needs at least two responses (ValueError otherwise).
+    """
+    if config is not None:
+        norm_adv_by_std_in_grpo = config_value(config, "norm_adv_by_std_in_grpo", True)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        best_gap = torch.zeros_like(scores)
+        for uid, rows in _groups(index).items():
+            group = scores[rows.to(scores.device)]
+            if group.numel() < 2:
+                raise ValueError(f"grpo_passk needs at least 2 responses per group; group {uid!r} has {group.numel()}")
+            top, top_pos = torch.topk(group, 2)
+            gap = top[0] - top[1]
+            if norm_adv_by_std_in_grpo:
+                gap = gap / (torch.std(group) + epsilon)
+            best_gap[int(rows[int(top_pos[0])])] = gap
+        advantages = best_gap.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("rloo")
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO, https://arxiv.org/abs/2402.14740: A_i = r_i - mean_{j != i} r_j
+    = (n * r_i - n * mean_g) / (n - 1) for a group of n > 1; a group of one keeps A_i = r_i.
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        mean, _, n = _group_mean_std(scores, index)
+        loo = scores * n / (n - 1) - mean * n / (n - 1)
+        scores = torch.where(n > 1, loo, scores)
+        advantages = scores.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("opo")
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO, https://arxiv.org/abs/2505.23585: baseline is the length-weighted group mean
+    b_g = sum_i |y_i| r_i / sum_i |y_i| (0 for a group of one); A_i = r_i - b_g.
+    """
+    with torch.no_grad():
+        lengths = response_mask.sum(dim=-1)  # [batch]
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        baseline = torch.zeros_like(scores)
+        for rows in _groups(index).values():
+            rows = rows.to(scores.device)
+            if len(rows) > 1:
+                baseline[rows] = (lengths[rows] * scores[rows]).sum() / lengths[rows].sum()
+        advantages = (scores - baseline).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("gpg")
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    alpha: float = 1.0,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG, https://arxiv.org/abs/2504.02546: A_i = alpha * (r_i - mean_g) / f_norm with
+    alpha = batch / max(#non-zero scores, 1) (the `alpha` argument is overwritten, as in verl).
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+        mean, _, _ = _group_mean_std(scores, index)
+        scores = alpha * (scores - mean) / f_norm
+        advantages = scores.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline, https://arxiv.org/abs/2501.03262: subtract the group mean (0 for a
+    group of one), broadcast over tokens, then whiten over the whole batch's masked tokens.
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        mean, _, _ = _group_mean_std(scores, index)
+        scores = scores - mean
+        tiled = scores.unsqueeze(-1).tile([1, token_level_rewards.shape[-1]]) * response_mask
+        advantages = masked_whiten(tiled, response_mask) * response_mask
+    return advantages, advantages
+
+
+# ---------------------------------------------------------------------------------------------
+# discounted returns
+
+
+@register_adv_est("reinforce_plus_plus")
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    gamma: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++, https://arxiv.org/abs/2501.03262: G_t = r_t + gamma * G_{t+1}, whitened over
+    the batch's masked tokens. Masked positions get return 0 and carry G across them.
+
+    gamma is `config.gamma` when a config is given (verl reads it there), else the `gamma` argument.
+    """
+    if config is not None:
+        gamma = config_value(config, "gamma")
+    if gamma is None:
+        raise ValueError("reinforce_plus_plus needs gamma (pass config with .gamma or gamma=)")
+    with torch.no_grad():
+        mask = _float_mask(response_mask, token_level_rewards)
+        returns = torch.zeros_like(token_level_rewards)
+        running = torch.zeros_like(token_level_rewards[:, 0])
+        for t in reversed(range(token_level_rewards.shape[-1])):
+            m_t = mask[:, t]
+            candidate = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = candidate * m_t
+            running = candidate * m_t + running * (1 - m_t)
+        advantages = masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+@register_adv_est("remax")
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax, https://arxiv.org/abs/2310.10505: returns are undiscounted reward-to-go over masked
+    rewards; A_t = G_t - b where b (`[batch]`) is the greedy response's reward.
+    """
+    with torch.no_grad():
+        returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        advantages = returns - reward_baselines.unsqueeze(-1) * response_mask
+    return advantages, returns

@@ -1,0 +1,189 @@
+"""Metric back ends behind one `Tracking` object: console, file (JSON lines), tensorboard, wandb, mlflow.
+
+`trainer.logger` names the back ends. Optional ones are imported at start-up so a missing
+package fails before any model loads, with the extra to install named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from posttrain.config import ConfigError
+
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+class Backend(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+def _require(module: str, backend: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(
+            f"trainer.logger includes {backend!r} but the {module!r} package is not installed; "
+            f"install it with: pip install 'posttrain[{EXTRAS[backend]}]'"
+        ) from None
+
+
+class ConsoleBackend:
+    """One readable line per step, with the headline metrics first, plus elapsed time and ETA."""
+
+    HEADLINE = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss",
+                "response_length/mean", "timing_s/step", "perf/throughput")
+
+    def __init__(self, total_steps: int | None):
+        self.total, self.start = total_steps, time.monotonic()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        shown = [k for k in self.HEADLINE if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
+        parts = [f"{k.split('/', 1)[-1] if not k.startswith('val') else k}={_fmt(metrics[k])}" for k in shown]
+        print(f"step {step}{self._progress(step)} | " + " ".join(parts), flush=True)
+
+    def _progress(self, step: int) -> str:
+        if not self.total or step <= 0:
+            return ""
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / step * max(self.total - step, 0)
+        width = 20
+        filled = int(width * min(step / self.total, 1.0))
+        return f"/{self.total} [{'#' * filled}{'.' * (width - filled)}] {_hms(elapsed)} elapsed, ETA {_hms(eta)}"
+
+    def finish(self) -> None:
+        pass
+
+
+class FileBackend:
+    """`metrics.jsonl` in the run folder: one JSON object per step (`{"step": N, ...metrics}`)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n")
+
+    def finish(self) -> None:
+        pass
+
+
+class TensorboardBackend:
+    def __init__(self, run_dir: Path):
+        _require("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(os.environ.get("TENSORBOARD_DIR", run_dir / "tensorboard")))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class WandbBackend:
+    """Honours WANDB_MODE (offline writes under the run folder)."""
+
+    def __init__(self, run_dir: Path, project: str, experiment: str, config: dict):
+        wandb = _require("wandb", "wandb")
+        self.run = wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class MlflowBackend:
+    """Writes to MLFLOW_TRACKING_URI, or a file store under the run folder."""
+
+    def __init__(self, run_dir: Path, project: str, experiment: str, config: dict):
+        self.mlflow = _require("mlflow", "mlflow")
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        self.mlflow.set_tracking_uri(uri)
+        self.mlflow.set_experiment(project)
+        self.run = self.mlflow.start_run(run_name=experiment)
+        flat = {k: str(v)[:250] for k, v in _flatten(config).items()}
+        for i in range(0, len(flat), 100):  # mlflow caps params per call
+            self.mlflow.log_params(dict(list(flat.items())[i:i + 100]))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        safe = {k.replace("@", "_at_"): float(v) for k, v in metrics.items() if _finite(v)}
+        self.mlflow.log_metrics(safe, step=step)
+
+    def finish(self) -> None:
+        self.mlflow.end_run()
+
+
+class Tracking:
+    """Fan metrics out to every back end named in `trainer.logger`."""
+
+    def __init__(self, loggers: list[str], run_dir: str | Path, project: str, experiment: str,
+                 config: dict | None = None, total_steps: int | None = None):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config = config or {}
+        makers = {
+            "console": lambda: ConsoleBackend(total_steps),
+            "file": lambda: FileBackend(run_dir),
+            "tensorboard": lambda: TensorboardBackend(run_dir),
+            "wandb": lambda: WandbBackend(run_dir, project, experiment, config),
+            "mlflow": lambda: MlflowBackend(run_dir, project, experiment, config),
+        }
+        unknown = [name for name in loggers if name not in makers]
+        if unknown:
+            raise ConfigError(f"trainer.logger: unknown back end(s) {unknown}; valid: {', '.join(makers)}")
+        self.backends: dict[str, Backend] = {name: makers[name]() for name in loggers}
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
+        for backend in self.backends.values():
+            backend.log(clean, step)
+
+    def finish(self) -> None:
+        for backend in self.backends.values():
+            backend.finish()
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def _jsonable(v: Any) -> Any:
+    v = float(v)
+    return v if math.isfinite(v) else str(v)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

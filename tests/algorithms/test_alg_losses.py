@@ -1,0 +1,313 @@
+"""Policy losses, agg_loss and the value loss against hand cases and float64 loop references."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.algorithms import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_entropy_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    get_policy_loss_fn,
+    register_policy_loss,
+    registered_policy_losses,
+)
+from posttrain.algorithms import policy_losses as pl_mod
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _config(**overrides):
+    policy_loss = SimpleNamespace(
+        loss_mode="vanilla", clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002,
+        ppo_kl_coef=0.1,
+    )
+    fields = dict(
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
+        loss_agg_mode="token-mean", policy_loss=policy_loss,
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def _batch(seed, batch=5, length=6):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = (torch.arange(length)[None] < lengths[:, None]).float()
+    old = torch.randn(batch, length, generator=g) * 0.5 - 1.0
+    new = old + torch.randn(batch, length, generator=g) * 0.4
+    adv = torch.randn(batch, length, generator=g)
+    return old, new, adv, mask
+
+
+def _agg_ref(loss, mask, mode, factor=None):
+    """Float64 loop reference of the aggregation modes (local normalisation)."""
+    rows = [[(l, m) for l, m in zip(lr, mr)] for lr, mr in zip(loss.double().tolist(), mask.tolist())]
+    if mode == "token-mean":
+        return sum(l * m for r in rows for l, m in r) / sum(m for r in rows for _, m in r)
+    if mode == "token-sum":
+        return sum(l * m for r in rows for l, m in r)
+    nonempty = [r for r in rows if sum(m for _, m in r) > 0]
+    if mode == "seq-mean-token-mean":
+        return sum(sum(l * m for l, m in r) / sum(m for _, m in r) for r in nonempty) / len(nonempty)
+    seq_sum = sum(sum(l * m for l, m in r) for r in nonempty) / len(nonempty)
+    return seq_sum / (factor or loss.shape[-1]) if mode == "seq-mean-token-sum-norm" else seq_sum
+
+
+# --------------------------------------------------------------------------------- agg_loss
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_matches_reference(mode):
+    _, _, loss, mask = _batch(0)
+    mask[2] = 0.0  # an empty row is excluded from the seq-mean modes
+    assert agg_loss(loss, mask, mode).item() == pytest.approx(_agg_ref(loss, mask, mode), abs=1e-5)
+    moved = loss + (1 - mask) * 1e3  # masked positions never matter
+    assert torch.equal(agg_loss(loss, mask, mode), agg_loss(moved, mask, mode))
+
+
+def test_agg_loss_hand_case():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)  # (1+2+3+4)/4
+    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)  # (6+4)/2
+    assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)  # (2+4)/2
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(5.0 / 3)  # / response_len
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=10).item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'"):
+        agg_loss(loss, mask, "mean")
+    for mode in ("token-mean", "seq-mean-token-mean"):  # several ranks need global counts
+        with pytest.raises(ValueError, match="required when dp_size > 1"):
+            agg_loss(loss, mask, mode, dp_size=2)
+    assert agg_loss(loss, mask, "token-mean", dp_size=2, batch_num_tokens=8).item() == pytest.approx(10 / 8 * 2)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_global_normaliser_makes_micro_batches_sum_to_the_mini_batch(mode):
+    _, _, loss, mask = _batch(1, batch=6)
+    full = agg_loss(loss, mask, mode)
+    tokens, seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    parts = [
+        agg_loss(loss[s], mask[s], mode, batch_num_tokens=tokens, global_batch_size=seqs)
+        for s in (slice(0, 2), slice(2, 6))
+    ]
+    torch.testing.assert_close(parts[0] + parts[1], full, **TOL)
+
+
+# --------------------------------------------------------------------------------- PPO clip
+
+
+def test_vanilla_hand_case_with_dual_clip():
+    # eps_low 0.2, eps_high 0.28, c = 3; old_logp = 0 so r = exp(logp)
+    #  r=1.5 A=+1: max(-1.5, -1.28) = -1.28        (clipped)
+    #  r=0.5 A=+1: max(-0.5, -0.8)  = -0.5
+    #  r=0.5 A=-1: max(0.5, 0.8) = 0.8, min(3, 0.8) = 0.8   (clipped)
+    #  r=5.0 A=-1: max(5.0, 1.28) = 5.0, min(3, 5.0) = 3    (dual-clipped)
+    #  5th token masked out with absurd values
+    # token-mean: (-1.28 - 0.5 + 0.8 + 3) / 4 = 0.505
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 5.0, 100.0]])
+    logp, old = ratios.log(), torch.zeros(1, 5)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -50.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, metrics = get_policy_loss_fn("vanilla")(old, logp, adv, mask, "token-mean", _config())
+    assert loss.item() == pytest.approx(0.505, abs=1e-6)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in metrics.values())
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(0.25)
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(-math.log(1.5 * 0.5 * 0.5 * 5.0) / 4, abs=1e-6)
+
+
+def _vanilla_ref(old, new, adv, low, high, c):
+    out = []
+    for o_row, n_row, a_row in zip(old.double().tolist(), new.double().tolist(), adv.double().tolist()):
+        row = []
+        for o, n, a in zip(o_row, n_row, a_row):
+            r = math.exp(max(min(n - o, 20.0), -20.0))
+            l_ppo = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
+            row.append(min(l_ppo, -a * c) if a < 0 else l_ppo)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_vanilla_matches_reference(mode):
+    old, new, adv, mask = _batch(2)
+    weights = torch.rand(old.shape, generator=torch.Generator().manual_seed(9)) + 0.5
+    config = _config(clip_ratio_low=None, clip_ratio_high=0.3)  # low falls back to clip_ratio
+    loss, _ = get_policy_loss_fn("vanilla")(old, new, adv, mask, mode, config, rollout_is_weights=weights)
+    ref = _agg_ref(_vanilla_ref(old, new, adv, 0.2, 0.3, 3.0) * weights.double(), mask, mode)
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+
+
+def test_vanilla_uses_global_batch_info_and_rejects_bad_dual_clip():
+    old, new, adv, mask = _batch(3)
+    config = _config(global_batch_info={"batch_num_tokens": 100, "dp_size": 2})
+    loss, _ = get_policy_loss_fn("vanilla")(old, new, adv, mask, "token-mean", config)
+    ref = (_vanilla_ref(old, new, adv, 0.2, 0.28, 3.0) * mask.double()).sum().item() / 100 * 2
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        get_policy_loss_fn("vanilla")(old, new, adv, mask, "token-mean", _config(clip_ratio_c=1.0))
+
+
+# --------------------------------------------------------------------------------- other losses
+
+
+def _seq_log_ratio(old, new, mask):
+    return [
+        sum((n - o) * m for o, n, m in zip(orow, nrow, mrow)) / max(sum(mrow), 1)
+        for orow, nrow, mrow in zip(old.double().tolist(), new.double().tolist(), mask.tolist())
+    ]
+
+
+def test_gspo_matches_reference_and_gradient():
+    old, new, adv, mask = _batch(4)
+    new = new.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn("gspo")(old, new, adv, mask, "seq-mean-token-mean", _config())
+    seq = _seq_log_ratio(old, new.detach(), mask)
+    ref = torch.tensor(
+        [[max(-a * math.exp(min(s, 10.0)), -a * min(max(math.exp(min(s, 10.0)), 0.8), 1.28)) for a in arow]
+         for s, arow in zip(seq, adv.double().tolist())],
+        dtype=torch.float64,
+    )
+    assert loss.item() == pytest.approx(_agg_ref(ref, mask, "seq-mean-token-mean"), abs=1e-5)
+    assert metrics["actor/pg_clipfrac_lower"].item() == 0.0
+    # the token ratio is sg(s_i) * pi / sg(pi), so d ratio / d logp_t = s_i on the unclipped branch
+    # and 0 where the clipped branch wins; seq-mean-token-mean divides by n_i and the row count
+    (grad,) = torch.autograd.grad(loss, new)
+    n_rows = (mask.sum(-1) > 0).sum().item()
+    for b, s in enumerate(seq):
+        ratio = math.exp(min(s, 10.0))
+        for t in range(mask.shape[1]):
+            a = adv[b, t].item()
+            unclipped_wins = -a * ratio >= -a * min(max(ratio, 0.8), 1.28)
+            expected = -a * ratio / mask[b].sum().item() / n_rows if (mask[b, t] and unclipped_wins) else 0.0
+            assert grad[b, t].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_gpg_loss_is_plain_policy_gradient():
+    old, new, adv, mask = _batch(5)
+    loss, metrics = get_policy_loss_fn("gpg")(old, new, adv, mask, "token-mean", _config())
+    assert metrics == {}
+    assert loss.item() == pytest.approx(_agg_ref(-new.double() * adv.double(), mask, "token-mean"), abs=1e-6)
+
+
+def _cov_ref(adv, new, mask):
+    sel = mask.bool()
+    a, lp = adv.double(), new.double()
+    return (a - a[sel].mean()) * (lp - lp[sel].mean())
+
+
+def test_clip_cov_cuts_every_candidate_when_the_budget_allows():
+    old, new, adv, mask = _batch(6, batch=8, length=8)
+    adv = adv * 3
+    config = _config(policy_loss=SimpleNamespace(clip_cov_ratio=1.0, clip_cov_lb=0.2, clip_cov_ub=5.0))
+    loss, metrics = get_policy_loss_fn("clip_cov")(old, new, adv, mask, "token-mean", config)
+    ratio = (new - old).double().exp()
+    l1, l2 = -adv.double() * ratio, -adv.double() * ratio.clamp(0.8, 1.28)
+    cov = _cov_ref(adv, new, mask)
+    cut = (cov > 0.2) & (cov < 5.0) & (mask > 0) & ~(l2 > l1)
+    assert 0 < cut.sum() < mask.sum()
+    ref = _agg_ref(torch.maximum(l1, l2) * (~cut), mask, "token-mean")
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(cut.sum().item() / mask.sum().item(), abs=1e-6)
+
+
+def test_kl_cov_penalises_top_covariance_tokens():
+    old, new, adv, mask = _batch(7, batch=8, length=8)
+    n_valid = int(mask.sum())
+    config = _config(policy_loss=SimpleNamespace(kl_cov_ratio=0.25, ppo_kl_coef=0.5))
+    loss, metrics = get_policy_loss_fn("kl_cov")(old, new, adv, mask, "token-mean", config)
+    cov = _cov_ref(adv, new, mask)
+    valid_cov = sorted(cov[mask > 0].tolist(), reverse=True)
+    threshold = valid_cov[int(n_valid * 0.25) - 1]
+    chosen = (cov >= threshold) & (mask > 0)
+    lr = (new - old).double()
+    losses = -adv.double() * lr.exp() + 0.5 * lr.abs() * chosen
+    assert loss.item() == pytest.approx(_agg_ref(losses, mask, "token-mean"), abs=1e-5)
+    assert metrics["actor/ppo_kl"].item() == pytest.approx((lr.abs() * mask).sum().item() / n_valid, abs=1e-6)
+
+
+def test_geo_mean_cispo_sapo_match_references():
+    old, new, adv, mask = _batch(8)
+    cfg = _config()
+    lr, a, m = (new - old).double(), adv.double(), mask.double()
+    # GMPO: sign-wise clipped log-ratio, geometric mean per sequence, mean over sequences
+    clamped = lr.clamp(-0.2, 0.28)
+    lr_min = torch.sign(a) * torch.minimum(torch.sign(a) * lr, torch.sign(a) * clamped)
+    n = m.sum(-1)
+    ref = (-(a * m).sum(-1) / n * ((lr_min * m).sum(-1) / n).exp()).mean()
+    loss, _ = get_policy_loss_fn("geo_mean")(old, new, adv, mask, "token-mean", cfg)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    # CISPO: -clip(r) * A * logp
+    loss, _ = get_policy_loss_fn("cispo")(old, new, adv, mask, "token-mean", cfg)
+    ref = _agg_ref(-lr.exp().clamp(0.8, 1.28) * a * new.double(), mask, "token-mean")
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    # SAPO: gate sigmoid(tau (r - 1)) * 4 / tau, always seq-mean-token-mean
+    tau = torch.where(a > 0, 1.0, 1.05).double()
+    gate = torch.sigmoid(tau * (lr.exp() - 1)) * 4 / tau
+    loss, _ = get_policy_loss_fn("sapo")(old, new, adv, mask, "token-mean", cfg)
+    assert loss.item() == pytest.approx(_agg_ref(-gate * a, mask, "seq-mean-token-mean"), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_masked_positions_never_change_policy_losses(name, mode):
+    old, new, adv, mask = _batch(10, batch=6, length=7)
+    noise = torch.randn(old.shape) * (1 - mask)
+    options = dict(clip_cov_ratio=0.5, clip_cov_lb=0.0, clip_cov_ub=5.0, kl_cov_ratio=0.3, ppo_kl_coef=0.1)
+    cfg = _config(policy_loss=SimpleNamespace(**options))
+    fn = get_policy_loss_fn(name)
+    torch.manual_seed(0)
+    loss_a, metrics_a = fn(old, new, adv, mask, mode, cfg)
+    torch.manual_seed(0)
+    loss_b, metrics_b = fn(old + noise * 5, new - noise * 3, adv + noise * 7, mask, mode, cfg)
+    assert torch.equal(loss_a, loss_b)
+    assert metrics_a.keys() == metrics_b.keys()
+    for key in metrics_a:
+        assert torch.equal(metrics_a[key], metrics_b[key]), key
+
+
+def test_policy_loss_registry_rules(monkeypatch):
+    monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
+
+    def mine(*args, **kwargs):
+        return torch.tensor(0.0), {}
+
+    register_policy_loss("mine")(mine)
+    register_policy_loss("mine")(mine)
+    assert get_policy_loss_fn("mine") is mine
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("mine")(lambda *a, **k: None)
+    with pytest.raises(ValueError, match="unknown policy loss mode 'ppo'.*'vanilla'"):
+        get_policy_loss_fn("ppo")
+    assert {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov"} <= set(registered_policy_losses())
+
+
+# --------------------------------------------------------------------------------- value / entropy
+
+
+def test_value_loss_hand_case():
+    # cliprange 0.2 around old values 0:
+    #  vpred 0.5, return 1: unclipped 0.25, clipped (0.2 - 1)^2 = 0.64 -> 0.64 (clipped counts)
+    #  vpred -0.1, return 0: both 0.01 -> 0.01
+    #  third token masked
+    # 0.5 * token-mean = 0.5 * (0.64 + 0.01) / 2 = 0.1625, clipfrac 1/2
+    vpreds, returns = torch.tensor([[0.5, -0.1, 9.0]]), torch.tensor([[1.0, 0.0, -9.0]])
+    values, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]])
+    loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
+    assert loss.item() == pytest.approx(0.1625, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(0.5, abs=1e-6)
+    loss, _ = compute_value_loss(vpreds, returns, values, mask, 0.2, "token-mean", batch_num_tokens=4)
+    assert loss.item() == pytest.approx(0.5 * 0.65 / 4, abs=1e-6)
+
+
+def test_entropy_loss_aggregates_token_entropy():
+    logits = torch.tensor([[[0.0, 0.0], [0.0, 100.0]]])  # entropies ln 2 and ~0
+    mask = torch.ones(1, 2)
+    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([[math.log(2), 0.0]]), **TOL)
+    assert compute_entropy_loss(logits, mask).item() == pytest.approx(math.log(2) / 2, abs=1e-6)

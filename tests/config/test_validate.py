@@ -1,0 +1,66 @@
+"""Each bad-config example of the foundation issue fails with the message it describes."""
+
+import pytest
+
+from posttrain.config import ConfigError, find_problems, load_config
+
+# A small valid base: one process, sizes that divide.
+BASE = [
+    "trainer.n_gpus_per_node=1",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+]
+
+
+def test_base_is_valid():
+    load_config(overrides=BASE)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["algorithm.adv_estimator=grpoo"], ["algorithm.adv_estimator='grpoo' is not one of", "grpo", "rloo"]),
+        (["actor_rollout_ref.actor.kl_loss_type=low_var"], ["kl_loss_type='low_var' is not one of", "low_var_kl"]),
+        (["actor_rollout_ref.actor.loss_agg_mode=mean"], ["loss_agg_mode='mean'", "token-mean"]),
+        (["actor_rollout_ref.rollout.name=trt"], ["rollout.name='trt'", "hf, vllm, sglang"]),
+        (["trainer.logger=[console,tensorbored]"], ["'tensorbored'", "tensorboard"]),
+        (["critic.enable=False"], ["adv_estimator=gae needs a learned critic", "critic.enable=False"]),
+        (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], ["rollout.n=1 gives groups of one"]),
+        (["algorithm.adv_estimator=rloo"], ["adv_estimator=rloo", "rollout.n >= 2"]),
+        (
+            ["data.train_batch_size=60", "actor_rollout_ref.rollout.n=12", "trainer.n_gpus_per_node=6",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=60", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
+            ["60 prompts x 12 samples = 720 responses; 720 / 6 ranks = 120 per rank; "
+             "120 is not divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=7"],
+        ),
+        (["data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.n_gpus_per_node=2"],
+         ["3 prompts x 1 samples = 3 responses; 3 / 2 ranks is not a whole number"]),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], ["ppo_mini_batch_size=16 prompts is larger than data.train_batch_size=8"]),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"], ["ppo_micro_batch_size_per_gpu is not set"]),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size=4"], ["are both set", "deprecated"]),
+        (["trainer.resume_mode=resume_path"], ["needs trainer.resume_from_path"]),
+        (["reward_model.enable=True"], ["reward_model.enable=True", "not supported yet"]),
+        (["actor_rollout_ref.actor.clip_ratio_c=0.5"], ["clip_ratio_c=0.5 must be > 1"]),
+    ],
+)
+def test_bad_config_message(overrides, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=BASE + overrides)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError, match="2 config problems") as err:
+        load_config(overrides=BASE + ["algorithm.adv_estimator=grpoo", "data.truncation=top"])
+    assert "data.truncation='top'" in str(err.value)
+
+
+def test_warnings_for_legal_but_suspicious():
+    c = load_config(overrides=BASE + ["algorithm.use_kl_in_reward=True", "actor_rollout_ref.actor.use_kl_loss=True",
+                                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"])
+    errors, warnings = find_problems(c)
+    assert errors == [] and any("KL is used twice" in w for w in warnings)
