@@ -75,5 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     return _delegate(COMMANDS[command][0], rest)
 
 
+def entry() -> None:
+    """Console-script entry: exit quietly when the reader of our output goes away (`| head`)."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

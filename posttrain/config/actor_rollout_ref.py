@@ -19,7 +19,7 @@ def _cfg(**kwargs):
 @_cfg()
 class MixedPrecisionConfig:
     param_dtype: str = "bf16"
-    """(posttrain) Compute dtype for forward/backward: bf16 (autocast; AMX on CPU, tensor cores on GPU) or fp32."""
+    """Compute dtype for forward/backward: bf16 (autocast; AMX on CPU, tensor cores on GPU) or fp32."""
     reduce_dtype: str = "fp32"
     """Dtype of gradient reduction across ranks."""
     buffer_dtype: str = "fp32"

@@ -21,7 +21,7 @@ def _critic_optim() -> OptimConfig:
 @_cfg()
 class CriticModelConfig:
     path: str = "~/models/deepseek-llm-7b-chat"
-    """Critic backbone (verl initialises it from the actor's checkpoint)."""
+    """Critic backbone checkpoint (usually the same as the actor's; a scalar value head is added)."""
     tokenizer_path: str = "${actor_rollout_ref.model.path}"
     """Tokenizer of the critic (follows the actor's model path)."""
     override_config: dict[str, Any] = field(default_factory=dict)
@@ -109,7 +109,7 @@ class RewardModelSubConfig:
     use_fused_kernels: bool = False
     """Use fused kernels."""
     fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
-    """FSDP settings of the reward model."""
+    """FSDP settings of the reward model (same fields as the reference's)."""
 
 
 @_cfg()

@@ -86,12 +86,13 @@ def _per_rank_micro(section: str, global_key: str, per_gpu_key: str, global_valu
 
 
 def _role_sizes(section: str, prompts_per_mini: int, n: int, dp: int, global_micro, per_gpu_micro, dynamic: bool,
-                epochs: int, responses_per_rank: int) -> RoleSizes:
+                epochs: int, responses_per_step: int) -> RoleSizes:
     responses = prompts_per_mini * n
     head = f"{section}.ppo_mini_batch_size: {prompts_per_mini} prompts x {n} samples = {responses} responses"
     if responses % dp:
         raise SizeError(f"{head}; {responses} / {dp} ranks is not a whole number; make it a multiple of {dp}")
     mini = responses // dp
+    responses_per_dp_rank = responses_per_step // dp
     if mini == 0:
         raise SizeError(f"{head}; {responses} / {dp} ranks = 0 per rank")
     micro = _per_rank_micro(section, "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", global_micro, per_gpu_micro, dp)
@@ -108,7 +109,7 @@ def _role_sizes(section: str, prompts_per_mini: int, n: int, dp: int, global_mic
                 f"{section}.ppo_micro_batch_size_per_gpu={micro}"
             )
         accum = mini // micro
-    per_step = -(-responses_per_rank // mini)  # a smaller last mini-batch is allowed, as in verl
+    per_step = -(-responses_per_dp_rank // mini)  # a smaller last mini-batch is allowed, as in verl
     return RoleSizes(mini, micro, accum, per_step, epochs * per_step)
 
 
@@ -149,13 +150,13 @@ def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
         )
     per_rank = responses // world
     actor_sizes = _role_sizes("actor_rollout_ref.actor", actor.ppo_mini_batch_size, n, dp, actor.ppo_micro_batch_size,
-                              actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_epochs, per_rank)
+                              actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_epochs, responses)
     critic_sizes = None
     if uses_critic(config):
         c = config.critic
         c_dp = world // c.ulysses_sequence_parallel_size
         critic_sizes = _role_sizes("critic", c.ppo_mini_batch_size, c.rollout_n, c_dp, c.ppo_micro_batch_size,
-                                   c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_epochs, per_rank)
+                                   c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_epochs, responses)
     rollout_micro = _log_prob_micro("actor_rollout_ref.rollout", rollout.log_prob_micro_batch_size,
                                     rollout.log_prob_micro_batch_size_per_gpu, dp, rollout.log_prob_use_dynamic_bsz, True)
     ref = arr.ref

@@ -62,16 +62,13 @@ def section_class(hint: Any) -> type | None:
     return None
 
 
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return None
+def iter_keys(cls: type = PostTrainConfig, prefix: str = "", defaults: Any = None) -> Iterator[KeyInfo]:
+    """Every key below `cls`, sections first then their children, in schema order.
 
-
-def iter_keys(cls: type = PostTrainConfig, prefix: str = "") -> Iterator[KeyInfo]:
-    """Every key below `cls`, sections first then their children, in schema order."""
+    Defaults are read from a default-constructed instance, so a section whose parent builds it
+    with other values (the critic's optimizer has lr=1e-5) shows those.
+    """
+    defaults = cls() if defaults is None else defaults
     hints = type_hints(cls)
     docs = field_docs(cls)
     source_types = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -81,9 +78,9 @@ def iter_keys(cls: type = PostTrainConfig, prefix: str = "") -> Iterator[KeyInfo
         doc = docs.get(f.name, "")
         if child is not None:
             yield KeyInfo(key, child.__name__, None, doc, True)
-            yield from iter_keys(child, key + ".")
+            yield from iter_keys(child, key + ".", getattr(defaults, f.name))
         else:
-            yield KeyInfo(key, str(source_types[f.name]), _default(f), doc, False)
+            yield KeyInfo(key, str(source_types[f.name]), getattr(defaults, f.name), doc, False)
 
 
 @functools.cache

@@ -1,0 +1,162 @@
+"""`posttrain plan`: explain a run before it starts, without loading a model.
+
+For a config (YAML, launch script, overrides) it prints the batch flow of one training step, the
+models that will be loaded and why, a per-GPU memory estimate, and every problem the config has.
+`--json` prints the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from posttrain.config.load import ConfigError
+from posttrain.config.schema import PostTrainConfig
+from posttrain.config.scripts import ConfigSource, ScriptOverride, load_source, read_launch_script, read_source
+from posttrain.plan.checks import plan_problems
+from posttrain.plan.flow import Flow, build_flow, uses_models
+from posttrain.plan.memory import MemoryEstimate, estimate_memory, parse_bytes
+from posttrain.plan.model_dims import (
+    ModelDims,
+    dims_from_args,
+    find_model_config,
+    read_model_config,
+    value_model_dims,
+)
+
+__all__ = ["Plan", "build_plan", "main", "resolve_dims"]
+
+
+@dataclass
+class Plan:
+    source: str
+    flow: Flow
+    models: list[dict[str, Any]]
+    memory: Optional[MemoryEstimate]
+    memory_skipped: Optional[str]
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "flow": self.flow.as_dict(),
+            "models": self.models,
+            "memory": self.memory.as_dict() if self.memory else {"skipped": self.memory_skipped},
+            "errors": self.errors,
+            "warnings": self.warnings,
+        }
+
+
+def resolve_dims(config: PostTrainConfig, model_config: Optional[str] = None, **given) -> tuple[Optional[ModelDims], str]:
+    """The actor model's shape: --model-config, else --params/--hidden/..., else the local config.json
+    of actor_rollout_ref.model.path. Returns (dims or None, why when None)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if model_config:
+        dims = read_model_config(model_config)
+        if "params" in given:
+            dims = ModelDims(**{**dims.as_dict(), "params": given["params"],
+                                "source": dims.source + " (params from --params)"})
+        return dims, ""
+    if given:
+        dims = dims_from_args(**{"params": None, **given})
+        if dims.params is None:
+            return None, "pass --params, or --hidden and --layers, to estimate memory"
+        return dims, ""
+    path = config.actor_rollout_ref.model.path
+    found = find_model_config(path)
+    if found is not None:
+        return read_model_config(found), ""
+    return None, (f"the model's shape is unknown: {path} is not a local folder with config.json (nor in the local "
+                  "Hugging Face cache); pass --model-config PATH, or --params 7e9 --hidden 4096 --layers 32 ...")
+
+
+def _critic_dims(config: PostTrainConfig, actor_dims: ModelDims) -> ModelDims:
+    path = config.critic.model.path
+    if path != config.actor_rollout_ref.model.path:
+        found = find_model_config(path)
+        if found is not None:
+            return value_model_dims(read_model_config(found))
+    return value_model_dims(actor_dims)
+
+
+def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[ModelDims] = None, dims_reason: str = "",
+               gpu_memory: float = parse_bytes("80GiB"), train_size: Optional[int] = None,
+               mean_tokens: Optional[int] = None) -> Plan:
+    """Everything `posttrain plan` reports, for a config loaded with validate=False."""
+    from posttrain.config.validate import find_problems
+
+    flow = build_flow(config, train_size)
+    errors, warnings = find_problems(config)
+    more_errors, more_warnings = plan_problems(config, flow, dims)
+    memory, skipped = None, None
+    if dims is None or dims.params is None:
+        skipped = dims_reason or "the model's size is unknown"
+    else:
+        memory = estimate_memory(config, flow, dims, gpu_memory, mean_tokens, _critic_dims(config, dims))
+    return Plan(source, flow, uses_models(config), memory, skipped, errors + more_errors, warnings + more_warnings)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="posttrain plan", description=__doc__.splitlines()[0])
+    p.add_argument("inputs", nargs="*", help="a launch script or YAML file, then key=value overrides")
+    p.add_argument("--config", help="YAML config layered over the defaults")
+    p.add_argument("--script", help="launch script whose key=value arguments are applied (after --config)")
+    p.add_argument("--model-config", help="model folder or config.json (default: actor_rollout_ref.model.path)")
+    g = p.add_argument_group("model shape when no config.json is at hand")
+    g.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    for name in ("hidden", "layers", "heads", "kv-heads", "vocab", "intermediate"):
+        g.add_argument(f"--{name}", type=int)
+    p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    p.add_argument("--train-size", type=int, help="training prompts (default: counted from data.train_files)")
+    p.add_argument("--mean-tokens", type=int, help="typical prompt+response tokens (default: the maximum, worst case)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _source(args: argparse.Namespace) -> tuple[ConfigSource, list[str]]:
+    """The config source (YAML and/or script) and the command-line overrides."""
+    yaml_path = Path(args.config) if args.config else None
+    script: list[ScriptOverride] = list(read_launch_script(args.script)) if args.script else []
+    labels = [x for x in (args.config, args.script) if x]
+    overrides = []
+    for item in args.inputs:
+        if "=" in item:
+            overrides.append(item)
+            continue
+        src = read_source(item)
+        if src.kind == "yaml":
+            yaml_path = src.yaml_path
+        elif src.kind != "defaults":
+            script += list(src.overrides)
+        labels.append(item)
+    if yaml_path is not None and not yaml_path.is_file():
+        raise ConfigError(f"config file {yaml_path} does not exist")
+    label = " + ".join(labels + ([f"{len(overrides)} overrides"] if overrides else [])) or "defaults"
+    return ConfigSource(label, "plan", yaml_path=yaml_path, overrides=tuple(script)), overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    from posttrain.plan.report import render
+
+    args = _parser().parse_args(argv)
+    try:
+        source, overrides = _source(args)
+        config = load_source(source, overrides, validate=False)
+        dims, why = resolve_dims(config, args.model_config, params=args.params, hidden=args.hidden, layers=args.layers,
+                                 heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, intermediate=args.intermediate)
+        gpu = parse_bytes(args.gpu_memory)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    plan = build_plan(config, source=source.label, dims=dims, dims_reason=why, gpu_memory=gpu,
+                      train_size=args.train_size, mean_tokens=args.mean_tokens)
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(render(plan))
+    return 1 if plan.errors else 0

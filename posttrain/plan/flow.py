@@ -1,0 +1,228 @@
+"""The batch flow of one training step, as numbers: prompts -> responses -> ranks -> rollout
+workers -> log-prob rounds -> PPO mini-batches -> micro-batches -> optimizer steps.
+
+Per-rank mini/micro sizes come from `derive_sizes` (verl's normalisation); this module adds what
+a user asks next: how many rollout workers, how many forward rounds, how many steps in the run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from posttrain.config.derived import RoleSizes, SizeError, derive_sizes, uses_critic, uses_reference
+from posttrain.config.schema import PostTrainConfig
+
+GSM8K_TRAIN_SIZE = 7473
+"""Prompts in GSM8K's train split (openai/gsm8k, `main` config)."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    """A no-gradient pass over all of a rank's responses: old log-probs, reference log-probs, values."""
+
+    name: str
+    key: str
+    """The micro-batch key that sets its size."""
+    micro_batch: Optional[int]
+    """Responses per forward on one rank (None: packed by tokens)."""
+    rounds: Optional[int]
+    """Forward passes per rank per training step."""
+
+
+@dataclass(frozen=True)
+class RoleUpdate:
+    """The PPO update of a trained role (actor or critic), per rank."""
+
+    role: str
+    mini_batch_prompts: int
+    """ppo_mini_batch_size, in prompts."""
+    mini_batch_responses: int
+    """x rollout.n."""
+    mini_batch_per_rank: int
+    """/ data-parallel ranks."""
+    mini_batches: int
+    """Mini-batches per pass over the training batch."""
+    epochs: int
+    """ppo_epochs."""
+    micro_batch: Optional[int]
+    """Responses per forward/backward on one rank (None: packed by tokens)."""
+    grad_accum: Optional[int]
+    """Micro-batches accumulated into one optimizer step."""
+    optimizer_steps: int
+    """Optimizer steps per training step = epochs x mini_batches."""
+    forward_backward: Optional[int]
+    """Forward/backward passes per rank per training step."""
+
+
+@dataclass(frozen=True)
+class Flow:
+    nnodes: int
+    gpus_per_node: int
+    world_size: int
+    sequence_parallel: int
+    """Ulysses sequence-parallel group size (ranks that share one sequence)."""
+    dp_size: int
+    """Data-parallel ranks = world / sequence_parallel."""
+    prompts_per_step: int
+    n: int
+    responses_per_step: int
+    responses_per_rank: int
+    """Responses each data-parallel rank holds in the log-prob and update phases."""
+    prompt_length: int
+    response_length: int
+    max_tokens_per_step: int
+    """responses x (max prompt + max response length): the padded upper bound."""
+    rollout_engine: str
+    rollout_tp: int
+    rollout_workers: int
+    """Inference-engine instances: world / tensor_model_parallel_size."""
+    responses_per_worker: int
+    prompts_per_worker: int
+    forward_passes: tuple[ForwardPass, ...]
+    actor: Optional[RoleUpdate]
+    critic: Optional[RoleUpdate]
+    dataset_size: Optional[int]
+    dataset_note: str
+    steps_per_epoch: Optional[int]
+    total_epochs: int
+    total_steps: Optional[int]
+    total_steps_note: str
+    size_error: Optional[str]
+    """Why the per-rank sizes could not be derived (the config's error), else None."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _count_rows(path: Path) -> Optional[int]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.suffix in (".jsonl", ".json"):
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    return None
+
+
+def dataset_size(config: PostTrainConfig, given: Optional[int] = None) -> tuple[Optional[int], str]:
+    """Training prompts, and where the number comes from."""
+    if given is not None:
+        return given, "given by --train-size"
+    files = config.data.train_files
+    if files is None:
+        return None, "built-in arithmetic task; pass --train-size to count steps"
+    files = [files] if isinstance(files, str) else list(files)
+    total, missing = 0, []
+    for name in files:
+        path = Path(os.path.expandvars(str(name))).expanduser()
+        rows = _count_rows(path) if path.is_file() else None
+        if rows is None:
+            missing.append(str(name))
+        else:
+            total += rows
+    filtered = " (before filter_overlong_prompts)" if config.data.filter_overlong_prompts else ""
+    if not missing:
+        return total, f"rows of {', '.join(map(str, files))}{filtered}"
+    if len(files) == 1 and "gsm8k" in files[0].lower() and "train" in Path(files[0]).name.lower():
+        return GSM8K_TRAIN_SIZE, (f"assumed: GSM8K's train split has {GSM8K_TRAIN_SIZE} prompts "
+                                  f"({files[0]} is not here){filtered}")
+    return None, f"{', '.join(missing)} not found here; pass --train-size to count steps"
+
+
+def _role_update(role: str, prompts: int, n: int, dp: int, sizes: RoleSizes, per_rank: int, epochs: int) -> RoleUpdate:
+    mini_batches = _ceil_div(per_rank, sizes.mini_batch)
+    fb = None if sizes.grad_accum is None else epochs * _ceil_div(per_rank, sizes.micro_batch)
+    return RoleUpdate(role, prompts, prompts * n, sizes.mini_batch, mini_batches, epochs, sizes.micro_batch,
+                      sizes.grad_accum, epochs * mini_batches, fb)
+
+
+def _forward(name: str, key: str, micro: Optional[int], per_rank: int) -> ForwardPass:
+    return ForwardPass(name, key, micro, None if not micro else _ceil_div(per_rank, micro))
+
+
+def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flow:
+    """All numbers of one training step; per-rank sizes are None-free only when the config is consistent."""
+    arr, trainer = config.actor_rollout_ref, config.trainer
+    world = max(1, trainer.nnodes * trainer.n_gpus_per_node)
+    sp = max(1, arr.actor.ulysses_sequence_parallel_size)
+    dp = max(1, world // sp)
+    n, prompts = arr.rollout.n, config.data.train_batch_size
+    responses = prompts * n
+    per_rank = responses // dp
+    # The hf engine generates on each rank with the actor's weights; vllm/sglang run TP groups.
+    tp = 1 if arr.rollout.name == "hf" else max(1, arr.rollout.tensor_model_parallel_size)
+    workers = max(1, world // tp)
+    p_len, r_len = config.data.max_prompt_length, config.data.max_response_length
+
+    actor = critic = None
+    size_error = None
+    passes: list[ForwardPass] = []
+    try:
+        sizes = derive_sizes(config)
+    except SizeError as err:
+        size_error = str(err)
+    else:
+        passes.append(_forward("old log-prob (actor)", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                               sizes.rollout_log_prob_micro_batch, per_rank))
+        if uses_reference(config):
+            passes.append(_forward("reference log-prob", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                                   sizes.ref_log_prob_micro_batch, per_rank))
+        actor = _role_update("actor", arr.actor.ppo_mini_batch_size, n, dp, sizes.actor, per_rank, arr.actor.ppo_epochs)
+        if sizes.critic is not None:
+            c = config.critic
+            fwd = c.forward_micro_batch_size_per_gpu or sizes.critic.micro_batch
+            passes.append(_forward("critic values", "critic.forward_micro_batch_size_per_gpu", fwd, per_rank))
+            critic = _role_update("critic", c.ppo_mini_batch_size, n, dp, sizes.critic, per_rank, c.ppo_epochs)
+
+    size, note = dataset_size(config, train_size)
+    steps_per_epoch = None if size is None else size // prompts  # drop_last, as verl's train loader
+    total = None if steps_per_epoch is None else steps_per_epoch * trainer.total_epochs
+    total_note = f"{trainer.total_epochs} epochs x steps per epoch"
+    if trainer.total_training_steps is not None:
+        total, total_note = trainer.total_training_steps, "trainer.total_training_steps"
+    return Flow(
+        trainer.nnodes, trainer.n_gpus_per_node, world, sp, dp, prompts, n, responses, per_rank, p_len, r_len,
+        responses * (p_len + r_len), arr.rollout.name, tp, workers, responses // workers, prompts // workers,
+        tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
+    )
+
+
+def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
+    """Which models are loaded, and why (or why not)."""
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    out = [{"role": "actor", "loaded": True, "model": arr.model.path,
+            "why": "the trained policy; it also generates the responses (rollout engine "
+                   f"{arr.rollout.name}, sharing its weights)"}]
+    if uses_reference(config):
+        reasons = []
+        if arr.actor.use_kl_loss:
+            reasons.append(f"actor.use_kl_loss=True (KL loss, coef {arr.actor.kl_loss_coef}, {arr.actor.kl_loss_type})")
+        if algo.use_kl_in_reward:
+            reasons.append(f"algorithm.use_kl_in_reward=True (KL penalty in the reward, {algo.kl_penalty})")
+        why = "because " + " and ".join(reasons)
+    else:
+        why = "no KL term: actor.use_kl_loss=False and algorithm.use_kl_in_reward=False"
+    out.append({"role": "reference", "loaded": uses_reference(config), "model": arr.model.path, "why": why})
+    if uses_critic(config):
+        why = ("because critic.enable=True" if config.critic.enable
+               else f"because algorithm.adv_estimator={algo.adv_estimator} learns values (GAE needs a critic)")
+    elif config.critic.enable is False:
+        why = "critic.enable=False"
+    else:
+        why = f"algorithm.adv_estimator={algo.adv_estimator} is critic-free"
+    out.append({"role": "critic", "loaded": uses_critic(config), "model": config.critic.model.path, "why": why})
+    if config.reward_model.enable:
+        rm = {"loaded": True, "model": config.reward_model.model.path, "why": "because reward_model.enable=True"}
+    else:
+        scorer = config.custom_reward_function.path or f"built-in scorers chosen by data.{config.data.reward_fn_key}"
+        rm = {"loaded": False, "model": None, "why": f"rule-based reward: {scorer}"}
+    out.append({"role": "reward model", **rm})
+    return out

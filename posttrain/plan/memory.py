@@ -1,0 +1,405 @@
+"""A per-GPU memory estimate for each role and each phase of a training step.
+
+The model, stated so a reader can check it (bytes per parameter P, per token T, per layer):
+
+- Trained roles (actor, critic) under FSDP: fp32 master parameters (4 B, `fsdp_config.model_dtype`),
+  fp32 gradients (4 B, only during the update), AdamW m and v in fp32 (8 B): 16 B/param, the
+  ZeRO-3 figure for mixed-precision Adam (Rajbhandari et al. 2019, sec. 3.1: 2+2+12 B). All three
+  are sharded across the FSDP group (`fsdp_size`, -1: all ranks). `param_offload` /
+  `optimizer_offload` keep them in CPU memory outside the role's own phase.
+- FSDP gathers one unit at a time for compute, in bf16: the largest unit (a decoder layer or the
+  embedding), twice during backward (unsharded parameters and gradients).
+- Activations saved for backward in a Llama-style layer with flash attention, bf16:
+  (16 h + 8 i) B per token per layer (Korthikanti et al. 2022, sec. 4.1, recounted for RMSNorm,
+  a SwiGLU MLP, no dropout and no s^2 attention scores). Gradient checkpointing keeps only each
+  layer's input (2 h B per token per layer) plus one layer recomputed during backward. A forward
+  pass without gradients (log-probs, values) holds one layer's live tensors: (4 h + 4 i) B per token.
+- Logits: a bf16 [T, vocab] tensor, and its bf16 gradient when training (log-softmax in chunks).
+- Rollout engine (vllm, sglang): takes `gpu_memory_utilization` x GPU memory; of that, bf16 weights
+  P x 2 / tensor_parallel and the rest KV cache (the engine's own activation reserve is ignored).
+  KV per token: 2 (K and V) x layers x kv_heads x head_dim x 2 B, split across tensor-parallel ranks.
+- Roles are colocated (verl's hybrid engine): every GPU holds each role's resident shards, and the
+  phases of a step (rollout, log-probs, values, updates) run one after another; the peak is the
+  largest phase.
+- Tokens per sequence: max prompt + max response length (the worst case) unless `--mean-tokens`
+  gives a typical length; with use_remove_padding, memory follows the real lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from posttrain.config.derived import uses_critic, uses_reference
+from posttrain.config.schema import PostTrainConfig
+from posttrain.plan.flow import Flow
+from posttrain.plan.model_dims import ModelDims
+
+GiB = 1024**3
+MASTER_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+GRAD_BYTES = 4
+"""fp32 gradients, in the master parameters' dtype."""
+ADAM_BYTES = 8
+"""AdamW's m and v, fp32."""
+COMPUTE_BYTES = 2
+"""bf16 compute copies, activations, logits, rollout weights and KV cache."""
+TIGHT_FRACTION = 0.9
+"""Above this fraction of GPU memory, fragmentation and allocator overhead make OOM likely."""
+
+ASSUMPTIONS = (
+    "trained roles: fp32 params 4 B + fp32 grads 4 B + AdamW m,v 8 B = 16 B/param, sharded across the FSDP group",
+    "one FSDP unit (largest of a decoder layer and the embedding) gathered in bf16, x2 during backward",
+    "activations saved per token per layer: (16 h + 8 i) B in bf16 (Korthikanti et al. 2022, flash attention, SwiGLU); "
+    "with gradient checkpointing 2 h B plus one recomputed layer; forward without gradients (4 h + 4 i) B",
+    "logits: [tokens, vocab] in bf16 (2 B), plus their gradient when training (4 B total)",
+    "rollout engine: gpu_memory_utilization x GPU memory = bf16 weights / TP + KV cache "
+    "(2 x layers x kv_heads x head_dim x 2 B per token, / TP)",
+    "roles colocated on every GPU; phases run one after another; peak = largest phase",
+)
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: Optional[float]
+    """None when the model's shape is unknown."""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    terms: tuple[Term, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(t.bytes or 0 for t in self.terms)
+
+    @property
+    def largest(self) -> Term:
+        return max(self.terms, key=lambda t: t.bytes or 0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    gpu_memory: float
+    tokens_per_sequence: int
+    tokens_note: str
+    dims: dict[str, Any]
+    roles: dict[str, dict[str, Any]]
+    """Per role: named byte counts (None: not estimable) and notes."""
+    phases: tuple[Phase, ...]
+    peak_phase: str
+    peak: float
+    largest_term: str
+    level: str
+    """fits, tight, may_oom (only at worst-case lengths) or likely_oom."""
+    verdict: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["phases"] = [{"name": p.name, "total": p.total, "terms": [asdict(t) for t in p.terms]} for p in self.phases]
+        return out
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB' -> 80 x 2**30, '141GB' -> 141e9, '80' -> 80 GiB."""
+    units = {"tib": 1024**4, "tb": 1e12, "gib": GiB, "gb": 1e9, "g": GiB, "mib": 1024**2, "mb": 1e6}
+    t = text.strip().lower().replace(" ", "")
+    unit = next((u for u in units if t.endswith(u)), "")
+    try:
+        return float(t[: len(t) - len(unit)]) * (units[unit] if unit else GiB)
+    except ValueError:
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GiB, 141GB or 24") from None
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    return "?" if n is None else f"{n / GiB:.1f} GiB"
+
+
+# ---- formulas (each checked against a published figure in tests/plan) ----
+
+def model_state_bytes_per_param(master_dtype: str = "fp32") -> int:
+    """Parameters + gradients + AdamW state of a trained role: 16 B with fp32 master weights."""
+    return MASTER_DTYPE_BYTES[master_dtype] + GRAD_BYTES + ADAM_BYTES
+
+
+def kv_bytes_per_token(dims: ModelDims, tp: int = 1, dtype_bytes: int = COMPUTE_BYTES) -> float:
+    """K and V of every layer for one token on one tensor-parallel rank (kv heads split, at least one each)."""
+    kv_heads_per_rank = max(1, math.ceil(dims.kv_heads / tp))
+    return 2 * dims.layers * kv_heads_per_rank * dims.head_dim * dtype_bytes
+
+
+def layer_activation_bytes_per_token(dims: ModelDims) -> float:
+    """bf16 tensors one decoder layer saves for backward, per token: 16 h + 8 i."""
+    return 16 * dims.hidden + 8 * dims.intermediate
+
+
+def forward_activation_bytes_per_token(dims: ModelDims) -> float:
+    """Live bf16 tensors of one layer in a forward pass without gradients, per token: residual stream,
+    layer output and two MLP projections, 4 h + 4 i (earlier layers' tensors are already freed)."""
+    return 4 * dims.hidden + 4 * dims.intermediate
+
+
+def training_activation_bytes(dims: ModelDims, tokens: float, checkpointing: bool) -> float:
+    """Saved activations of a micro-batch of `tokens` tokens (logits excluded)."""
+    per_layer = layer_activation_bytes_per_token(dims) * tokens
+    if not checkpointing:
+        return dims.layers * per_layer
+    return dims.layers * 2 * dims.hidden * tokens + per_layer
+
+
+def logits_bytes(dims: ModelDims, tokens: float, training: bool) -> float:
+    return tokens * dims.vocab * COMPUTE_BYTES * (2 if training else 1)
+
+
+def gathered_unit_bytes(dims: ModelDims) -> float:
+    """The largest FSDP unit in bf16: a decoder layer or the embedding matrix."""
+    return COMPUTE_BYTES * max(dims.params_per_layer, dims.vocab * dims.hidden)
+
+
+# ---- per-role and per-phase estimates ----
+
+@dataclass(frozen=True)
+class _Ctx:
+    config: PostTrainConfig
+    flow: Flow
+    dims: ModelDims
+    tokens: int
+    gpu: float
+
+    @property
+    def shaped(self) -> bool:
+        return self.dims.has_shape
+
+    def micro_tokens(self, micro: int) -> float:
+        """Tokens one GPU holds for `micro` sequences (Ulysses sequence parallelism splits each sequence)."""
+        return micro * self.tokens / self.flow.sequence_parallel
+
+
+def _fsdp_ranks(fsdp_size: int, world: int) -> int:
+    return fsdp_size if 0 < fsdp_size <= world else world
+
+
+def _tokens(ctx: _Ctx, micro: Optional[int], dynamic: bool, budget: int) -> Optional[float]:
+    """Tokens of one micro-batch on one GPU: rows x tokens per sequence, or the dynamic token budget."""
+    if dynamic:
+        return float(budget)
+    return None if micro is None else ctx.micro_tokens(micro)
+
+
+def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional[float], checkpointing: bool,
+                  has_lm_head: bool) -> dict[str, Any]:
+    ranks = _fsdp_ranks(fsdp.fsdp_size, ctx.flow.world_size)
+    p = ctx.dims.params
+    out: dict[str, Any] = {
+        "fsdp_ranks": ranks,
+        "params": p * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
+        "params_offloaded": fsdp.param_offload,
+        "grads": p * GRAD_BYTES / ranks,
+        "optimizer": p * ADAM_BYTES / ranks,
+        "optimizer_offloaded": fsdp.optimizer_offload,
+        "gradient_checkpointing": checkpointing,
+        "micro_batch_tokens": tokens,
+        "forward_tokens": fwd_tokens,
+    }
+    if ctx.shaped:
+        d = ctx.dims
+        out["gathered_unit"] = gathered_unit_bytes(d)
+        if tokens is not None:
+            out["activations_gc"] = training_activation_bytes(d, tokens, True)
+            out["activations_no_gc"] = training_activation_bytes(d, tokens, False)
+            out["activations"] = out["activations_gc" if checkpointing else "activations_no_gc"]
+            out["logits"] = logits_bytes(d, tokens, training=True) if has_lm_head else 0.0
+        if fwd_tokens is not None:
+            out["forward_activations"] = forward_activation_bytes_per_token(d) * fwd_tokens
+            out["forward_logits"] = logits_bytes(d, fwd_tokens, training=False) if has_lm_head else 0.0
+    return out
+
+
+def _reference_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
+    fsdp = ctx.config.actor_rollout_ref.ref.fsdp_config
+    ranks = ctx.flow.world_size
+    out: dict[str, Any] = {
+        "fsdp_ranks": ranks,
+        "params": ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
+        "params_offloaded": fsdp.param_offload,
+        "forward_tokens": tokens,
+    }
+    if ctx.shaped:
+        d = ctx.dims
+        out["gathered_unit"] = gathered_unit_bytes(d)
+        if tokens is not None:
+            out["forward_activations"] = forward_activation_bytes_per_token(d) * tokens
+            out["forward_logits"] = logits_bytes(d, tokens, training=False)
+    return out
+
+
+def _rollout_role(ctx: _Ctx) -> dict[str, Any]:
+    r, f, d = ctx.config.actor_rollout_ref.rollout, ctx.flow, ctx.dims
+    seq = ctx.tokens
+    weights = d.params * COMPUTE_BYTES / f.rollout_tp
+    out: dict[str, Any] = {"engine": r.name, "tensor_parallel": f.rollout_tp, "weights": weights}
+    # hf generates all of a rank's responses as one batch; vllm/sglang schedule up to max_num_seqs at once
+    concurrent = f.responses_per_rank if r.name == "hf" else min(f.responses_per_worker, r.max_num_seqs)
+    out["concurrent_sequences"] = concurrent
+    if r.name == "hf":
+        out["engine_budget"] = None
+        if ctx.shaped:
+            out["kv_bytes_per_token"] = kv_bytes_per_token(d)
+            out["kv_cache_needed"] = out["kv_cache"] = concurrent * seq * out["kv_bytes_per_token"]
+        return out
+    out["engine_budget"] = r.gpu_memory_utilization * ctx.gpu
+    out["kv_cache"] = out["engine_budget"] - out["weights"]
+    if ctx.shaped:
+        per_token = kv_bytes_per_token(d, f.rollout_tp)
+        out["kv_bytes_per_token"] = per_token
+        out["kv_cache_needed"] = concurrent * seq * per_token
+        out["kv_capacity_sequences"] = max(0, int(out["kv_cache"] // (per_token * seq)))
+    return out
+
+
+def _state(roles: dict[str, dict[str, Any]], active: str = "", update: bool = False) -> list[Term]:
+    """Parameter, optimizer and gradient shards on the GPU while `active` runs: every role's resident
+    shards, plus the active role's offloaded ones (loaded for its phase) and its gradients."""
+    terms = []
+    for name, role in roles.items():
+        if name == "rollout":
+            continue
+        own = name == active
+        if own or not role["params_offloaded"]:
+            loaded = " (loaded from CPU)" if own and role["params_offloaded"] else ""
+            terms.append(Term(f"{name} parameters{loaded}", role["params"]))
+        if "optimizer" in role and ((own and update) or not role["optimizer_offloaded"]):
+            loaded = " (loaded from CPU)" if own and role["optimizer_offloaded"] else ""
+            terms.append(Term(f"{name} optimizer state{loaded}", role["optimizer"]))
+        if own and update:
+            terms.append(Term(f"{name} gradients", role["grads"]))
+    return terms
+
+
+def _tok(n: Optional[float]) -> str:
+    return "" if n is None else f"{n:,.0f} tokens"
+
+
+def _phases(roles: dict[str, dict[str, Any]]) -> list[Phase]:
+    ro = roles["rollout"]
+    if ro["engine"] == "hf":
+        engine = [Term("rollout weights (bf16, full copy)", ro["weights"]), Term("rollout KV cache", ro.get("kv_cache"))]
+    else:
+        engine = [Term(f"rollout engine ({ro['engine']}: gpu_memory_utilization x GPU)", ro["engine_budget"],
+                       f"weights {fmt_bytes(ro['weights'])} + KV cache {fmt_bytes(ro['kv_cache'])}")]
+    phases = [Phase("rollout", tuple(_state(roles) + engine))]
+    for phase, name in (("old log-prob", "actor"), ("reference log-prob", "reference"), ("critic values", "critic")):
+        if name in roles:
+            role = roles[name]
+            terms = _state(roles, active=name) + [
+                Term(f"{name} gathered FSDP unit", role.get("gathered_unit")),
+                Term(f"{name} forward activations", role.get("forward_activations"), _tok(role["forward_tokens"]))]
+            if role.get("forward_logits"):
+                terms.append(Term(f"{name} logits", role["forward_logits"]))
+            phases.append(Phase(phase, tuple(terms)))
+    for name in ("critic", "actor"):
+        if name in roles:
+            role = roles[name]
+            unit = role.get("gathered_unit")
+            gc = "with" if role["gradient_checkpointing"] else "without"
+            terms = _state(roles, active=name, update=True) + [
+                Term(f"{name} gathered FSDP unit (x2 in backward)", None if unit is None else 2 * unit),
+                Term(f"{name} activations ({gc} gradient checkpointing)", role.get("activations"),
+                     _tok(role["micro_batch_tokens"]) + " per micro-batch")]
+            if name == "actor":
+                terms.append(Term("actor logits (+ their gradient)", role.get("logits")))
+            phases.append(Phase(f"{name} update", tuple(terms)))
+    return phases
+
+
+def _scales_with_tokens(term: Term) -> bool:
+    return any(word in term.name for word in ("activations", "logits", "KV"))
+
+
+def _level(ctx: _Ctx, phases: list[Phase], peak: Phase, worst_case: bool) -> tuple[str, str]:
+    gpu = ctx.gpu
+    # What does not shrink with shorter sequences: parameters, optimizer state, the engine's share
+    fixed = max(phases, key=lambda p: sum(t.bytes or 0 for t in p.terms if not _scales_with_tokens(t)))
+    fixed_total = sum(t.bytes or 0 for t in fixed.terms if not _scales_with_tokens(t))
+    if fixed_total > gpu:
+        return "likely_oom", (f"likely out of memory in {fixed.name}: {fmt_bytes(fixed_total)} > {fmt_bytes(gpu)} before "
+                              f"any activations; largest term: {fixed.largest.name} {fmt_bytes(fixed.largest.bytes)}")
+    share = f"largest term: {peak.largest.name} {fmt_bytes(peak.largest.bytes)}"
+    if peak.total > gpu:
+        if worst_case and ctx.config.actor_rollout_ref.model.use_remove_padding:
+            return "may_oom", (f"may run out of memory if responses reach max length: {peak.name} needs "
+                               f"{fmt_bytes(peak.total)} of {fmt_bytes(gpu)}; {share} (use_remove_padding=True, so "
+                               "memory follows real lengths: pass --mean-tokens for typical ones)")
+        return "likely_oom", f"likely out of memory in {peak.name}: {fmt_bytes(peak.total)} > {fmt_bytes(gpu)}; {share}"
+    if peak.total > TIGHT_FRACTION * gpu:
+        return "tight", f"tight: {peak.name} needs {fmt_bytes(peak.total)} of {fmt_bytes(gpu)}; {share}"
+    return "fits", f"fits: peak {fmt_bytes(peak.total)} of {fmt_bytes(gpu)} in {peak.name}; {share}"
+
+
+def _verdict(ctx: _Ctx, phases: list[Phase], roles: dict[str, dict[str, Any]],
+             worst_case: bool) -> tuple[str, str, list[str]]:
+    """(level, one-line verdict naming the largest term, notes)."""
+    notes: list[str] = []
+    ro = roles["rollout"]
+    if ro.get("engine_budget") is not None and ro["kv_cache"] <= 0:
+        notes.append(f"the rollout engine's share ({fmt_bytes(ro['engine_budget'])}) does not hold its weights "
+                     f"({fmt_bytes(ro['weights'])}): raise rollout.gpu_memory_utilization or tensor_model_parallel_size")
+        return "likely_oom", "likely out of memory: no room for the rollout KV cache; largest term: rollout weights", notes
+    if "kv_capacity_sequences" in ro and ro["kv_capacity_sequences"] < ro["concurrent_sequences"]:
+        notes.append(f"the KV cache holds {ro['kv_capacity_sequences']} sequences of {ctx.tokens} tokens at once, "
+                     f"fewer than the {ro['concurrent_sequences']} a rollout worker runs: the rest wait "
+                     "(slower rollout, not OOM)")
+    level, verdict = _level(ctx, phases, max(phases, key=lambda p: p.total), worst_case)
+    if not ctx.shaped:
+        verdict += " (parameters, gradients and optimizer state only)"
+        notes.append("activations, logits and the KV cache are not estimated: "
+                     "pass --hidden and --layers (or --model-config)")
+    return level, verdict, notes
+
+
+def _forward_micro(flow: Flow, name: str) -> Optional[int]:
+    return next((p.micro_batch for p in flow.forward_passes if p.name == name), None)
+
+
+def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_memory: float,
+                    mean_tokens: Optional[int] = None, critic_dims: Optional[ModelDims] = None) -> MemoryEstimate:
+    """Per-GPU memory of each role and phase; `dims.params` must be known (the shape is optional)."""
+    worst = flow.prompt_length + flow.response_length
+    tokens = min(mean_tokens, worst) if mean_tokens else worst
+    note = (f"{tokens} tokens per sequence (--mean-tokens)" if mean_tokens else
+            f"{worst} tokens per sequence (max prompt {flow.prompt_length} + max response {flow.response_length}: "
+            "worst case)")
+    ctx = _Ctx(config, flow, dims, tokens, gpu_memory)
+    arr = config.actor_rollout_ref
+    actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    roles: dict[str, dict[str, Any]] = {
+        "actor": _trained_role(
+            ctx, actor.fsdp_config,
+            _tokens(ctx, flow.actor.micro_batch if flow.actor else None, actor.use_dynamic_bsz,
+                    actor.ppo_max_token_len_per_gpu),
+            _tokens(ctx, _forward_micro(flow, "old log-prob (actor)"), rollout.log_prob_use_dynamic_bsz,
+                    rollout.log_prob_max_token_len_per_gpu),
+            arr.model.enable_gradient_checkpointing, has_lm_head=True),
+        "rollout": _rollout_role(ctx),
+    }
+    if uses_reference(config):
+        roles["reference"] = _reference_role(ctx, _tokens(ctx, _forward_micro(flow, "reference log-prob"),
+                                                          ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu))
+    if uses_critic(config):
+        c = config.critic
+        cctx = _Ctx(config, flow, critic_dims or dims, tokens, gpu_memory)
+        roles["critic"] = _trained_role(
+            cctx, c.model.fsdp_config,
+            _tokens(cctx, flow.critic.micro_batch if flow.critic else None, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
+            _tokens(cctx, _forward_micro(flow, "critic values"), c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
+            c.model.enable_gradient_checkpointing, has_lm_head=False)
+    phases = _phases(roles)
+    peak = max(phases, key=lambda p: p.total)
+    level, verdict, notes = _verdict(ctx, phases, roles, worst_case=mean_tokens is None)
+    return MemoryEstimate(gpu_memory, tokens, note, dims.as_dict(), roles, tuple(phases), peak.name, peak.total,
+                          peak.largest.name, level, verdict, tuple(notes))

@@ -1,0 +1,162 @@
+"""The shape of a model, read from its `config.json` or given on the command line; never loaded.
+
+Only the numbers the memory estimate needs: parameter count, hidden size, layers, attention and
+key/value heads, vocabulary, MLP width. Missing ones are filled with stated assumptions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    params: Optional[float]
+    """Total parameters (embeddings and LM head included)."""
+    hidden: Optional[int] = None
+    """hidden_size."""
+    layers: Optional[int] = None
+    """num_hidden_layers."""
+    heads: Optional[int] = None
+    """num_attention_heads."""
+    kv_heads: Optional[int] = None
+    """num_key_value_heads (fewer than heads with grouped-query attention)."""
+    head_dim: Optional[int] = None
+    """Width of one attention head (hidden / heads unless the config says otherwise)."""
+    vocab: Optional[int] = None
+    """vocab_size."""
+    intermediate: Optional[int] = None
+    """MLP width (intermediate_size)."""
+    tied_embeddings: bool = False
+    """The LM head shares the embedding matrix."""
+    max_positions: Optional[int] = None
+    """max_position_embeddings."""
+    source: str = ""
+    """Where the numbers came from."""
+    assumptions: tuple[str, ...] = field(default_factory=tuple)
+    """Numbers that were not given and were assumed."""
+
+    @property
+    def has_shape(self) -> bool:
+        """Enough to estimate activations and the KV cache."""
+        return self.hidden is not None and self.layers is not None
+
+    @property
+    def params_per_layer(self) -> float:
+        """One decoder layer: attention (q, k, v, o), gated MLP (gate, up, down), two norms."""
+        h, hd = self.hidden, self.head_dim
+        attn = h * self.heads * hd * 2 + h * self.kv_heads * hd * 2
+        return attn + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def embedding_params(self) -> float:
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def params_from_shape(dims: ModelDims) -> float:
+    """Parameter count of a Llama-style decoder: layers x per-layer + embeddings (+ LM head) + final norm."""
+    return dims.layers * dims.params_per_layer + dims.embedding_params + dims.hidden
+
+
+def complete(dims: ModelDims) -> ModelDims:
+    """Fill what a shape needs (heads, kv heads, head dim, vocab, MLP width) with Llama's conventions,
+    recording each assumption; compute params from the shape when not given."""
+    if not dims.has_shape:
+        return dims
+    notes = list(dims.assumptions)
+    h = dims.hidden
+    heads = dims.heads
+    if heads is None:
+        heads = max(1, h // 128)
+        notes.append(f"heads not given: assumed hidden/128 = {heads}")
+    kv_heads = dims.kv_heads
+    if kv_heads is None:
+        kv_heads = heads
+        notes.append(f"kv heads not given: assumed = heads ({heads}, no grouped-query attention)")
+    head_dim = dims.head_dim or h // heads
+    vocab = dims.vocab
+    if vocab is None:
+        vocab = 32000
+        notes.append("vocab not given: assumed 32000 (Llama-2)")
+    inter = dims.intermediate
+    if inter is None:
+        inter = 256 * math.ceil(8 * h / 3 / 256)
+        notes.append(f"intermediate size not given: assumed 8/3 x hidden rounded up to 256 = {inter} (Llama)")
+    out = ModelDims(dims.params, h, dims.layers, heads, kv_heads, head_dim, vocab, inter, dims.tied_embeddings,
+                    dims.max_positions, dims.source, tuple(notes))
+    if out.params is None:
+        return ModelDims(**{**asdict(out), "params": params_from_shape(out), "assumptions": tuple(notes)})
+    return out
+
+
+def dims_from_hf_config(cfg: dict, source: str) -> ModelDims:
+    """ModelDims from a Hugging Face `config.json` dict (Llama, Qwen, Mistral, DeepSeek, GPT-2 names)."""
+    if "text_config" in cfg:  # multimodal wrappers keep the language model here
+        cfg = {**cfg, **cfg["text_config"]}
+
+    def pick(*names):
+        return next((cfg[n] for n in names if cfg.get(n) is not None), None)
+
+    dims = ModelDims(
+        params=None,
+        hidden=pick("hidden_size", "n_embd", "d_model"),
+        layers=pick("num_hidden_layers", "n_layer", "num_layers"),
+        heads=pick("num_attention_heads", "n_head"),
+        kv_heads=pick("num_key_value_heads", "num_attention_heads", "n_head"),
+        head_dim=pick("head_dim"),
+        vocab=pick("vocab_size"),
+        intermediate=pick("intermediate_size", "n_inner", "ffn_dim"),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_positions=pick("max_position_embeddings", "n_positions"),
+        source=source,
+    )
+    return complete(dims)
+
+
+def read_model_config(path: str | Path) -> ModelDims:
+    """From a model folder holding config.json, or a config.json file itself."""
+    path = Path(path).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist")
+    return dims_from_hf_config(json.loads(file.read_text()), str(file))
+
+
+def find_model_config(model_path: str) -> Optional[Path]:
+    """config.json of a local folder, or of a hub id already in the local Hugging Face cache
+    (nothing is downloaded)."""
+    local = Path(model_path).expanduser()
+    if (local / "config.json").is_file():
+        return local / "config.json"
+    if local.suffix == ".gguf" or model_path.count("/") != 1 or model_path.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model_path, "config.json")
+    except Exception:  # noqa: BLE001 - a missing or odd cache only means "not at hand"
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def dims_from_args(params: Optional[float], hidden=None, layers=None, heads=None, kv_heads=None, vocab=None,
+                   intermediate=None) -> ModelDims:
+    """ModelDims from `--params/--hidden/--layers/...`; the given parameter count wins over the shape's."""
+    return complete(ModelDims(params, hidden, layers, heads, kv_heads, None, vocab, intermediate, source="command line"))
+
+
+def value_model_dims(dims: ModelDims) -> ModelDims:
+    """The critic built from a causal LM: the LM head (vocab x hidden) becomes a value head (hidden x 1)."""
+    if dims.params is None or not dims.has_shape:
+        return dims
+    head = 0 if dims.tied_embeddings else dims.vocab * dims.hidden
+    note = "critic: the actor's model with a value head in place of the LM head"
+    return ModelDims(**{**asdict(dims), "params": dims.params - head + dims.hidden,
+                        "assumptions": dims.assumptions + (note,)})

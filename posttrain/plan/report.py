@@ -1,0 +1,164 @@
+"""Text rendering of a Plan (the `--json` form is `Plan.as_dict()`)."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any, Optional
+
+from posttrain.plan.flow import Flow, RoleUpdate
+from posttrain.plan.memory import MemoryEstimate, fmt_bytes
+
+W = 24  # label column
+
+
+def _row(label: str, text: str) -> str:
+    return f"  {label:<{W}}{text}"
+
+
+def _more(text: str) -> str:
+    return " " * (W + 2) + text
+
+
+def _plural(n: int, word: str) -> str:
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}{'es' if word.endswith(('ch', 'sh', 's', 'x')) else 's'}"
+
+
+def _update_lines(u: RoleUpdate, n: int, dp: int, section: str) -> list[str]:
+    lines = [_row(f"{u.role} update", f"{section}.ppo_mini_batch_size={u.mini_batch_prompts} prompts x {n} = "
+                  f"{u.mini_batch_responses} responses / {dp} ranks = {u.mini_batch_per_rank} per rank")]
+    epochs = _plural(u.epochs, "epoch")
+    lines.append(_more(f"{_plural(u.mini_batches, 'mini-batch')} x {epochs} = {u.optimizer_steps} "
+                       "optimizer steps per training step"))
+    if u.grad_accum is None:
+        lines.append(_more("micro-batches packed by tokens (use_dynamic_bsz)"))
+    else:
+        lines.append(_more(f"each: {_plural(u.grad_accum, 'micro-batch')} of {u.micro_batch} "
+                           f"(gradient accumulation {u.grad_accum}); "
+                           f"{u.forward_backward} forward/backward passes per rank per step"))
+    return lines
+
+
+def render_flow(f: Flow) -> list[str]:
+    sp = f" (sequence parallel {f.sequence_parallel})" if f.sequence_parallel > 1 else ""
+    out = [f"Batch flow per training step ({_plural(f.nnodes, 'node')} x {f.gpus_per_node} GPUs = {f.world_size} ranks; "
+           f"{f.dp_size} data-parallel{sp})",
+           _row("prompts", f"{f.prompts_per_step:<6}(data.train_batch_size)"),
+           _row("responses", f"{f.responses_per_step:<6}= {f.prompts_per_step} prompts x rollout.n={f.n}"),
+           _row("per data-parallel rank", f"{f.responses_per_rank:<6}= {f.responses_per_step} / {f.dp_size} ranks")]
+    if f.rollout_engine == "hf":
+        out.append(_row("rollout", f"hf on each of the {f.world_size} ranks: {f.responses_per_rank} responses each"))
+    else:
+        out.append(_row("rollout", f"{f.rollout_workers} {f.rollout_engine} workers of tensor-parallel size {f.rollout_tp} "
+                        f"({f.world_size} / {f.rollout_tp}); each generates {f.responses_per_worker} responses "
+                        f"({f.prompts_per_worker} prompts x {f.n})"))
+    out.append(_more(f"up to {f.prompt_length + f.response_length} tokens per sequence ({f.prompt_length} prompt + "
+                     f"{f.response_length} response); up to {f.max_tokens_per_step:,} tokens per step"))
+    if f.size_error:
+        out.append(_row("per-rank sizes", f"not derivable: {f.size_error}"))
+    for p in f.forward_passes:
+        if p.micro_batch is None:
+            out.append(_row(p.name, "micro-batches packed by tokens (dynamic batch size)"))
+        else:
+            out.append(_row(p.name, f"{_plural(p.rounds, 'round')} of {p.micro_batch} responses per rank "
+                            f"({p.key.split('.', 1)[-1] if p.key.startswith('actor_rollout_ref') else p.key})"))
+    if f.critic:
+        out += _update_lines(f.critic, f.n, f.dp_size, "critic")
+    if f.actor:
+        out += _update_lines(f.actor, f.n, f.dp_size, "actor")
+    if f.steps_per_epoch is not None:
+        out.append(_row("steps", f"{f.steps_per_epoch} per epoch = {f.dataset_size} prompts // {f.prompts_per_step} "
+                        "(the last partial batch is dropped)"))
+        out.append(_more(f"training prompts: {f.dataset_note}"))
+    else:
+        out.append(_row("steps", f"per epoch unknown: {f.dataset_note}"))
+    if f.total_steps is not None:
+        total = _more(f"{f.total_steps} training steps in total ({f.total_steps_note})")
+        if f.actor:
+            total += f"; {f.total_steps * f.actor.optimizer_steps} actor optimizer steps"
+        out.append(total)
+    return out
+
+
+def render_models(models: list[dict[str, Any]]) -> list[str]:
+    out = ["Models"]
+    for m in models:
+        state = "loaded" if m["loaded"] else "not loaded"
+        name = f"{m['model']}: " if m["loaded"] and m["model"] else ""
+        out.append(f"  {m['role']:<14}{state:<12}{name}{m['why']}")
+    return out
+
+
+def _tokens(n: Optional[float]) -> str:
+    return "?" if n is None else f"{n:,.0f}"
+
+
+def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
+    pad = " " * 15
+    if name == "rollout":
+        line = f"  {'rollout':<13}weights {fmt_bytes(r['weights'])} (bf16 / TP {r['tensor_parallel']})"
+        if r.get("engine_budget") is not None:
+            line += f"; engine share {fmt_bytes(r['engine_budget'])} leaves KV cache {fmt_bytes(r['kv_cache'])}"
+        lines = [line]
+        if "kv_bytes_per_token" in r:
+            lines.append(pad + f"KV cache {r['kv_bytes_per_token'] / 1024:.0f} KiB per token; {r['concurrent_sequences']} "
+                         f"sequences at once need {fmt_bytes(r['kv_cache_needed'])}")
+        return lines
+    where = "CPU" if r["params_offloaded"] else "GPU"
+    head = f"  {name:<13}params {fmt_bytes(r['params'])} ({where})"
+    if "grads" in r:
+        opt = "CPU" if r["optimizer_offloaded"] else "GPU"
+        head += (f", grads {fmt_bytes(r['grads'])}, optimizer {fmt_bytes(r['optimizer'])} ({opt}); "
+                 f"sharded over {r['fsdp_ranks']} ranks")
+    else:
+        head += f"; sharded over {r['fsdp_ranks']} ranks"
+    lines = [head]
+    if "activations_gc" in r:
+        on = "on" if r["gradient_checkpointing"] else "off"
+        text = (f"update micro-batch ({_tokens(r['micro_batch_tokens'])} tokens): activations "
+                f"{fmt_bytes(r['activations_gc'])} with / {fmt_bytes(r['activations_no_gc'])} without gradient "
+                f"checkpointing (configured: {on})")
+        if r.get("logits"):
+            text += f"; logits + gradient {fmt_bytes(r['logits'])}"
+        lines.append(pad + text)
+    if r.get("forward_activations") is not None:
+        text = (f"forward micro-batch ({_tokens(r['forward_tokens'])} tokens): "
+                f"activations {fmt_bytes(r['forward_activations'])}")
+        if r.get("forward_logits"):
+            text += f"; logits {fmt_bytes(r['forward_logits'])}"
+        lines.append(pad + text)
+    return lines
+
+
+def render_memory(m: Optional[MemoryEstimate], skipped: Optional[str]) -> list[str]:
+    if m is None:
+        return ["Memory per GPU", f"  skipped: {skipped}"]
+    d = m.dims
+    shape = (f"hidden {d['hidden']}, {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} kv), vocab {d['vocab']}, "
+             f"MLP {d['intermediate']}" if d["hidden"] else "shape unknown")
+    out = [f"Memory per GPU (of {fmt_bytes(m.gpu_memory)}; model {d['params'] / 1e9:.2f}B params, {shape}; "
+           f"from {d['source']})",
+           f"  {m.tokens_note}"]
+    for name, role in m.roles.items():
+        out += _role_lines(name, role)
+    out.append("  phases (roles share every GPU; one phase at a time):")
+    for p in m.phases:
+        mark = "  <- peak" if p.name == m.peak_phase else ""
+        terms = ", ".join(f"{t.name} {fmt_bytes(t.bytes)}" for t in p.terms if t.bytes)
+        out.append(f"    {p.name:<20}{fmt_bytes(p.total):>10}{mark}")
+        out += textwrap.wrap(terms, 110, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    out.append(f"  verdict: {m.verdict}")
+    out += [f"  note: {n}" for n in m.notes]
+    out += [f"  assumed: {a}" for a in tuple(d.get("assumptions") or ()) + m.assumptions]
+    return out
+
+
+def render(plan) -> str:
+    lines = [f"posttrain plan: {plan.source}", ""]
+    lines += render_flow(plan.flow) + [""] + render_models(plan.models) + [""]
+    lines += render_memory(plan.memory, plan.memory_skipped) + [""]
+    lines.append(f"Problems: {_plural(len(plan.errors), 'error')}, {_plural(len(plan.warnings), 'warning')}")
+    lines += [f"  error: {e}" for e in plan.errors]
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""`posttrain plan` as a user runs it: text, --json, every problem at once, file:line errors."""
+
+import json
+
+from posttrain.cli import main as cli
+
+
+def _run(capsys, *argv):
+    rc = cli(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_grpo_script_text(capsys, grpo_script, deepseek_dir):
+    rc, out, _ = _run(capsys, str(grpo_script), "--model-config", str(deepseek_dir))
+    assert rc == 0
+    assert "responses               5120  = 1024 prompts x rollout.n=5" in out
+    assert "4 vllm workers of tensor-parallel size 2 (8 / 2); each generates 1280 responses (256 prompts x 5)" in out
+    assert "4 rounds of 160 responses per rank" in out
+    assert "each: 2 micro-batches of 80 (gradient accumulation 2)" in out
+    assert "105 training steps in total" in out and "420 actor optimizer steps" in out
+    assert "because actor.use_kl_loss=True" in out and "grpo is critic-free" in out
+    assert "verdict: may run out of memory" in out and "Problems: 0 errors, 0 warnings" in out
+
+
+def test_json_matches_the_text(capsys, ppo_script, deepseek_dir):
+    rc, out, _ = _run(capsys, "--script", str(ppo_script), "--model-config", str(deepseek_dir), "--json")
+    data = json.loads(out)
+    assert rc == 0 and set(data) == {"source", "flow", "models", "memory", "errors", "warnings"}
+    assert data["flow"]["critic"]["micro_batch"] == 32 and data["flow"]["total_steps"] == 105
+    assert data["memory"]["level"] == "fits" and data["memory"]["roles"]["critic"]["gradient_checkpointing"] is True
+    assert [m["role"] for m in data["models"] if m["loaded"]] == ["actor", "critic"]
+
+
+def test_overrides_apply_after_the_script(capsys, grpo_script):
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.n=8", "--params", "7e9", "--json")
+    data = json.loads(out)
+    assert data["flow"]["responses_per_step"] == 8192 and data["memory"]["dims"]["params"] == 7e9
+
+
+def test_all_problems_are_listed_not_just_the_first(capsys, grpo_script):
+    rc, out, _ = _run(capsys, str(grpo_script), "data.truncation=sideways", "actor_rollout_ref.rollout.top_p=2",
+                      "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.use_kl_in_reward=True")
+    assert rc == 1
+    assert "Problems: 2 errors, 2 warnings" in out
+    assert "error: data.truncation='sideways' is not one of" in out
+    assert "error: actor_rollout_ref.rollout.top_p=2" in out
+    assert "warning: KL is used twice" in out and "warning: actor_rollout_ref.actor.entropy_coeff=0.01 with grpo" in out
+    assert "skipped: the model's shape is unknown" in out  # the hub id is not a local folder here
+
+
+def test_plan_specific_checks(capsys, grpo_script):
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+                      "actor_rollout_ref.actor.kl_loss_coef=0", "--json")
+    data = json.loads(out)
+    assert rc == 1 and any("tensor_model_parallel_size=3 must divide the 8 GPUs" in e for e in data["errors"])
+    assert any("kl_loss_coef=0" in w for w in data["warnings"])
+
+
+def test_bad_script_names_file_and_line(capsys, tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/bash\npython3 -m verl.trainer.main_ppo \\\n    data.train_batch_size=64 \\\n"
+                      "    actor_rollout_ref.actor.ppo_mini_batchsize=8 \\\n    trainer.nnodes=1\n")
+    rc, _, err = _run(capsys, "--script", str(script))
+    assert rc == 2 and f"{script}:4" in err and "unknown config key 'actor_rollout_ref.actor.ppo_mini_batchsize'" in err
+    assert "did you mean actor_rollout_ref.actor.ppo_mini_batch_size" in err
+    script.write_text("python3 -m verl.trainer.main_ppo \\\n    data.train_batch_size=many\n")
+    rc, _, err = _run(capsys, str(script))
+    assert rc == 2 and f"{script}:2" in err and "wrong type: expected int" in err
+    script.write_text("python3 -m verl.trainer.main_ppo \\\n    trainer.project_name='open\n")
+    rc, _, err = _run(capsys, str(script))
+    assert rc == 2 and f"{script}:1: cannot parse shell line" in err
+
+
+def test_bad_yaml_names_file_and_line(capsys, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("data:\n  train_batch_size: 64\nalgorithm:\n  adv_estimatr: grpo\n")
+    rc, _, err = _run(capsys, "--config", str(cfg))
+    assert rc == 2 and f"{cfg}:4" in err and "unknown config key 'algorithm.adv_estimatr'" in err
+
+
+def test_grpo_pitfalls_are_reported(capsys, grpo_script):
+    # n=1 gives GRPO groups of one; temperature 0 makes the n samples identical
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.n=1", "--json")
+    assert rc == 1 and any("rollout.n=1 gives groups of one" in e for e in json.loads(out)["errors"])
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.temperature=0", "--json")
+    assert rc == 1 and any("temperature=0 with do_sample=True" in e for e in json.loads(out)["errors"])
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.do_sample=False", "--json")
+    assert rc == 0 and any("greedy samples are identical" in w for w in json.loads(out)["warnings"])
