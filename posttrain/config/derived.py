@@ -160,8 +160,10 @@ def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
     rollout_micro = _log_prob_micro("actor_rollout_ref.rollout", rollout.log_prob_micro_batch_size,
                                     rollout.log_prob_micro_batch_size_per_gpu, dp, rollout.log_prob_use_dynamic_bsz, True)
     ref = arr.ref
-    ref_micro = _log_prob_micro("actor_rollout_ref.ref", ref.log_prob_micro_batch_size, ref.log_prob_micro_batch_size_per_gpu,
-                                dp, ref.log_prob_use_dynamic_bsz, uses_reference(config))
+    ref_micro = None
+    if uses_reference(config):
+        ref_micro = _log_prob_micro("actor_rollout_ref.ref", ref.log_prob_micro_batch_size,
+                                    ref.log_prob_micro_batch_size_per_gpu, dp, ref.log_prob_use_dynamic_bsz, True)
     return DerivedSizes(world, dp, tbs, responses, per_rank, actor_sizes, critic_sizes, rollout_micro, ref_micro)
 
 

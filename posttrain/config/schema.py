@@ -23,6 +23,20 @@ class CustomClsConfig:
 
 
 @_cfg()
+class ArithmeticTaskConfig:
+    digits: int = 1
+    """(posttrain) Digits per operand of the built-in arithmetic task (used when data.train_files is null)."""
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    """(posttrain) Operators of the built-in task: any of +, -, *."""
+    n_train: int = 1024
+    """(posttrain) Training problems of the built-in task."""
+    n_test: int = 64
+    """(posttrain) Held-out problems of the built-in task (disjoint from training)."""
+    seed: int = 0
+    """(posttrain) Seed of the built-in task's problem generator."""
+
+
+@_cfg()
 class DataConfig:
     tokenizer: Optional[str] = None
     """Tokenizer path (null: the actor model's)."""
@@ -70,6 +84,8 @@ class DataConfig:
     """Custom dataset class."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for tokenizer.apply_chat_template."""
+    arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    """(posttrain) The built-in arithmetic task, used where train_files / val_files are null."""
 
 
 @_cfg()
@@ -188,6 +204,8 @@ class TrainerConfig:
     """verl worker implementation switch (accepted; posttrain has one implementation)."""
     seed: int = 1
     """(posttrain) Seed of model sampling and initialisation."""
+    max_consecutive_nonfinite: int = 3
+    """(posttrain) Stop after this many steps in a row whose update had a non-finite loss or gradient."""
     run_dir: Optional[str] = None
     """(posttrain) Folder for metrics.jsonl, plots and tracker files (null: outputs/<project>/<experiment>)."""
 

@@ -1,0 +1,1 @@
+"""The training loop and what surrounds it: setup, metrics, validation, checkpoints, export."""

@@ -1,0 +1,545 @@
+"""Checkpoints in verl's layout, written atomically and loaded without executing code.
+
+```
+root/
+  latest_checkpointed_iteration.txt   N, written last: the commit point of a save
+  global_step_N/
+    actor/    model.safetensors  optimizer.pt  lr_scheduler.pt  [generator.pt]
+              huggingface/       config.json + tokenizer files (enough to export the actor alone)
+    critic/   the same files
+    extra_state.json                  trainer step, data sampler, KL controller, config fingerprint
+    rng_state.pt                      python / numpy / torch (/ cuda) generator states
+    COMPLETE                          manifest {file: size}, the last file written before the rename
+```
+
+A save writes everything into `root/.tmp_global_step_N_<pid>/`, fsyncs it, writes `COMPLETE`,
+renames the folder to `global_step_N`, then replaces the tracker. A process killed at any moment
+leaves the previous or the new checkpoint complete; leftovers (`.tmp_*`, `.old_*`, `.trash_*`)
+are ignored by readers and removed by the next save. Only one process (rank 0) may save into a root.
+
+Loading never runs code from the checkpoint: safetensors for weights, JSON, and
+`torch.load(weights_only=True)`, whose refusal becomes a `CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "LoadedCheckpoint",
+    "RoleState",
+    "capture_rng",
+    "check_compatible",
+    "config_fingerprint",
+    "load_checkpoint",
+    "resolve_resume",
+    "restore_rng",
+    "safe_torch_load",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MARKER = "COMPLETE"
+EXTRA_FILE = "extra_state.json"
+RNG_FILE = "rng_state.pt"
+HF_DIR = "huggingface"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "lr_scheduler.pt"
+GENERATOR_FILE = "generator.pt"
+FINGERPRINT_KEY = "config_fingerprint"
+
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+_OLD_DIR = re.compile(r"\.old_global_step_(\d+)_\d+")
+_SCRATCH = (".tmp_", ".old_", ".trash_")
+_ROLE_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+# Names the fingerprint keys go by in error messages.
+_FINGERPRINT_NAMES = {
+    "model_path": "actor_rollout_ref.model.path",
+    "adv_estimator": "algorithm.adv_estimator",
+    "critic": "critic.enable",  # resolved: null means "only for gae"
+    "vocab_size": "model vocab_size",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unsafe to load, or from a different run config."""
+
+
+@dataclass
+class RoleState:
+    """What one role (actor, critic) saves. Everything but ``model`` is optional."""
+
+    model: dict[str, torch.Tensor]
+    """state_dict of tensors -> model.safetensors (tied / shared tensors are written as copies)."""
+    optimizer: dict | None = None
+    """optimizer.state_dict() -> optimizer.pt."""
+    scheduler: dict | None = None
+    """lr_scheduler.state_dict() -> lr_scheduler.pt."""
+    generator: torch.Tensor | None = None
+    """The worker's shuffle-generator state (torch.Generator.get_state()) -> generator.pt."""
+    hf_config: Any = None
+    """transformers PretrainedConfig -> huggingface/config.json (needed by `posttrain export`)."""
+    tokenizer: Any = None
+    """Tokenizer -> huggingface/."""
+
+    @classmethod
+    def from_worker(cls, state: Mapping[str, Any], hf_config: Any = None, tokenizer: Any = None) -> "RoleState":
+        """From a worker's ``state_dict()`` (keys model, optimizer, lr_scheduler, generator)."""
+        return cls(model=state["model"], optimizer=state.get("optimizer"), scheduler=state.get("lr_scheduler"),
+                   generator=state.get("generator"), hf_config=hf_config, tokenizer=tokenizer)
+
+    def worker_state(self) -> dict[str, Any]:
+        """The inverse of `from_worker`: a dict for the worker's ``load_state_dict``."""
+        state = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.scheduler,
+                 "generator": self.generator}
+        return {k: v for k, v in state.items() if v is not None}
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    roles: dict[str, RoleState]
+    extra: dict[str, Any]
+    rng: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointManager:
+    """Saves, finds, prunes and loads the checkpoints under one root folder."""
+
+    def __init__(self, root_dir: str | os.PathLike, max_actor_ckpt_to_keep: int | None = None,
+                 max_critic_ckpt_to_keep: int | None = None):
+        self.root = Path(root_dir)
+        # verl: null or a non-positive number keeps everything.
+        self.keep = {"actor": max_actor_ckpt_to_keep, "critic": max_critic_ckpt_to_keep}
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{int(step)}"
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, roles: Mapping[str, RoleState], extra: Mapping[str, Any]) -> Path:
+        """Write ``global_step_{step}`` atomically, point the tracker at it, prune; returns its path."""
+        if not roles:
+            raise CheckpointError("save() needs at least one role (e.g. {'actor': RoleState(...)})")
+        bad = [name for name in roles if not _ROLE_NAME.fullmatch(name)]
+        if bad:
+            raise CheckpointError(f"role names must be plain folder names, got {bad}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._recover()
+        self._clean_scratch()
+        tmp = self.root / f".tmp_global_step_{int(step)}_{os.getpid()}"
+        tmp.mkdir()
+        try:
+            for name, role in roles.items():
+                _write_role(tmp / name, role)
+            _write_json(tmp / EXTRA_FILE, dict(extra))
+            torch.save(capture_rng(), tmp / RNG_FILE)
+            _seal(tmp, int(step), list(roles))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed process leaves it to the next save instead
+            raise
+        final = self.step_dir(step)
+        self._install(tmp, final)
+        self._write_tracker(int(step))
+        self._prune()
+        return final
+
+    def _install(self, tmp: Path, final: Path) -> None:
+        """Rename the sealed folder into place; an existing one is moved aside first, deleted after."""
+        old = None
+        if final.exists():
+            old = self.root / f".old_{final.name}_{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        if old is not None:
+            self._discard(old)
+
+    def _write_tracker(self, step: int) -> None:
+        tmp = self.root / f".tmp_tracker_{os.getpid()}"
+        _write_bytes(tmp, str(step).encode())
+        os.replace(tmp, self.root / TRACKER)
+        _fsync_dir(self.root)
+
+    def _recover(self) -> None:
+        """Put back a checkpoint moved aside by a save that died before its replacement landed."""
+        for old in sorted(self.root.iterdir()):
+            match = _OLD_DIR.fullmatch(old.name)
+            if match and not self.step_dir(int(match[1])).exists() and _problem(old) is None:
+                os.replace(old, self.step_dir(int(match[1])))
+                _fsync_dir(self.root)
+
+    def _clean_scratch(self) -> None:
+        for entry in self.root.iterdir():
+            if entry.name.startswith(_SCRATCH):
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+    def _discard(self, path: Path) -> None:
+        """Rename to root/.trash_* first, so a half-deleted folder never looks like a checkpoint."""
+        trash = self.root / f".trash_{path.relative_to(self.root).as_posix().replace('/', '__')}_{os.getpid()}"
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # ------------------------------------------------------------------ prune
+    def _prune(self) -> None:
+        """Keep the newest N checkpoints of each limited role; never touch the tracked one."""
+        tracked = self.tracked_step()
+        found = []  # (step, path, manifest), newest first
+        for path in reversed(self.step_dirs()):
+            if _problem(path) is None:
+                manifest = _read_manifest(path)
+                found.append((int(manifest["step"]), path, manifest))
+        dropped: dict[int, set[str]] = {}
+        for role, limit in self.keep.items():
+            if limit is None or int(limit) <= 0:
+                continue
+            holders = [step for step, _, manifest in found if role in manifest["roles"]]
+            for step in holders[int(limit):]:
+                dropped.setdefault(step, set()).add(role)
+        for step, path, manifest in found:
+            if step == tracked or step not in dropped:
+                continue
+            remaining = [r for r in manifest["roles"] if r not in dropped[step]]
+            if not remaining:
+                self._discard(path)
+            else:
+                self._drop_roles(path, manifest, remaining)
+
+    def _drop_roles(self, path: Path, manifest: dict, remaining: list[str]) -> None:
+        """Rewrite the manifest without the dropped roles first, then delete their folders."""
+        gone = [r for r in manifest["roles"] if r not in remaining]
+        files = {f: size for f, size in manifest["files"].items() if f.split("/", 1)[0] not in gone}
+        tmp = self.root / f".tmp_manifest_{os.getpid()}"
+        _write_bytes(tmp, json.dumps({**manifest, "roles": remaining, "files": files}, indent=1).encode())
+        os.replace(tmp, path / MARKER)
+        _fsync_dir(path)
+        for role in gone:
+            if (path / role).exists():
+                self._discard(path / role)
+
+    # ------------------------------------------------------------------ find
+    def step_dirs(self) -> list[Path]:
+        """Every ``global_step_N`` folder (complete or not), oldest first."""
+        if not self.root.is_dir():
+            return []
+        dirs = [p for p in self.root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir()]
+        return sorted(dirs, key=lambda p: int(_STEP_DIR.fullmatch(p.name)[1]))
+
+    def tracked_step(self) -> int | None:
+        try:
+            return int((self.root / TRACKER).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def latest(self) -> Path | None:
+        """The tracker's checkpoint if complete, else the newest complete one (with a warning), else None.
+
+        Read-only: a checkpoint moved aside by a save that died mid-replace is returned where it lies.
+        """
+        if not self.root.is_dir():
+            return None
+        tracked = self.tracked_step()
+        if tracked is not None:
+            path = self._located(tracked)
+            problem = _problem(path)
+            if problem is None:
+                return path
+            logger.warning("%s says step %d but %s; falling back to the newest complete checkpoint",
+                           self.root / TRACKER, tracked, problem)
+        complete = [p for p in self.step_dirs() if _problem(p) is None]
+        if not complete:
+            return None
+        if tracked is None:
+            logger.warning("%s has no %s; using the newest complete checkpoint %s",
+                           self.root, TRACKER, complete[-1].name)
+        return complete[-1]
+
+    def _located(self, step: int) -> Path:
+        path = self.step_dir(step)
+        if not path.exists():
+            for old in sorted(self.root.glob(f".old_global_step_{step}_*")):
+                if _problem(old) is None:
+                    return old
+        return path
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: str | os.PathLike | int, *, hf: bool = False) -> LoadedCheckpoint:
+        """Load a ``global_step_N`` folder (or step number under this root); see `load_checkpoint`."""
+        return load_checkpoint(self.step_dir(path) if isinstance(path, int) else path, hf=hf)
+
+
+# ---------------------------------------------------------------------- writing
+def _write_role(folder: Path, role: RoleState) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file(_unshared(role.model), folder / MODEL_FILE, metadata={"format": "pt"})
+    for obj, name in ((role.optimizer, OPTIMIZER_FILE), (role.scheduler, SCHEDULER_FILE),
+                      (role.generator, GENERATOR_FILE)):
+        if obj is not None:
+            torch.save(obj, folder / name)
+    if role.hf_config is not None:
+        role.hf_config.save_pretrained(folder / HF_DIR)
+    if role.tokenizer is not None:
+        role.tokenizer.save_pretrained(folder / HF_DIR)
+
+
+def _unshared(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors with no two sharing storage (tied embeddings become two copies)."""
+    out, seen = {}, set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"model state {key!r} is a {type(value).__name__}, not a tensor")
+        tensor = value.detach().cpu().contiguous()
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
+        return obj.tolist()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    try:
+        text = json.dumps(obj, indent=1, default=_json_default)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path.name}: extra state must be JSON-able ({err})") from None
+    _write_bytes(path, text.encode())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seal(folder: Path, step: int, roles: list[str]) -> None:
+    """fsync every file and folder, then write the COMPLETE manifest (fsynced) last."""
+    files = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = Path(dirpath) / name
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            files[path.relative_to(folder).as_posix()] = path.stat().st_size
+    for dirpath, _, _ in os.walk(folder):
+        _fsync_dir(Path(dirpath))
+    manifest = {"step": step, "roles": roles, "files": dict(sorted(files.items()))}
+    _write_bytes(folder / MARKER, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(folder)
+
+
+# ---------------------------------------------------------------------- reading
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        manifest = json.loads((path / MARKER).read_text())
+        int(manifest["step"]), list(manifest["roles"]), dict(manifest["files"])
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when it is."""
+    if not path.is_dir():
+        return f"{path} does not exist"
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return f"{path} has no readable {MARKER} marker (the save did not finish)"
+    for name, size in manifest["files"].items():
+        file = path / name
+        try:
+            actual = file.stat().st_size
+        except OSError:
+            return f"{file} is missing"
+        if actual != size:
+            return f"{file} has {actual} bytes, the manifest says {size}"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """The manifest of a complete checkpoint folder; `CheckpointError` saying what is wrong otherwise."""
+    problem = _problem(Path(path))
+    if problem is not None:
+        raise CheckpointError(f"not a complete checkpoint: {problem}")
+    return _read_manifest(Path(path))
+
+
+def safe_torch_load(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors, numbers, strings and containers, never code."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"[^\n]*(?:unsupported (?:global: )?GLOBAL|Unsupported operand)[^\n]*", str(err), re.I)
+        reason = (found[0] if found else str(err).splitlines()[0]).strip().rstrip(".")
+        raise CheckpointError(f"refusing to load {path}: it holds Python objects, not just tensors and "
+                              f"numbers ({reason}); only weights_only files are loaded") from None
+    except Exception as err:  # truncated or foreign file
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def _load_role(folder: Path, hf: bool) -> RoleState:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        model = load_file(folder / MODEL_FILE, device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"cannot read {folder / MODEL_FILE}: {err}") from err
+
+    def optional(name: str) -> Any:
+        return safe_torch_load(folder / name) if (folder / name).exists() else None
+
+    role = RoleState(model=model, optimizer=optional(OPTIMIZER_FILE), scheduler=optional(SCHEDULER_FILE),
+                     generator=optional(GENERATOR_FILE))
+    hf_dir = folder / HF_DIR
+    if hf and (hf_dir / "config.json").exists():
+        from transformers import AutoConfig
+
+        role.hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    if hf and (hf_dir / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        role.tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
+    return role
+
+
+def load_checkpoint(path: str | os.PathLike, *, hf: bool = False) -> LoadedCheckpoint:
+    """Load a complete ``global_step_N`` folder; ``hf=True`` also loads each role's config and tokenizer."""
+    path = Path(path)
+    manifest = verify_checkpoint(path)
+    roles = {name: _load_role(path / name, hf) for name in manifest["roles"]}
+    try:
+        extra = json.loads((path / EXTRA_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path / EXTRA_FILE}: {err}") from err
+    rng = safe_torch_load(path / RNG_FILE) if (path / RNG_FILE).exists() else {}
+    return LoadedCheckpoint(path=path, step=int(manifest["step"]), roles=roles, extra=extra, rng=rng)
+
+
+# ---------------------------------------------------------------------- rng
+def capture_rng() -> dict[str, Any]:
+    """python / numpy / torch (/ cuda) generator states as tensors and numbers (weights_only loadable)."""
+    version, state, gauss_next = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    rng: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(state, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    """Inverse of `capture_rng` (missing parts are left alone)."""
+    if "python" in rng:
+        py = rng["python"]
+        random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    if "numpy" in rng:
+        npy = rng["numpy"]
+        np.random.set_state(("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"]))
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        if len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        else:
+            logger.warning("checkpoint has CUDA rng states for %d devices, this machine has %d; not restored",
+                           len(rng["cuda"]), torch.cuda.device_count())
+
+
+# ---------------------------------------------------------------------- resume
+def config_fingerprint(config: Any, vocab_size: int | None = None) -> dict[str, Any]:
+    """What must match between the run that saved a checkpoint and the run resuming it."""
+    from posttrain.config import uses_critic
+
+    return {"model_path": str(config.actor_rollout_ref.model.path), "adv_estimator": config.algorithm.adv_estimator,
+            "critic": uses_critic(config), "vocab_size": vocab_size}
+
+
+def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose ``extra["config_fingerprint"]`` differs from this run's."""
+    saved = extra.get(FINGERPRINT_KEY)
+    if saved is None:
+        logger.warning("checkpoint has no %s; cannot check it was saved with this config", FINGERPRINT_KEY)
+        return
+    current = json.loads(json.dumps(dict(current_fingerprint), default=_json_default))  # tuples -> lists
+    mismatches = [f"{_FINGERPRINT_NAMES.get(k, k)}={saved[k]}, this run has {current[k]}"
+                  for k in current if k in saved and saved[k] != current[k]]
+    if mismatches:
+        raise CheckpointError("checkpoint was saved with " + "; and ".join(mismatches) +
+                              ". Resume with the same settings, or start over with trainer.resume_mode=disable "
+                              "or another trainer.default_local_dir")
+
+
+def resolve_resume(trainer_config: Any) -> Path | None:
+    """verl's ``trainer.resume_mode``: auto (latest complete checkpoint or None), disable, resume_path."""
+    trainer = getattr(trainer_config, "trainer", trainer_config)  # accepts the whole config too
+    mode = trainer.resume_mode
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return CheckpointManager(trainer.default_local_dir).latest()
+    if mode != "resume_path":
+        raise CheckpointError(f"trainer.resume_mode={mode!r}: valid modes are auto, disable, resume_path")
+    raw = trainer.resume_from_path
+    if not raw:
+        raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
+    path = Path(raw).expanduser().absolute()
+    if not _STEP_DIR.fullmatch(path.name):
+        hint = ""
+        if path.is_dir():
+            latest = CheckpointManager(path).latest()
+            hint = f" (its latest is {latest})" if latest else ""
+        raise CheckpointError(f"trainer.resume_from_path={raw} must be a global_step_N folder{hint}")
+    problem = _problem(path)
+    if problem is not None:
+        raise CheckpointError(f"trainer.resume_from_path={raw}: {problem}")
+    return path
+

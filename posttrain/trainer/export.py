@@ -1,0 +1,122 @@
+"""`posttrain export CHECKPOINT --output DIR`: a checkpoint's actor as a Hugging Face model folder.
+
+CHECKPOINT is a ``global_step_N`` folder, its ``actor/`` subfolder, or a checkpoint root (then its
+latest complete checkpoint). The model is rebuilt from ``actor/huggingface/config.json`` without any
+``quantization_config`` (GGUF-loaded models carry one and transformers refuses to save them), the
+weights are loaded strictly from ``model.safetensors``, and the folder is written with safetensors
+plus the tokenizer, ready for ``AutoModelForCausalLM.from_pretrained(DIR)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from posttrain.trainer.checkpoint import (
+    HF_DIR,
+    MODEL_FILE,
+    CheckpointError,
+    CheckpointManager,
+    verify_checkpoint,
+)
+
+__all__ = ["export_actor", "main", "resolve_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The ``global_step_N`` folder meant by a step folder, its ``actor/`` subfolder or a checkpoint root."""
+    path = Path(path)
+    if path.name == "actor" and path.parent.name.startswith("global_step_"):
+        return path.parent
+    if path.name.startswith("global_step_"):
+        return path
+    manager = CheckpointManager(path)
+    if manager.step_dirs() or manager.tracked_step() is not None:
+        latest = manager.latest()
+        if latest is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint")
+        return latest
+    raise CheckpointError(f"{path} is not a checkpoint: give a global_step_N folder, its actor/ subfolder, "
+                          "or a checkpoint root (trainer.default_local_dir)")
+
+
+def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
+    """Write the actor of a checkpoint as a Hugging Face folder (safetensors + config + tokenizer)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    step_dir = resolve_checkpoint(checkpoint_path)
+    manifest = verify_checkpoint(step_dir)
+    if "actor" not in manifest["roles"]:
+        raise CheckpointError(f"{step_dir} has no actor (roles: {', '.join(manifest['roles'])})")
+    actor = step_dir / "actor"
+    hf_dir = actor / HF_DIR
+    if not (hf_dir / "config.json").exists():
+        raise CheckpointError(f"{hf_dir / 'config.json'} is missing: this checkpoint was saved without the "
+                              "model config (RoleState.hf_config) and cannot be exported on its own")
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = load_file(actor / MODEL_FILE, device="cpu")
+    model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
+    _load_strict(model, state, actor / MODEL_FILE)
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # transformers 4 needs safe_serialization=True; 5 dropped the argument and always writes safetensors.
+    takes_flag = "safe_serialization" in inspect.signature(model.save_pretrained).parameters
+    model.save_pretrained(out, **({"safe_serialization": True} if takes_flag else {}))
+    if (hf_dir / "tokenizer_config.json").exists():
+        AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False).save_pretrained(out)
+    else:
+        logger.warning("%s has no tokenizer; exported the model only", hf_dir)
+    return out
+
+
+def _weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype most weights were saved in (the export keeps the training precision)."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """load_state_dict(strict) that forgives a missing key only when it is tied to a loaded one."""
+    result = model.load_state_dict(state, strict=False)
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(param.data_ptr(), []).append(name)
+    tied_to_loaded = {n for names in shared.values() if any(m in state for m in names) for n in names}
+    missing = [k for k in result.missing_keys if k not in tied_to_loaded]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{source} does not match the model built from its config: "
+                              f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="posttrain export",
+                                     description="Write a checkpoint's actor as a Hugging Face model folder.")
+    parser.add_argument("checkpoint", help="global_step_N folder, its actor/ subfolder, or a checkpoint root (latest)")
+    parser.add_argument("--output", "-o", required=True, help="folder to write (config, safetensors, tokenizer)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        out = export_actor(args.checkpoint, args.output)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported the actor of {resolve_checkpoint(args.checkpoint)} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

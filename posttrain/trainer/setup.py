@@ -1,0 +1,129 @@
+"""Build a run's parts from its config: device, tokenizer, datasets, workers, reward function.
+
+Each builder is a plain function so that tests and recipes can replace one part (a tiny model,
+a custom reward) without touching the others.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from posttrain.config import ConfigError, PostTrainConfig, uses_critic, uses_reference
+from posttrain.data import RLHFDataset, build_train_loader, build_val_loader
+from posttrain.data.arithmetic import default_dataset_files
+
+
+def resolve_device(config: PostTrainConfig) -> torch.device:
+    want = config.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def check_single_process(config: PostTrainConfig) -> None:
+    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    if world != 1:
+        raise ConfigError(
+            f"trainer.nnodes={config.trainer.nnodes} x trainer.n_gpus_per_node={config.trainer.n_gpus_per_node} "
+            f"= {world} processes: multi-process training (FSDP2 / Ray) is not available yet; "
+            "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+        )
+
+
+def check_rollout_engine(config: PostTrainConfig) -> None:
+    """Fail at start-up, not mid-run, when the named engine cannot be used."""
+    from posttrain.rollout import get_rollout_engine  # noqa: F401  (import errors surface here)
+
+    name = config.actor_rollout_ref.rollout.name
+    if name != "hf":
+        import importlib.util
+
+        installed = importlib.util.find_spec(name) is not None
+        hint = "it is installed, but posttrain's engine for it is not implemented yet" if installed else f"pip install {name}"
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.name={name}: {hint}; use actor_rollout_ref.rollout.name=hf "
+            "(transformers generate) meanwhile"
+        )
+
+
+def data_files(config: PostTrainConfig) -> tuple[Any, Any]:
+    """(train, val) files; null means the built-in arithmetic task (written once into a cache)."""
+    train, val = config.data.train_files, config.data.val_files
+    if train is None or val is None:
+        a = config.data.arithmetic
+        builtin_train, builtin_val = default_dataset_files(
+            digits=a.digits, ops=tuple(a.ops), n_train=a.n_train, n_test=a.n_test, seed=a.seed)
+        train = builtin_train if train is None else train
+        val = builtin_val if val is None else val
+    return _expand(train), _expand(val)
+
+
+def _expand(files: Any) -> Any:
+    if isinstance(files, (list, tuple)):
+        return [os.path.expanduser(str(f)) for f in files]
+    return os.path.expanduser(str(files))
+
+
+@dataclass
+class Data:
+    train: RLHFDataset
+    val: RLHFDataset
+    train_loader: Any
+    val_loader: Any
+
+
+def build_data(config: PostTrainConfig, tokenizer) -> Data:
+    train_files, val_files = data_files(config)
+    train = RLHFDataset(train_files, tokenizer, config.data)
+    val = RLHFDataset(val_files, tokenizer, config.data)
+    if len(train) < config.data.train_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={config.data.train_batch_size} is larger than the {len(train)} usable training "
+            f"prompts in {train_files}; lower data.train_batch_size"
+        )
+    return Data(train, val, build_train_loader(train, config.data), build_val_loader(val, config.data))
+
+
+def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
+    from posttrain.rewards import RewardManager, load_custom_reward_fn
+
+    crf = config.custom_reward_function
+    compute_score = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
+    return RewardManager(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
+                         num_workers=config.reward.num_workers, on_error=config.reward.on_error)
+
+
+@dataclass
+class Workers:
+    actor: Any
+    ref: Any
+    critic: Any
+
+
+def build_workers(config: PostTrainConfig, device: torch.device, seed: int,
+                  actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None) -> Workers:
+    """Actor (+ hybrid rollout), reference when KL is used, critic for GAE.
+
+    `config` holds per-rank batch sizes (`posttrain.config.worker_config`).
+    """
+    from posttrain.workers import ActorWorker, CriticWorker, RefWorker
+
+    arr = config.actor_rollout_ref
+    actor = ActorWorker(arr.model, arr.actor, arr.rollout, device=device, module=actor_module,
+                        tokenizer=tokenizer, seed=seed)
+    ref = RefWorker.from_actor(actor, arr.ref) if uses_reference(config) else None
+    critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed) if uses_critic(config) else None
+    return Workers(actor, ref, critic)
+
+
+def run_dir(config: PostTrainConfig) -> Path:
+    if config.trainer.run_dir:
+        return Path(config.trainer.run_dir).expanduser()
+    return Path("outputs") / config.trainer.project_name / config.trainer.experiment_name

@@ -1,0 +1,288 @@
+"""The RL training loop. One step (`train_step`) reads top to bottom:
+
+    prompts -> generate n -> reward -> old log-prob -> ref log-prob -> values -> advantages
+            -> critic update -> actor update -> metrics
+
+The algorithm is chosen by config alone (`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`,
+KL settings); `GRPOTrainer` and `PPOTrainer` are the same loop under the names users look for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+import signal
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from posttrain.algorithms import get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
+from posttrain.batch import Batch
+from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
+                              validate_config, worker_config)
+from posttrain.trainer import setup
+from posttrain.trainer.checkpointing import TrainerCheckpointing
+from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
+from posttrain.trainer.validation import run_validation
+
+# Estimators whose baseline is the reward of a greedy response to the same prompt (ReMax).
+GREEDY_BASELINE_ESTIMATORS = {"remax"}
+
+
+class NonFiniteError(RuntimeError):
+    """Several steps in a row produced non-finite losses or gradients."""
+
+
+class RLTrainer:
+    """PPO / GRPO / RLOO / REINFORCE++ / ReMax / ... on one process (CPU or one GPU).
+
+    Args:
+        config: a loaded config (`posttrain.load_config`).
+        actor_module, critic_module, tokenizer: use these instead of loading from the config's paths
+            (tests build tiny random models this way).
+    """
+
+    def __init__(self, config: PostTrainConfig, *, actor_module: Any = None, critic_module: Any = None,
+                 tokenizer: Any = None):
+        validate_config(config)
+        setup.check_single_process(config)
+        setup.check_rollout_engine(config)
+        self.config, self.sizes = config, derive_sizes(config)
+        self.device = setup.resolve_device(config)
+        seed_everything(config.trainer.seed)
+        if tokenizer is None:
+            from posttrain.models import load_tokenizer
+
+            m = config.actor_rollout_ref.model
+            tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, custom_chat_template=m.custom_chat_template)
+        self.tokenizer = tokenizer
+        self.data = setup.build_data(config, tokenizer)
+        self.total_steps = self._total_steps()
+        wcfg = worker_config(config, self.sizes)
+        for optim in (wcfg.actor_rollout_ref.actor.optim, wcfg.critic.optim):
+            if optim.total_training_steps < 0:
+                optim.total_training_steps = self.total_steps
+        self.workers = setup.build_workers(wcfg, self.device, config.trainer.seed, actor_module, critic_module, tokenizer)
+        self.reward_fn = setup.build_reward_fn(config, tokenizer)
+        algo = config.algorithm
+        self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
+        self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
+        self.use_critic = uses_critic(config)
+        self.global_step = 0
+        self.history: list[dict[str, float]] = []
+        self.checkpointing = TrainerCheckpointing(self)
+        self._stop_signal: int | None = None
+        self._nonfinite_streak = 0
+
+    # ------------------------------------------------------------------ reward function (Python API)
+    @property
+    def reward_fn(self) -> Callable[[Batch], tuple]:
+        return self._reward_fn
+
+    @reward_fn.setter
+    def reward_fn(self, fn: Callable) -> None:
+        """Accepts a reward manager, a per-row `compute_score(data_source, solution_str, ground_truth,
+        extra_info=None)`, or a batch form `fn(batch) -> tensor[N]`."""
+        from posttrain.rewards import BatchRewardFn, RewardManager
+
+        if isinstance(fn, (RewardManager, BatchRewardFn)):
+            self._reward_fn = fn
+        elif "solution_str" in inspect.signature(fn).parameters:
+            self._reward_fn = RewardManager(self.tokenizer, compute_score=fn, reward_fn_key=self.config.data.reward_fn_key,
+                                            on_error=self.config.reward.on_error)
+        else:
+            self._reward_fn = BatchRewardFn(fn)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, prompts: Batch) -> dict[str, float]:
+        cfg, w, timer, metrics = self.config, self.workers, StageTimer(), {}
+        with timer("step"):
+            prompts.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
+            prompts.non_tensor_batch["uid"] = np.array(
+                [f"s{self.global_step}-p{i}" for i in range(len(prompts))], dtype=object)
+            with timer("gen"):
+                batch = w.actor.generate_sequences(prompts)
+                if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
+                    baseline = self._greedy_baseline(prompts)
+            with timer("reward"):
+                batch["token_level_scores"], extra = self.reward_fn(batch)
+                metrics.update(_extra_metrics(extra))
+            with timer("old_log_prob"):
+                batch["old_log_probs"], entropy = w.actor.compute_log_prob(batch)
+                metrics.update(mean_entropy(entropy, batch["response_mask"]))
+                metrics.update(rollout_actor_diff(batch))
+            if w.ref is not None:
+                with timer("ref"):
+                    batch["ref_log_prob"] = w.ref.compute_ref_log_prob(batch)
+            if self.use_critic:
+                with timer("values"):
+                    batch["values"] = w.critic.compute_values(batch)
+            with timer("adv"):
+                batch["token_level_rewards"] = self._rewards_with_kl(batch, metrics)
+                batch["advantages"], batch["returns"] = self.adv_fn(
+                    token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+                    index=batch.non_tensor_batch["uid"], values=batch["values"] if self.use_critic else None,
+                    reward_baselines=baseline if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS else None,
+                    gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, config=cfg.algorithm)
+            if self.use_critic:
+                with timer("update_critic"):
+                    metrics.update(w.critic.update_critic(batch))
+            if self.global_step > cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(w.actor.update_policy(batch))
+        metrics.update(compute_data_metrics(batch, self.use_critic))
+        metrics.update(timer.metrics())
+        metrics.update(throughput(batch, timer.seconds["step"], self.sizes.world_size))
+        metrics.update({"training/global_step": self.global_step, "training/epoch": self.data.train_loader.epoch})
+        self.last_batch = batch
+        return metrics
+
+    def _greedy_baseline(self, prompts: Batch) -> torch.Tensor:
+        """ReMax: score of a greedy response per prompt, repeated for its n samples -> `[N]`."""
+        greedy = self.workers.actor.generate_sequences(prompts, validate=True)
+        scores, _ = self.reward_fn(greedy)
+        return scores.sum(-1).repeat_interleave(self.config.actor_rollout_ref.rollout.n)
+
+    def _rewards_with_kl(self, batch: Batch, metrics: dict) -> torch.Tensor:
+        """token_level_scores - beta * KL(old || ref) when algorithm.use_kl_in_reward (verl's apply_kl_penalty)."""
+        scores = batch["token_level_scores"]
+        if self.kl_ctrl is None:
+            return scores
+        mask = batch["response_mask"].float()
+        kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], self.config.algorithm.kl_penalty) * mask
+        beta = self.kl_ctrl.value
+        current_kl = masked_mean(kld, mask, axis=-1).mean().item()
+        self.kl_ctrl.update(current_kl=current_kl, n_steps=len(batch))
+        metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta})
+        return scores - beta * kld
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        start = time.perf_counter()
+        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
+        batches = [b for b in _iterate_once(self.data.val_loader)]
+        metrics, _ = run_validation(batches, lambda p: self.workers.actor.generate_sequences(p, validate=True),
+                                    self.reward_fn, n, self.config.data.reward_fn_key)
+        metrics["timing_s/testing"] = time.perf_counter() - start
+        return metrics
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, float]]:
+        """Train until `total_steps`; returns the per-step metrics (also sent to `trainer.logger`)."""
+        from posttrain.tracking import Tracking
+
+        cfg = self.config.trainer
+        print(describe_sizes(self.sizes), flush=True)
+        tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
+                           _config_dict(self.config), self.total_steps)
+        self.checkpointing.maybe_resume()
+        if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
+            val = self.validate()
+            self.history.append({"step": 0, **val})
+            tracker.log(val, step=0)
+            if cfg.val_only:
+                tracker.finish()
+                return self.history
+        with _stop_on_signals(self):
+            while self.global_step < self.total_steps:
+                self.global_step += 1
+                metrics = self.train_step(self.data.train_loader.next_batch())
+                last = self.global_step == self.total_steps
+                if cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
+                    metrics.update(self.validate())
+                self._check_health(metrics)
+                if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
+                    self.checkpointing.save()
+                tracker.log(metrics, step=self.global_step)
+                self.history.append({"step": self.global_step, **metrics})
+                if self._stop_signal is not None:
+                    self.checkpointing.save_on_signal(self._stop_signal)
+                    break
+        if cfg.save_freq > 0 and self.global_step == self.total_steps:
+            self.checkpointing.export_final()
+        tracker.finish()
+        return self.history
+
+    def _total_steps(self) -> int:
+        if self.config.trainer.total_training_steps is not None:
+            return self.config.trainer.total_training_steps
+        return self.config.trainer.total_epochs * len(self.data.train_loader)
+
+    def _check_health(self, metrics: dict[str, float]) -> None:
+        """Skipped non-finite updates are counted by the workers; several steps in a row stop the run."""
+        bad = metrics.get("actor/nonfinite_skipped", 0) + metrics.get("critic/nonfinite_skipped", 0)
+        if bad == 0 and all(math.isfinite(v) for v in metrics.values()):
+            self._nonfinite_streak, self._last_finite = 0, metrics
+            return
+        self._nonfinite_streak += 1
+        limit = self.config.trainer.max_consecutive_nonfinite
+        if self._nonfinite_streak >= limit:
+            last = getattr(self, "_last_finite", {})
+            shown = {k: round(v, 5) for k, v in last.items() if k.startswith(("actor/", "critic/score"))}
+            raise NonFiniteError(
+                f"step {self.global_step}: {self._nonfinite_streak} steps in a row had a non-finite loss or gradient "
+                f"(limit trainer.max_consecutive_nonfinite={limit}); last finite metrics: {shown}. "
+                "Lower actor_rollout_ref.actor.optim.lr, or check the reward function for inf/nan.")
+
+
+GRPOTrainer = RLTrainer
+PPOTrainer = RLTrainer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _iterate_once(loader) -> list[Batch]:
+    return list(iter(loader))
+
+
+def _extra_metrics(extra: dict[str, np.ndarray]) -> dict[str, float]:
+    out = {}
+    for name, values in extra.items():
+        try:
+            arr = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError):
+            continue
+        key = name if "/" in name else f"reward/{name}"
+        out[f"{key}/mean" if name != "reward/errors" else key] = float(arr.mean() if name != "reward/errors" else arr.sum())
+    return out
+
+
+def _config_dict(config: PostTrainConfig) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]
+
+
+class _stop_on_signals:
+    """SIGINT/SIGTERM: let the current step finish, then save and stop; a second Ctrl-C aborts at once."""
+
+    def __init__(self, trainer: RLTrainer):
+        self.trainer, self.previous = trainer, {}
+
+    def _handler(self, signum, frame):
+        if self.trainer._stop_signal is not None:
+            raise KeyboardInterrupt
+        self.trainer._stop_signal = signum
+        print(f"\nreceived {signal.Signals(signum).name}: finishing step {self.trainer.global_step}, then saving "
+              "a checkpoint and stopping (press Ctrl-C again to abort now)", flush=True)
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        return False
