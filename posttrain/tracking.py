@@ -113,7 +113,11 @@ class MlflowBackend:
 
     def __init__(self, run_dir: Path, project: str, experiment: str, config: dict):
         self.mlflow = _require("mlflow", "mlflow")
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # recent mlflow (3.17 here) refuses file stores unless opted in; sqlite would cost ~9 s of migrations.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (run_dir / "mlruns").resolve().as_uri()
         self.mlflow.set_tracking_uri(uri)
         self.mlflow.set_experiment(project)
         self.run = self.mlflow.start_run(run_name=experiment)

@@ -126,7 +126,7 @@ class CheckpointManager:
 
     def __init__(self, root_dir: str | os.PathLike, max_actor_ckpt_to_keep: int | None = None,
                  max_critic_ckpt_to_keep: int | None = None):
-        self.root = Path(root_dir)
+        self.root = Path(root_dir).expanduser()
         # verl: null or a non-positive number keeps everything.
         self.keep = {"actor": max_actor_ckpt_to_keep, "critic": max_critic_ckpt_to_keep}
 

@@ -1,0 +1,81 @@
+"""posttrain export: a checkpoint's actor becomes a Hugging Face folder that generates like the original."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from posttrain.data.testing import build_tiny_tokenizer
+from posttrain.trainer.checkpoint import CheckpointManager, RoleState
+from posttrain.trainer.export import export_actor, main
+
+
+def _tiny_model(vocab_size: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, tie_word_embeddings=True, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # weights a fresh init would not have
+        model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+        model.model.embed_tokens.weight[5:9] += 0.5  # tied: lm_head changes too
+    return model
+
+
+def _greedy(model, tok, prompt: str = "12+7=") -> list[int]:
+    ids = torch.tensor([tok.encode(prompt)])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tok = build_tiny_tokenizer()
+    model = _tiny_model(len(tok))
+    root = tmp_path_factory.mktemp("ckpt")
+    model.config.quantization_config = {"quant_method": "gguf"}  # as a GGUF-loaded model carries
+    actor = RoleState(model=model.state_dict(), hf_config=model.config, tokenizer=tok)
+    CheckpointManager(root).save(4, {"actor": actor}, {"step": 4})
+    del model.config.quantization_config
+    return root, model, tok
+
+
+def test_export_generates_the_same_greedy_tokens(saved, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, model, tok = saved
+    assert main([str(root), "--output", str(tmp_path / "hf")]) == 0  # a root exports its latest
+    assert "global_step_4" in capsys.readouterr().out
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    exported_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    original = model.state_dict()
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, original[key]), key
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()  # still tied
+    assert exported_tok.encode("12+7=") == tok.encode("12+7=")
+    tokens = _greedy(model, tok)
+    assert _greedy(exported, exported_tok) == tokens
+    assert len(tokens) == 8
+
+
+def test_export_accepts_the_step_and_actor_folders(saved, tmp_path):
+    root, model, _ = saved
+    for i, path in enumerate([root / "global_step_4", root / "global_step_4" / "actor"]):
+        out = export_actor(path, tmp_path / f"out{i}")
+        assert (out / "config.json").exists() and (out / "tokenizer_config.json").exists()
+
+
+def test_export_of_a_non_checkpoint_fails_clearly(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), "--output", str(tmp_path / "out")]) == 2
+    assert "is not a checkpoint: give a global_step_N folder" in capsys.readouterr().err
+    (tmp_path / "global_step_1").mkdir()
+    assert main([str(tmp_path / "global_step_1"), "-o", str(tmp_path / "out")]) == 2
+    assert "COMPLETE marker" in capsys.readouterr().err

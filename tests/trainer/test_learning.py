@@ -1,0 +1,27 @@
+"""GRPO learns: reward 1 when the response starts with a chosen token. A random 2-layer model
+starts near 1/vocab (~1%); within 15 steps the mean reward must rise clearly."""
+
+import torch
+
+from posttrain.trainer.testing import tiny_trainer
+
+
+def test_grpo_raises_reward_on_trivial_task(tmp_path):
+    trainer = tiny_trainer(tmp_path, [
+        "trainer.total_training_steps=15", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32", "data.max_response_length=2",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+    ])
+    target = trainer.tokenizer.convert_tokens_to_ids("7")
+
+    def starts_with_target(batch):  # batch form: one score per response
+        return (batch["responses"][:, 0] == target).float()
+
+    trainer.reward_fn = starts_with_target
+    history = trainer.fit()
+    scores = torch.tensor([row["critic/score/mean"] for row in history])
+    first, last = scores[:3].mean().item(), scores[-3:].mean().item()
+    assert first < 0.2, first
+    assert last > 0.6, (first, last, scores.tolist())
