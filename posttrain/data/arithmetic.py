@@ -1,0 +1,218 @@
+"""The built-in arithmetic task: seeded problems like "What is 47 + 38?" with exact answers.
+
+Rows follow verl's schema with ``data_source="posttrain/arithmetic"`` and the answer as
+``reward_model.ground_truth``; the scorer (:mod:`posttrain.rewards.arithmetic`) wants the reply to
+end with ``#### <answer>``.
+
+Knobs: ``digits`` (operand width), ``ops`` (any of ``+ - *``), ``n_train``, ``n_test``, ``seed``,
+``prompt_style`` (how the question is asked; see :data:`PROMPT_STYLES`). Subtraction puts the
+larger operand first, so answers are never negative. Test questions never appear in train; when
+the question space is too small for ``n_train`` distinct train questions, train questions repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Sequence
+
+from posttrain.data.schema import write_rows
+
+__all__ = [
+    "DATA_SOURCE",
+    "PROMPT_STYLES",
+    "DEFAULT_PROMPT_STYLE",
+    "Problem",
+    "INSTRUCTION",
+    "demo_problem",
+    "make_messages",
+    "generate_problems",
+    "make_rows",
+    "write_arithmetic_parquet",
+    "default_dataset_files",
+]
+
+logger = logging.getLogger(__name__)
+
+DATA_SOURCE = "posttrain/arithmetic"
+
+INSTRUCTION = "End with #### and the answer."
+
+# prompt_style -> what the prompt holds.
+PROMPT_STYLES: dict[str, str] = {
+    "plain": "the bare question",
+    "instruct": "the question and INSTRUCTION",
+    "fewshot": "one worked example turn ('31 + 45 = 76\\n#### 76'), then the bare question",
+    "fewshot_instruct": "the same example turn, with INSTRUCTION after each question",
+}
+DEFAULT_PROMPT_STYLE = "fewshot"
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+class Problem(tuple):
+    """``(a, op, b)`` with ``.question`` and ``.answer``."""
+
+    __slots__ = ()
+
+    def __new__(cls, a: int, op: str, b: int):
+        if op == "-" and b > a:
+            a, b = b, a
+        return super().__new__(cls, (a, op, b))
+
+    @property
+    def question(self) -> str:
+        a, op, b = self
+        return f"What is {a} {op} {b}?"
+
+    @property
+    def answer(self) -> int:
+        a, op, b = self
+        return _OPS[op](a, b)
+
+
+def demo_problem(digits: int) -> Problem:
+    """The worked example shown by the few-shot styles (3 + 4, 31 + 45, 311 + 455, ...); it is never
+    generated as a train or test question."""
+    return Problem(int("3" + "1" * (digits - 1)), "+", int("4" + "5" * (digits - 1)))
+
+
+def _operand_range(digits: int) -> range:
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    return range(1 if digits == 1 else 10 ** (digits - 1), 10**digits)
+
+
+def _check_ops(ops: Sequence[str]) -> list[str]:
+    ops = list(dict.fromkeys(ops))
+    bad = [o for o in ops if o not in _OPS]
+    if not ops or bad:
+        raise ValueError(f"ops must be a non-empty subset of {list(_OPS)}, got {ops}")
+    return ops
+
+
+def _all_problems(digits: int, ops: Sequence[str]) -> list[Problem]:
+    r = _operand_range(digits)
+    out = {Problem(a, op, b) for op in ops for a in r for b in r}
+    out.discard(demo_problem(digits))
+    return sorted(out)
+
+
+def _space_size(digits: int, ops: Sequence[str]) -> int:
+    k = len(_operand_range(digits))
+    return sum(k * (k + 1) // 2 if op == "-" else k * k for op in ops) - ("+" in ops)  # minus the demo
+
+
+def generate_problems(
+    n_train: int, n_test: int, digits: int = 2, ops: Sequence[str] = ("+",), seed: int = 0
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, test) problems; deterministic in all arguments, test questions distinct and not in train."""
+    ops = _check_ops(ops)
+    rng = random.Random(f"posttrain-arithmetic-{digits}-{''.join(ops)}-{seed}")
+    space = _space_size(digits, ops)
+    if n_test > space:
+        raise ValueError(f"n_test={n_test} exceeds the {space} distinct {digits}-digit {ops} questions")
+    if space <= 200_000:
+        pool = _all_problems(digits, ops)
+        rng.shuffle(pool)
+        test, rest = pool[:n_test], pool[n_test:]
+    else:
+        r = _operand_range(digits)
+        seen: set[Problem] = {demo_problem(digits)}
+        test = []
+        while len(test) < n_test:
+            p = Problem(rng.choice(r), rng.choice(ops), rng.choice(r))
+            if p not in seen:
+                seen.add(p)
+                test.append(p)
+        rest = None
+    if rest is not None:
+        if not rest and n_train:
+            raise ValueError(f"no questions left for train: n_test={n_test} uses all {space}")
+        if n_train <= len(rest):
+            train = rest[:n_train]
+        else:
+            logger.warning("only %d distinct train questions for n_train=%d: train repeats", len(rest), n_train)
+            train = [rest[i % len(rest)] for i in range(n_train)]
+            rng.shuffle(train)
+    else:
+        banned = set(test) | {demo_problem(digits)}
+        train = []
+        while len(train) < n_train:
+            p = Problem(rng.choice(r), rng.choice(ops), rng.choice(r))
+            if p not in banned:
+                banned.add(p)
+                train.append(p)
+    return train, test
+
+
+def make_messages(problem: Problem, prompt_style: str = DEFAULT_PROMPT_STYLE) -> list[dict[str, str]]:
+    """The chat prompt for one problem in ``prompt_style`` (see :data:`PROMPT_STYLES`)."""
+    if prompt_style not in PROMPT_STYLES:
+        raise ValueError(f"prompt_style={prompt_style!r}; expected one of {list(PROMPT_STYLES)}")
+    suffix = " " + INSTRUCTION if prompt_style in ("instruct", "fewshot_instruct") else ""
+    messages = []
+    if prompt_style.startswith("fewshot"):
+        demo = demo_problem(len(str(problem[0])))
+        a, op, b = demo
+        messages += [
+            {"role": "user", "content": demo.question + suffix},
+            {"role": "assistant", "content": f"{a} {op} {b} = {demo.answer}\n#### {demo.answer}"},
+        ]
+    return messages + [{"role": "user", "content": problem.question + suffix}]
+
+
+def make_rows(problems: Sequence[Problem], split: str, prompt_style: str = DEFAULT_PROMPT_STYLE) -> list[dict]:
+    """Rows in verl's schema."""
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": make_messages(p, prompt_style),
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+            "extra_info": {"split": split, "index": i, "question": p.question},
+        }
+        for i, p in enumerate(problems)
+    ]
+
+
+def write_arithmetic_parquet(
+    out_dir: str,
+    n_train: int = 1024,
+    n_test: int = 64,
+    digits: int = 2,
+    ops: Sequence[str] = ("+",),
+    seed: int = 0,
+    prompt_style: str = DEFAULT_PROMPT_STYLE,
+) -> tuple[str, str]:
+    """Write ``train.parquet`` and ``test.parquet`` into ``out_dir``; return their paths."""
+    train, test = generate_problems(n_train, n_test, digits, ops, seed)
+    paths = (os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet"))
+    write_rows(make_rows(train, "train", prompt_style), paths[0])
+    write_rows(make_rows(test, "test", prompt_style), paths[1])
+    return paths
+
+
+def default_dataset_files(cache_dir: str | None = None, **knobs) -> tuple[str, str]:
+    """(train, test) parquet paths of the built-in task, written once into a cache directory keyed by
+    the knobs (default ``~/.cache/posttrain/arithmetic``). For the trainer when no data files are given."""
+    cache_dir = os.path.expanduser(cache_dir or os.path.join("~", ".cache", "posttrain", "arithmetic"))
+    params = dict(n_train=1024, n_test=64, digits=2, ops=("+",), seed=0, prompt_style=DEFAULT_PROMPT_STYLE)
+    unknown = set(knobs) - set(params)
+    if unknown:
+        raise TypeError(f"unknown arithmetic knob(s) {sorted(unknown)}; known: {sorted(params)}")
+    params.update(knobs)
+    tag = "d{digits}_{ops}_tr{n_train}_te{n_test}_s{seed}_{prompt_style}".format(
+        **{**params, "ops": "".join({"+": "add", "-": "sub", "*": "mul"}[o] for o in params["ops"])}
+    )
+    out_dir = os.path.join(cache_dir, tag)
+    train, test = os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet")
+    if not (os.path.exists(train) and os.path.exists(test)):
+        tmp = f"{out_dir}.tmp{os.getpid()}"
+        write_arithmetic_parquet(tmp, **params)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in ("train.parquet", "test.parquet"):
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.rmdir(tmp)
+    return train, test

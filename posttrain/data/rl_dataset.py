@@ -1,0 +1,227 @@
+"""Prompt datasets in verl's RL schema: read, validate, tokenize with the chat template, collate.
+
+Prompts are tokenized once, when the dataset is built, so a bad or overlong row fails at start-up
+with its file and row index rather than in the middle of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from posttrain.batch import Batch, to_object_array
+from posttrain.data.schema import DataError, read_rows, validate_row
+
+__all__ = [
+    "RLHFDataset",
+    "collate_prompts",
+    "render_prompt",
+    "encode_prompts",
+    "make_data_config",
+    "TRUNCATION_MODES",
+]
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+
+def make_data_config(**overrides: Any) -> SimpleNamespace:
+    """A ``data`` config section with verl 0.9's defaults, for scripts and tests that do not load
+    the full config (``posttrain.load_config(...).data`` has the same attributes)."""
+    cfg = dict(
+        train_files=None,
+        val_files=None,
+        prompt_key="prompt",
+        reward_fn_key="data_source",
+        max_prompt_length=512,
+        max_response_length=512,
+        train_batch_size=1024,
+        val_batch_size=None,
+        return_raw_chat=True,
+        shuffle=True,
+        seed=None,
+        dataloader_num_workers=8,
+        filter_overlong_prompts=False,
+        truncation="error",
+        apply_chat_template_kwargs={},
+    )
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise TypeError(f"unknown data config key(s) {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+def render_prompt(tokenizer, messages: Sequence[dict], apply_chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text the model sees, ending where the assistant's answer starts.
+
+    With a chat template: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=False)``. Without one (plain base-model tokenizers), a documented fallback: one
+    ``"{role}: {content}"`` line per message followed by ``"assistant:"``.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        kwargs = dict(apply_chat_template_kwargs or {})
+        for k in ("tokenize", "return_dict", "return_tensors", "add_generation_prompt"):
+            kwargs.pop(k, None)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **kwargs)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def encode_prompts(
+    tokenizer, prompts: Sequence[Sequence[dict]], apply_chat_template_kwargs: dict | None = None
+) -> list[list[int]]:
+    """Token ids of each rendered prompt; equal to ``apply_chat_template(..., tokenize=True)``, which
+    also encodes the rendered text without adding special tokens (the template has them)."""
+    texts = [render_prompt(tokenizer, m, apply_chat_template_kwargs) for m in prompts]
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
+    # verl's postprocess_data: 'left' keeps the end, 'right' the start, 'middle' both ends.
+    if mode == "left":
+        return ids[-max_len:]
+    if mode == "right":
+        return ids[:max_len]
+    left = max_len // 2
+    return ids[:left] + ids[len(ids) - (max_len - left) :]
+
+
+class RLHFDataset(Dataset):
+    """Prompts from one or more parquet/jsonl files in verl's schema, tokenized with the chat template.
+
+    Args:
+        files: one path or a list (``data.train_files`` / ``data.val_files``).
+        tokenizer: a Hugging Face tokenizer (with or without a chat template).
+        data_config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
+            ``max_prompt_length``, ``filter_overlong_prompts``, ``truncation``, ``return_raw_chat``,
+            ``apply_chat_template_kwargs``.
+
+    Attributes:
+        num_filtered: prompts dropped by ``filter_overlong_prompts`` (also logged as a warning).
+        num_truncated: prompts cut to ``max_prompt_length`` by ``truncation``.
+    """
+
+    def __init__(self, files: str | Sequence[str], tokenizer, data_config):
+        self.files = [str(files)] if isinstance(files, (str, os.PathLike)) else [str(f) for f in files]
+        if not self.files:
+            raise DataError("no data files given")
+        self.tokenizer = tokenizer
+        self.prompt_key: str = data_config.prompt_key
+        self.reward_fn_key: str = data_config.reward_fn_key
+        self.max_prompt_length: int = data_config.max_prompt_length
+        self.filter_overlong_prompts: bool = data_config.filter_overlong_prompts
+        self.truncation: str = data_config.truncation
+        self.return_raw_chat: bool = data_config.return_raw_chat
+        self.apply_chat_template_kwargs: dict = dict(data_config.apply_chat_template_kwargs or {})
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={self.truncation!r}; expected one of {list(TRUNCATION_MODES)}")
+        self.pad_token_id = _pad_id(tokenizer)
+        self.rows: list[dict] = []
+        self.input_ids: list[list[int]] = []
+        self.num_filtered = 0
+        self.num_truncated = 0
+        for path in self.files:
+            self._load_file(path)
+        if self.num_filtered:
+            logger.warning(
+                "filtered %d of %d prompts longer than data.max_prompt_length=%d tokens (data.filter_overlong_prompts)",
+                self.num_filtered,
+                self.num_filtered + len(self.rows),
+                self.max_prompt_length,
+            )
+        if not self.rows:
+            raise DataError(f"{', '.join(self.files)}: no usable prompts (filtered {self.num_filtered} as overlong)")
+
+    def _load_file(self, path: str) -> None:
+        rows = read_rows(path)
+        for i, row in enumerate(rows):
+            validate_row(row, f"{path} row {i}", self.prompt_key, self.reward_fn_key)
+        ids_all = encode_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.apply_chat_template_kwargs)
+        for i, (row, ids) in enumerate(zip(rows, ids_all)):
+            if len(ids) > self.max_prompt_length:
+                if self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                if self.truncation == "error":
+                    raise DataError(
+                        f"{path} row {i}: prompt is {len(ids)} tokens, longer than "
+                        f"data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length, set "
+                        "data.filter_overlong_prompts=True, or data.truncation=left|right|middle"
+                    )
+                ids = _truncate(ids, self.max_prompt_length, self.truncation)
+                self.num_truncated += 1
+            self.rows.append(row)
+            self.input_ids.append(ids)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.rows[i]
+        ids = torch.tensor(self.input_ids[i], dtype=torch.long)
+        extra = row.get("extra_info") or {}
+        item = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "data_source": row.get("data_source"),
+            "reward_model": row["reward_model"],
+            "extra_info": extra,
+            # verl reads extra_info.index; rows without one get their position in the dataset.
+            "index": extra["index"] if extra.get("index") is not None else i,
+        }
+        if self.reward_fn_key != "data_source":
+            item[self.reward_fn_key] = row[self.reward_fn_key]
+        if row.get("ability") is not None:
+            item["ability"] = row["ability"]
+        if self.return_raw_chat:
+            item["raw_prompt"] = list(row[self.prompt_key])
+        return item
+
+    def collate_fn(self, items: Sequence[dict[str, Any]]) -> Batch:
+        """Left-pad ``items`` into a :class:`Batch` (see :func:`collate_prompts`)."""
+        return collate_prompts(items, self.pad_token_id)
+
+
+def _pad_id(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token to pad prompts with")
+    return int(pad)
+
+
+def collate_prompts(items: Sequence[dict[str, Any]], pad_token_id: int) -> Batch:
+    """Items from :class:`RLHFDataset` -> Batch with left-padded prompts, padded to the longest one.
+
+    Tensors: ``input_ids``, ``attention_mask``, ``position_ids`` ``[N, P]`` (position = cumsum of the
+    mask minus 1, clipped at 0). Non-tensors: every other key (``data_source``, ``reward_model``,
+    ``extra_info``, ``index``, ``raw_prompt`` when asked, ...) as object arrays.
+    """
+    if not items:
+        raise ValueError("collate_prompts got no items")
+    n = len(items)
+    width = max(len(it["input_ids"]) for it in items)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    for r, it in enumerate(items):
+        ids = torch.as_tensor(it["input_ids"], dtype=torch.long)
+        if len(ids):
+            input_ids[r, width - len(ids) :] = ids
+            attention_mask[r, width - len(ids) :] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    keys = [k for k in items[0] if k not in ("input_ids", "attention_mask")]
+    non_tensors = {k: to_object_array(it.get(k) for it in items) for k in keys}
+    return Batch.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        non_tensors=non_tensors,
+    )
+

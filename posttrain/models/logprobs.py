@@ -1,0 +1,234 @@
+"""Log-probabilities and entropy of response tokens, without ``[batch, seq, vocab]`` float32 tensors.
+
+Shapes: ``N`` rows, ``P`` prompt length (left-padded), ``R`` response length (right-padded),
+``S = P + R``, ``H`` hidden size, ``V`` vocabulary, ``T`` valid response tokens of a micro-batch.
+
+How one micro-batch is computed (``response_logprobs``):
+
+1. columns that are padding in *every* row are dropped (common left padding of prompts and the
+   tail after the longest response); positions are passed explicitly, so this is exact. With
+   ``remove_padding`` (verl's ``use_remove_padding``) all valid tokens are packed into one row
+   instead (no padding at all; with SDPA the block-diagonal mask is dense, ``T_total^2``);
+2. the backbone (``model.model`` for Llama) runs once -> hidden ``[B, S', H]``;
+3. only hidden states that *predict a valid response token* are kept -> ``[T, H]`` (the state at
+   column ``P - 1 + j`` predicts response token ``j``; tokens after EOS are skipped);
+4. ``lm_head`` + log-softmax run over chunks of those ``T`` rows: each chunk's logits ``[t, V]``
+   are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
+   an entropy per token. With gradients on, each chunk is checkpointed, so backward keeps
+   ``[t, H]`` per chunk instead of ``[t, V]`` logits.
+
+Positions that are not valid response tokens get log-prob 0 and entropy 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.models.microbatch import micro_batch_indices
+
+__all__ = ["compute_response_logprobs", "response_logprobs", "response_hidden_states", "split_lm"]
+
+_CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
+
+
+def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] | None:
+    """``(backbone, lm_head, final_logit_softcapping)`` of a HF causal LM, or None if not split-able."""
+    body = getattr(model, "base_model", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if body is None or body is model or head is None:
+        return None
+    return body, head, getattr(model.config, "final_logit_softcapping", None)
+
+
+def _column_window(attention_mask: torch.Tensor, response_length: int) -> tuple[int, int, int]:
+    """``(lo, hi, take)``: run columns ``[lo, hi)``; ``take`` response positions are scored."""
+    seq_len = attention_mask.shape[1]
+    prompt_len = seq_len - response_length
+    used = attention_mask.bool().any(0).nonzero().flatten()
+    lo = int(used[0]) if used.numel() else prompt_len - 1
+    last = int(used[-1]) + 1 if used.numel() else prompt_len
+    take = max(1, min(response_length, last - prompt_len))
+    lo = min(lo, prompt_len - 1)
+    return lo, prompt_len - 1 + take, take
+
+
+def _packed_hidden_states(backbone, input_ids, attention_mask, position_ids, response_length):
+    """Padding-free forward: all valid tokens in one row, sequences told apart by positions restarting
+    at 0 (transformers builds a block-diagonal causal mask when ``attention_mask`` is None)."""
+    keep = attention_mask.bool()
+    first = keep.long().argmax(-1, keepdim=True)
+    if bool((position_ids.gather(1, first) != 0).any()):
+        raise ValueError("use_remove_padding needs position_ids = clip(cumsum(attention_mask) - 1, 0)")
+    out = backbone(input_ids=input_ids[keep][None], position_ids=position_ids[keep][None],
+                   attention_mask=None, use_cache=False)
+    flat = out.last_hidden_state[0]  # [T_total, H]
+    flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1  # [B, S] row/col -> packed index
+    seq_len = keep.shape[1]
+    cols = flat_index[:, seq_len - response_length - 1:seq_len - 1].clamp(min=0)  # [B, R]
+    return flat[cols], response_length  # positions after EOS hold unrelated states; callers mask them
+
+
+def response_hidden_states(
+    backbone: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    remove_padding: bool = False,
+) -> tuple[torch.Tensor, int]:
+    """Hidden states that predict response tokens: ``([B, take, H], take)`` with ``take <= R``.
+
+    ``hidden[:, j]`` is the backbone output at column ``P - 1 + j`` (it predicts response token ``j``).
+    ``remove_padding`` packs the valid tokens of all rows into one sequence (verl's
+    ``use_remove_padding``); otherwise only columns that are padding in every row are dropped.
+    """
+    if remove_padding:
+        return _packed_hidden_states(backbone, input_ids, attention_mask, position_ids, response_length)
+    lo, hi, take = _column_window(attention_mask, response_length)
+    out = backbone(
+        input_ids=input_ids[:, lo:hi],
+        attention_mask=attention_mask[:, lo:hi],
+        position_ids=position_ids[:, lo:hi],
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, -take:], take
+
+
+def _chunk_stats(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: nn.Module,
+    temperature: float,
+    softcap: float | None,
+    calculate_entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden ``[t, H]``, labels ``[t]`` -> (log-prob ``[t]``, entropy ``[t]`` or empty) in float32."""
+    logits = head(hidden).float()  # [t, V]: the only vocab-sized tensor, one chunk at a time
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not calculate_entropy:
+        return logp, logp.new_zeros(0)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
+    rows = max(1, _CHUNK_ELEMENTS // max(1, vocab))
+    lps, ents = [], []
+    for h, y in zip(hidden.split(rows), labels.split(rows)):
+        lp, ent = checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(lps), torch.cat(ents)
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    responses: torch.Tensor,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    entropy_grad: bool = True,
+    remove_padding: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One micro-batch: log-probs (and entropy) of ``responses`` ``[B, R]`` under ``model``.
+
+    input_ids/attention_mask/position_ids: ``[B, P+R]``. Differentiable when grad is enabled
+    (``entropy_grad=False`` computes the entropy without a graph). Returns float32 ``[B, R]``
+    tensors; positions masked in ``attention_mask[:, P:]`` are 0. ``remove_padding``: see
+    :func:`response_hidden_states`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    batch, resp_len = responses.shape
+    parts = split_lm(model)
+    if parts is None:
+        return _full_logits_logprobs(model, input_ids, attention_mask, position_ids, responses,
+                                     temperature, calculate_entropy)
+    backbone, head, softcap = parts
+    hidden, take = response_hidden_states(backbone, input_ids, attention_mask, position_ids, resp_len,
+                                          remove_padding)
+    valid = attention_mask[:, -resp_len:][:, :take].bool()  # [B, take]
+    labels = responses[:, :take][valid]  # [T]
+    fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731
+    lp_flat, ent_flat = _chunked(fn, hidden[valid], labels, head.weight.shape[0], torch.is_grad_enabled())
+    full_valid = torch.zeros(batch, resp_len, dtype=torch.bool, device=responses.device)
+    full_valid[:, :take] = valid
+    log_probs = torch.zeros(batch, resp_len, dtype=torch.float32, device=responses.device)
+    log_probs = log_probs.index_put((full_valid.nonzero(as_tuple=True)), lp_flat)
+    if not calculate_entropy:
+        return log_probs, None
+    entropy = torch.zeros_like(log_probs).index_put((full_valid.nonzero(as_tuple=True)), ent_flat)
+    return log_probs, entropy
+
+
+def _full_logits_logprobs(model, input_ids, attention_mask, position_ids, responses, temperature, calc_entropy):
+    """Fallback for models without a separate backbone/lm_head: slice ``[B, R, V]`` logits."""
+    resp_len = responses.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[:, -resp_len - 1:-1].float() / temperature
+    lse = torch.logsumexp(logits, -1)
+    mask = attention_mask[:, -resp_len:].to(torch.float32)
+    lp = (logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse) * mask
+    ent = (lse - (torch.softmax(logits, -1) * logits).sum(-1)) * mask if calc_entropy else None
+    return lp, ent
+
+
+def _tensors(data: Any) -> dict[str, torch.Tensor]:
+    keys = ("input_ids", "attention_mask", "position_ids", "responses")
+    return {k: data[k] for k in keys}
+
+
+def compute_response_logprobs(
+    model: nn.Module,
+    data: Any,
+    micro_batch_size: int | None = None,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    *,
+    use_dynamic_bsz: bool = False,
+    max_token_len: int | None = None,
+    autocast: Any = None,
+    remove_padding: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[N, R]`` (and entropy ``[N, R]`` or None) of ``data['responses']`` under ``model``.
+
+    data: a ``Batch`` or mapping with ``input_ids``, ``attention_mask``, ``position_ids`` ``[N, P+R]``
+    and ``responses`` ``[N, R]``. Runs in micro-batches of ``micro_batch_size`` rows (or by
+    ``max_token_len`` tokens with ``use_dynamic_bsz``), padding-free with ``remove_padding``,
+    inside the ``autocast`` context-manager factory when given, without gradients. Logits are
+    divided by ``temperature``. Results are on ``data``'s device.
+    """
+    tensors = _tensors(data)
+    device = next(model.parameters()).device
+    n, resp_len = tensors["responses"].shape
+    groups = micro_batch_indices(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len)
+    out_device = tensors["responses"].device
+    log_probs = torch.zeros(n, resp_len, dtype=torch.float32, device=out_device)
+    entropy = torch.zeros_like(log_probs) if calculate_entropy else None
+    # one autocast region for all micro-batches: autocast caches the bf16 casts of the weights
+    ctx = autocast() if autocast is not None else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        for idx in groups:
+            mb = {k: v[idx.to(v.device)].to(device) for k, v in tensors.items()}
+            lp, ent = response_logprobs(model, **mb, temperature=temperature, calculate_entropy=calculate_entropy,
+                                        remove_padding=remove_padding)
+            log_probs[idx.to(out_device)] = lp.to(out_device)
+            if entropy is not None:
+                entropy[idx.to(out_device)] = ent.to(out_device)
+    return log_probs, entropy

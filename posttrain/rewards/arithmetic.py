@@ -1,0 +1,36 @@
+"""Scorer for the built-in arithmetic task (``data_source="posttrain/arithmetic"``).
+
+``strict`` (default): the integer after the last ``####`` (spaces and thousands commas allowed),
+compared exactly with the ground truth. ``flexible``: the last integer anywhere in the reply.
+A reply with an extractable but wrong answer gets ``format_score`` (0 by default: no credit for
+format alone); one with no answer gets 0.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["extract_answer", "compute_score"]
+
+_STRICT = re.compile(r"####\s*(-?\d[\d,]*)")
+_ANY_INT = re.compile(r"-?\d[\d,]*")
+
+
+def extract_answer(solution_str: str, method: str = "strict") -> int | None:
+    """The answer as an int, or ``None`` when the reply has none."""
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
+    found = (_STRICT if method == "strict" else _ANY_INT).findall(solution_str)
+    if not found:
+        return None
+    digits = found[-1].replace(",", "")
+    return int(digits)
+
+
+def compute_score(
+    solution_str: str, ground_truth: str | int, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
+    answer = extract_answer(solution_str, method)
+    if answer is None:
+        return 0.0
+    return float(score) if answer == int(str(ground_truth).replace(",", "").strip()) else float(format_score)

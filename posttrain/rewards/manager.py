@@ -1,0 +1,211 @@
+"""The reward manager: decode each response, score it, put the score on its last valid token.
+
+Like verl's ``NaiveRewardManager``, with three differences: it returns ``(token_level_scores,
+extra)`` instead of a bare tensor; a failing scorer either raises an error naming the row and
+data_source (``on_error="raise"``) or scores 0 and is counted (``on_error="zero"``); and
+``num_workers > 0`` scores rows in a process pool with results identical to the serial path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import numbers
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from posttrain.batch import Batch
+from posttrain.rewards._worker import score_chunk, score_row
+from posttrain.rewards.dispatch import default_compute_score
+
+__all__ = ["RewardManager", "BatchRewardFn", "RewardError", "place_on_last_token", "response_mask_of"]
+
+ERRORS_KEY = "reward/errors"
+
+
+class RewardError(RuntimeError):
+    """A scorer failed on one row; the message names the row and its data_source."""
+
+
+def response_mask_of(batch: Batch) -> torch.Tensor:
+    """``response_mask`` ``[N, R]``, or the response part of ``attention_mask`` when it is absent."""
+    if "response_mask" in batch:
+        return batch["response_mask"]
+    if "attention_mask" in batch and "responses" in batch:
+        return batch["attention_mask"][:, -batch["responses"].shape[1] :]
+    raise KeyError(f"the batch needs 'response_mask' (or 'attention_mask' and 'responses'); keys: {batch.keys()}")
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``scores [N]`` -> ``[N, R]`` float32 zeros with each score at its row's last valid token.
+
+    A row with no valid token keeps its score at column 0, so estimators that sum a row still see it.
+    """
+    n, r = response_mask.shape
+    if scores.shape != (n,):
+        raise ValueError(f"expected one score per row, shape [{n}], got {list(scores.shape)}")
+    mask = response_mask.bool()
+    cols = torch.arange(r, device=mask.device).expand(n, r)
+    last = torch.where(mask, cols, torch.full_like(cols, -1)).max(dim=1).values.clamp(min=0)
+    out = torch.zeros((n, r), dtype=torch.float32, device=mask.device)
+    out[torch.arange(n, device=mask.device), last] = scores.to(torch.float32).to(mask.device)
+    return out
+
+
+def _stack_extra(values: list[dict], n: int) -> dict[str, np.ndarray]:
+    keys = list(dict.fromkeys(k for v in values for k in v))
+    out = {}
+    for k in keys:
+        col = [v.get(k) for v in values]
+        if all(isinstance(x, (numbers.Number, np.number)) or x is None for x in col):
+            out[k] = np.array([np.nan if x is None else float(x) for x in col], dtype=np.float64)
+        else:
+            arr = np.empty(n, dtype=object)
+            arr[:] = col
+            out[k] = arr
+    return out
+
+
+class RewardManager:
+    """Scores a batch of responses with a per-row function.
+
+    Args:
+        tokenizer: decodes ``responses`` (special tokens skipped).
+        compute_score: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``;
+            ``None`` uses :func:`default_compute_score`. For ``num_workers > 0`` it must be picklable
+            (a module-level function, or a :class:`CustomRewardFn`).
+        reward_fn_key: the non-tensor key passed as ``data_source`` (``data.reward_fn_key``).
+        num_workers: 0 scores in this process; ``k > 0`` uses a pool of ``k`` spawned processes.
+        on_error: ``"raise"`` re-raises a scorer failure as :class:`RewardError` naming the row and
+            data_source; ``"zero"`` scores the row 0 and marks it in ``extra["reward/errors"]``.
+
+    ``__call__(batch)`` reads ``responses [N, R]``, ``response_mask [N, R]`` (or the response part
+    of ``attention_mask``), ``reward_model[i]["ground_truth"]``, ``batch[reward_fn_key]`` and
+    ``extra_info`` (optional) and returns ``(token_level_scores [N, R] float32, extra)``, where
+    ``extra`` maps names to per-row arrays: the fields of dict scores (``score`` included) and
+    ``reward/errors`` (1.0 where the scorer failed).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        compute_score: Callable | None = None,
+        reward_fn_key: str = "data_source",
+        num_workers: int = 0,
+        on_error: str = "raise",
+        mp_context: str = "spawn",
+    ):
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score if compute_score is not None else default_compute_score
+        self.reward_fn_key = reward_fn_key
+        self.num_workers = num_workers
+        self.on_error = on_error
+        self.mp_context = mp_context
+        self._pool: ProcessPoolExecutor | None = None
+
+    # ---------------------------------------------------------------- inputs
+    def _jobs(self, batch: Batch) -> tuple[list[tuple], torch.Tensor]:
+        mask = response_mask_of(batch)
+        responses = batch["responses"]
+        n = len(batch)
+        for key in ("reward_model", self.reward_fn_key):
+            if key not in batch.non_tensor_batch:
+                raise KeyError(f"the batch has no non-tensor key {key!r} needed for scoring; keys: {batch.keys()}")
+        mask_b = mask.bool().cpu()
+        ids = [responses[i].cpu()[mask_b[i]].tolist() for i in range(n)]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        extras = batch.non_tensor_batch.get("extra_info")
+        jobs = []
+        for i in range(n):
+            rm = batch["reward_model"][i]
+            if not isinstance(rm, dict) or "ground_truth" not in rm:
+                raise KeyError(f"row {i}: reward_model has no 'ground_truth' (got {rm!r})")
+            extra = extras[i] if extras is not None and extras[i] is not None else {}
+            jobs.append((i, batch[self.reward_fn_key][i], texts[i], rm["ground_truth"], extra))
+        return jobs, mask
+
+    # ---------------------------------------------------------------- scoring
+    def _run(self, jobs: list[tuple]) -> list[tuple]:
+        if self.num_workers == 0 or len(jobs) <= 1:
+            return [score_row(self.compute_score, *job) for job in jobs]
+        if self._pool is None:
+            ctx = multiprocessing.get_context(self.mp_context)
+            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+        size = max(1, -(-len(jobs) // (4 * self.num_workers)))
+        chunks = [jobs[s : s + size] for s in range(0, len(jobs), size)]
+        futures = [self._pool.submit(score_chunk, self.compute_score, c) for c in chunks]
+        return [r for f in futures for r in f.result()]
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        jobs, mask = self._jobs(batch)
+        results = self._run(jobs)
+        n = len(jobs)
+        scores = torch.zeros(n, dtype=torch.float64)
+        errors = np.zeros(n, dtype=np.float64)
+        dict_rows: list[dict] = [{} for _ in range(n)]
+        for (i, data_source, *_), res in zip(jobs, results):
+            if res[0] == "error":
+                if self.on_error == "raise":
+                    raise RewardError(
+                        f"reward function failed on row {i} (data_source={data_source!r}): {res[1]}\n{res[2]}"
+                    )
+                errors[i] = 1.0
+                continue
+            value = res[1]
+            if isinstance(value, dict):
+                if "score" not in value:
+                    raise RewardError(
+                        f"row {i} (data_source={data_source!r}): the reward dict has no 'score' key: {sorted(value)}"
+                    )
+                dict_rows[i] = value
+                value = value["score"]
+            if not isinstance(value, (numbers.Real, np.number)) and not (
+                isinstance(value, torch.Tensor) and value.numel() == 1
+            ):
+                raise RewardError(
+                    f"row {i} (data_source={data_source!r}): the reward function returned {type(value).__name__}, "
+                    "expected a float or a dict with 'score'"
+                )
+            scores[i] = float(value)
+        extra = _stack_extra(dict_rows, n)
+        extra[ERRORS_KEY] = errors
+        return place_on_last_token(scores, mask), extra
+
+    def close(self) -> None:
+        """Shut down the worker pool (if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class BatchRewardFn:
+    """Wraps ``fn(batch) -> tensor [N]`` (or ``(tensor [N], extra dict)``) so it is called like a
+    :class:`RewardManager`: returns ``(token_level_scores [N, R], extra)`` with each score on the
+    row's last valid response token."""
+
+    def __init__(self, fn: Callable[[Batch], Any]):
+        self.fn = fn
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        out = self.fn(batch)
+        extra: dict[str, np.ndarray] = {}
+        if isinstance(out, tuple):
+            out, extra = out
+        scores = torch.as_tensor(out, dtype=torch.float32)
+        name = getattr(self.fn, "__name__", repr(self.fn))
+        if scores.shape != (len(batch),):
+            shape = list(scores.shape)
+            raise ValueError(f"batch reward function {name} returned shape {shape}, expected [{len(batch)}]")
+        return place_on_last_token(scores, response_mask_of(batch)), dict(extra)

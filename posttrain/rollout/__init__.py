@@ -1,0 +1,18 @@
+"""Generation engines behind one interface (``RolloutEngine``): ``hf`` (transformers generate);
+``vllm``/``sglang`` are recognised names that fail at start-up with what to do.
+
+    engine = get_rollout_engine("hf", model=actor_module, tokenizer=tok, autocast=...)
+    out = engine.generate(prompts, SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout))
+"""
+
+from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutEngine, SamplingParams, get_rollout_engine
+
+__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "SamplingParams", "get_rollout_engine", "HFRolloutEngine"]
+
+
+def __getattr__(name):
+    if name == "HFRolloutEngine":  # lazy: keeps `import posttrain.rollout` light
+        from posttrain.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine
+    raise AttributeError(name)

@@ -1,0 +1,110 @@
+"""The rollout-engine interface, sampling parameters, and engine selection by name.
+
+An engine turns a prompt batch into a response batch::
+
+    out = engine.generate(prompts, sampling)      # Batch [N] -> Batch [N * sampling.n]
+    engine.update_weights(model_or_state_dict)    # after each actor update (no-op when shared)
+
+Prompt batch (``P`` = padded prompt length): ``input_ids``, ``attention_mask``, ``position_ids``
+``[N, P]``, left-padded, plus any non-tensor keys (``uid``, ``data_source``, ``reward_model``...).
+
+Output batch (``R`` = ``sampling.response_length``), rows repeat-interleaved (``n`` consecutive
+rows per prompt, every non-tensor key repeated with them):
+``prompts [N*n, P]``, ``responses [N*n, R]`` (right-padded with pad), ``response_mask [N*n, R]``
+(1 up to and including the first EOS), ``input_ids/attention_mask/position_ids [N*n, P+R]`` and,
+when ``sampling.calculate_log_probs``, ``rollout_log_probs [N*n, R]``.
+
+uids: the trainer assigns a ``uid`` per prompt before generation (verl's convention); the ``n``
+samples of a prompt keep its uid. When the prompt batch has no ``uid`` the engine assigns a fresh
+``uuid4`` per prompt before repeating, so GRPO groups are always defined.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["SamplingParams", "RolloutEngine", "get_rollout_engine", "ROLLOUT_ENGINES"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample; ``from_rollout_config`` reads verl's ``actor_rollout_ref.rollout`` keys."""
+
+    n: int = 1
+    """Responses per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 or ``do_sample=False`` means greedy."""
+    top_p: float = 1.0
+    """Nucleus threshold (1: off)."""
+    top_k: int = -1
+    """Top-k cut-off (-1 or 0: off)."""
+    do_sample: bool = True
+    """Sample (true) or decode greedily (false)."""
+    response_length: int = 512
+    """Most new tokens per response (R)."""
+    calculate_log_probs: bool = True
+    """Return ``rollout_log_probs``: log-softmax(logits / temperature) at the sampled tokens."""
+
+    @property
+    def greedy(self) -> bool:
+        return (not self.do_sample) or self.temperature <= 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature the reported log-probs use: the sampling one, 1.0 when greedy."""
+        return 1.0 if self.greedy else float(self.temperature)
+
+    @classmethod
+    def from_rollout_config(cls, rollout: Any, validate: bool = False) -> "SamplingParams":
+        """Training sampling from ``rollout.*``; with ``validate`` the ``rollout.val_kwargs.*`` ones."""
+        src = rollout.val_kwargs if validate else rollout
+        do_sample = bool(src.do_sample) and src.temperature > 0
+        return cls(
+            n=int(src.n) if not validate or do_sample else 1,
+            temperature=float(src.temperature) if do_sample else 0.0,
+            top_p=float(src.top_p) if do_sample else 1.0,
+            top_k=int(src.top_k) if do_sample else -1,
+            do_sample=do_sample,
+            response_length=int(rollout.response_length),
+            calculate_log_probs=bool(rollout.calculate_log_probs),
+        )
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation engine."""
+
+    def generate(self, prompts: Any, sampling: SamplingParams) -> Any:
+        """Batch of ``N`` left-padded prompts -> Batch of ``N * sampling.n`` rows (module docstring)."""
+        ...
+
+    def update_weights(self, weights: Any) -> None:
+        """Load new policy weights (a state dict or a module); a no-op for a shared module."""
+        ...
+
+
+ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
+
+
+def get_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine named by ``actor_rollout_ref.rollout.name``; kwargs go to its constructor.
+
+    ``hf`` -> :class:`posttrain.rollout.hf.HFRolloutEngine` (``model``, ``tokenizer``, ...).
+    ``vllm``/``sglang`` fail at start-up with what to install (or to use ``hf``).
+    """
+    if name == "hf":
+        from posttrain.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(**kwargs)
+    if name in ("vllm", "sglang"):
+        if importlib.util.find_spec(name) is None:
+            raise RuntimeError(
+                f"actor_rollout_ref.rollout.name={name} needs the {name} package, which is not installed: "
+                f"`pip install {name}`, or use actor_rollout_ref.rollout.name=hf"
+            )
+        raise NotImplementedError(
+            f"the {name} rollout engine is not implemented yet; use actor_rollout_ref.rollout.name=hf"
+        )
+    raise ValueError(f"unknown actor_rollout_ref.rollout.name={name!r}; valid: {ROLLOUT_ENGINES}")

@@ -1,0 +1,255 @@
+"""The actor (policy being trained) and the reference policy (its frozen initial copy).
+
+Shapes: ``N`` responses in the batch, ``R`` response length, ``P + R`` full sequence length.
+
+``ActorWorker.update_policy`` is verl's ``DataParallelPPOActor.update_policy``:
+``ppo_epochs`` x mini-batches of ``ppo_mini_batch_size`` responses (one optimizer step each) x
+micro-batches of ``ppo_micro_batch_size_per_gpu`` (or ``ppo_max_token_len_per_gpu`` tokens with
+``use_dynamic_bsz``), with mini-batch-normalised gradient accumulation (see ``common.py``).
+Batch sizes arrive normalised (responses per rank), as in verl's workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+from posttrain.models import (
+    autocast_context,
+    compute_response_logprobs,
+    default_device,
+    enable_activation_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    response_logprobs,
+)
+from posttrain.rollout import SamplingParams, get_rollout_engine
+from posttrain.workers.common import (
+    ConfigWithBatchInfo,
+    MetricMeter,
+    global_batch_info,
+    micro_batches,
+    mini_batch_indices,
+    optimizer_step,
+    response_mask_of,
+    select_rows,
+    step_scheduler,
+)
+from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+
+__all__ = ["ActorWorker", "RefWorker"]
+
+_LOGPROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def _temperature(batch: Any, rollout_config: Any) -> float:
+    """``meta_info['temperature']`` when the trainer set it, else ``rollout.temperature``."""
+    meta = getattr(batch, "meta_info", {}) or {}
+    temp = meta.get("temperature", getattr(rollout_config, "temperature", None))
+    if temp is None:
+        raise ValueError("no temperature: set batch.meta_info['temperature'] or pass a rollout config")
+    return float(temp)
+
+
+def _load_policy(model_config: Any, fsdp_config: Any, device: torch.device) -> nn.Module:
+    return load_causal_lm(
+        model_config.path,
+        trust_remote_code=model_config.trust_remote_code,
+        override_config=model_config.override_config,
+        enable_gradient_checkpointing=model_config.enable_gradient_checkpointing,
+        dtype=fsdp_config.model_dtype,
+        device=device,
+    )
+
+
+class ActorWorker:
+    """Policy model + AdamW + lr schedule; log-probs, PPO-style updates and the hybrid rollout.
+
+    Args:
+        model_config: ``actor_rollout_ref.model`` (path, trust_remote_code, override_config,
+            enable_gradient_checkpointing, custom_chat_template).
+        actor_config: ``actor_rollout_ref.actor``.
+        rollout_config: ``actor_rollout_ref.rollout`` (temperature, log-prob micro-batches, sampling).
+        device: defaults to cuda when present, else cpu.
+        module, tokenizer: use these instead of loading ``model_config.path`` (tests, sharing).
+        seed: seeds the mini-batch shuffle generator.
+    """
+
+    def __init__(self, model_config: Any, actor_config: Any, rollout_config: Any = None, *,
+                 device: str | torch.device | None = None, module: nn.Module | None = None,
+                 tokenizer: Any = None, seed: int = 0):
+        self.config, self.rollout_config = actor_config, rollout_config
+        self.device = torch.device(device) if device is not None else default_device()
+        if module is None:
+            module = _load_policy(model_config, actor_config.fsdp_config, self.device)
+        elif model_config is not None and model_config.enable_gradient_checkpointing:
+            enable_activation_checkpointing(module)
+        self.module = module.to(self.device)
+        if tokenizer is None and model_config is not None:
+            tokenizer = load_tokenizer(model_config.path, trust_remote_code=model_config.trust_remote_code,
+                                       custom_chat_template=model_config.custom_chat_template)
+        self.tokenizer = tokenizer
+        self.autocast = functools.partial(autocast_context, self.device,
+                                          actor_config.fsdp_config.mixed_precision.param_dtype)
+        self.optimizer = build_optimizer(self.module.parameters(), actor_config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
+        self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
+        self.generator = torch.Generator().manual_seed(seed)
+        # hybrid engine: built now so a missing engine (vllm, ...) fails at start-up, not mid-run
+        self.rollout = None if rollout_config is None else get_rollout_engine(
+            rollout_config.name, model=self.module, tokenizer=self.tokenizer, autocast=self.autocast)
+
+    def generate_sequences(self, prompts: Any, validate: bool = False) -> Any:
+        """Responses for ``prompts`` with ``rollout.*`` (or ``rollout.val_kwargs.*``) sampling."""
+        sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
+        return self.rollout.generate(prompts, sampling)
+
+    # ------------------------------------------------------------------ log-probs
+    def compute_log_prob(self, batch: Any, calculate_entropy: bool = True):
+        """(log_probs ``[N, R]``, entropy ``[N, R]`` or None) of ``batch['responses']``, no grad.
+
+        Micro-batches: ``rollout.log_prob_micro_batch_size_per_gpu`` rows, or
+        ``rollout.log_prob_max_token_len_per_gpu`` tokens with ``rollout.log_prob_use_dynamic_bsz``.
+        """
+        cfg = self.rollout_config
+        self.module.eval()
+        return compute_response_logprobs(
+            self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, cfg),
+            calculate_entropy, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
+            max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
+            remove_padding=bool(self.config.use_remove_padding),
+        )
+
+    # ------------------------------------------------------------------ update
+    def _micro_step(self, mb: dict, temperature: float, info: dict, meter: MetricMeter) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns its (mini-batch-normalised) loss."""
+        cfg = self.config
+        mode, mask = cfg.loss_agg_mode, response_mask_of(mb)
+        with self.autocast():
+            log_prob, entropy = response_logprobs(
+                self.module, *(mb[k] for k in _LOGPROB_KEYS), temperature=temperature,
+                calculate_entropy=True, entropy_grad=cfg.entropy_coeff != 0,
+                remove_padding=bool(cfg.use_remove_padding))
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
+            response_mask=mask, loss_agg_mode=mode, config=ConfigWithBatchInfo(cfg, info),
+            rollout_is_weights=mb.get("rollout_is_weights"))
+        entropy_agg = agg_loss(entropy, mask, mode, **info)
+        loss = pg_loss - cfg.entropy_coeff * entropy_agg if cfg.entropy_coeff != 0 else pg_loss
+        if cfg.use_kl_loss:
+            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], cfg.kl_loss_type), mask, mode, **info)
+            loss = loss + cfg.kl_loss_coef * kl
+            meter.add("actor/kl_loss", kl)
+        loss.backward()
+        share = float(mask.sum()) / max(info["batch_num_tokens"], 1.0)  # token share of the mini-batch
+        meter.add("actor/pg_loss", pg_loss)
+        meter.add("actor/entropy", entropy_agg)
+        for name, value in pg_metrics.items():
+            meter.add(name, value, share)
+        return loss.detach()
+
+    def update_policy(self, batch: Any) -> dict[str, float]:
+        """PPO epochs over ``batch``; returns verl-named metrics averaged over mini-batches.
+
+        Needs ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``, ``old_log_probs``,
+        ``advantages`` (``[N, R]`` / ``[N, P+R]``), ``ref_log_prob`` when ``use_kl_loss``, and optionally
+        ``response_mask`` (default: the response part of ``attention_mask``) and ``rollout_is_weights``
+        (multiplies the per-token policy loss). The lr schedule advances once per call.
+        """
+        cfg = self.config
+        keys = [*_LOGPROB_KEYS, "old_log_probs", "advantages"]
+        keys += ["ref_log_prob"] if cfg.use_kl_loss else []
+        keys += [k for k in ("response_mask", "rollout_is_weights") if k in batch]
+        data = {k: batch[k] for k in keys}
+        data["response_mask"] = response_mask_of(data)
+        temperature = _temperature(batch, self.rollout_config)
+        meter = MetricMeter()
+        self.module.train()
+        for _ in range(cfg.ppo_epochs):
+            for mini in mini_batch_indices(len(data["responses"]), cfg.ppo_mini_batch_size, cfg.shuffle,
+                                           self.generator):
+                self._mini_batch_step(data, mini, temperature, meter)
+        metrics = meter.result()
+        metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
+        if cfg.use_kl_loss:
+            metrics["actor/kl_coef"] = cfg.kl_loss_coef
+        step_scheduler(self.lr_scheduler)
+        return metrics
+
+    def _mini_batch_step(self, data: dict, mini: torch.Tensor, temperature: float, meter: MetricMeter) -> None:
+        cfg = self.config
+        info = global_batch_info(data["response_mask"][mini])
+        self.optimizer.zero_grad(set_to_none=True)
+        finite = True
+        for idx in micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                 cfg.ppo_max_token_len_per_gpu):
+            loss = self._micro_step(select_rows(data, idx, self.device), temperature, info, meter)
+            finite = finite and bool(torch.isfinite(loss))
+        grad_norm, skipped = optimizer_step(self.module.parameters(), self.optimizer, cfg.grad_clip, finite)
+        meter.count("actor/nonfinite_skipped", float(skipped))
+        meter.end_mini_batch(**{"actor/grad_norm": float(grad_norm)})
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, lr scheduler and shuffle-generator state."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+
+
+class RefWorker:
+    """Frozen reference policy: log-probs of responses under the initial weights.
+
+    Args:
+        module: the reference model (frozen here: eval mode, ``requires_grad=False``).
+        ref_config: ``actor_rollout_ref.ref`` (log-prob micro-batches, fsdp_config precision).
+        rollout_config: for the temperature when ``meta_info`` lacks one.
+        remove_padding: padding-free forward (``actor_rollout_ref.model.use_remove_padding``).
+    """
+
+    def __init__(self, module: nn.Module, ref_config: Any, rollout_config: Any = None, *,
+                 device: str | torch.device | None = None, remove_padding: bool = False):
+        self.config, self.rollout_config = ref_config, rollout_config
+        self.remove_padding = remove_padding
+        self.device = torch.device(device) if device is not None else default_device()
+        self.module = module.to(self.device).eval().requires_grad_(False)
+        self.autocast = functools.partial(autocast_context, self.device,
+                                          ref_config.fsdp_config.mixed_precision.param_dtype)
+
+    @classmethod
+    def from_actor(cls, actor: ActorWorker, ref_config: Any) -> "RefWorker":
+        """A deep copy of the actor's current (initial) weights."""
+        return cls(copy.deepcopy(actor.module), ref_config, actor.rollout_config, device=actor.device,
+                   remove_padding=bool(actor.config.use_remove_padding))
+
+    @classmethod
+    def from_config(cls, model_config: Any, ref_config: Any, rollout_config: Any = None, *,
+                    device: str | torch.device | None = None) -> "RefWorker":
+        """Load ``model_config.path`` (no gradient checkpointing: the reference never trains)."""
+        dev = torch.device(device) if device is not None else default_device()
+        module = load_causal_lm(model_config.path, trust_remote_code=model_config.trust_remote_code,
+                                override_config=model_config.override_config,
+                                dtype=ref_config.fsdp_config.model_dtype, device=dev)
+        return cls(module, ref_config, rollout_config, device=dev, remove_padding=bool(model_config.use_remove_padding))
+
+    def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
+        """``ref_log_prob`` ``[N, R]`` of ``batch['responses']``."""
+        cfg = self.config
+        log_probs, _ = compute_response_logprobs(
+            self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
+            False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
+            max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
+            remove_padding=self.remove_padding,
+        )
+        return log_probs

@@ -1,0 +1,152 @@
+"""The critic: a value model trained on GAE returns with the clipped value loss (verl's dp_critic).
+
+Values are read from the hidden state *before* each response token: ``values[:, j]`` comes from
+column ``P - 1 + j``, the state that predicts response token ``j`` (verl slices
+``[:, -R-1:-1]``), and is zeroed outside ``response_mask``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from posttrain.algorithms import compute_value_loss, masked_mean
+from posttrain.models import (
+    ValueModel,
+    autocast_context,
+    default_device,
+    enable_activation_checkpointing,
+    load_value_model,
+    micro_batch_indices,
+    response_hidden_states,
+)
+from posttrain.workers.common import (
+    MetricMeter,
+    global_batch_info,
+    micro_batches,
+    mini_batch_indices,
+    optimizer_step,
+    response_mask_of,
+    select_rows,
+    step_scheduler,
+)
+from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+
+__all__ = ["CriticWorker", "response_values"]
+
+_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def response_values(model: ValueModel, input_ids, attention_mask, position_ids, responses,
+                    remove_padding: bool = False) -> torch.Tensor:
+    """One micro-batch: values ``[B, R]`` float32 (0 outside the response mask); differentiable."""
+    resp_len = responses.shape[1]
+    hidden, take = response_hidden_states(model.backbone, input_ids, attention_mask, position_ids, resp_len,
+                                          remove_padding)
+    values = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
+    values = torch.cat([model.values_from_hidden(hidden), values[:, take:]], dim=1)
+    return values * attention_mask[:, -resp_len:].to(values.dtype)
+
+
+class CriticWorker:
+    """Value model + AdamW + lr schedule.
+
+    Args:
+        config: the ``critic`` section (model.*, optim.*, ppo_mini_batch_size, ppo_micro_batch_size_per_gpu,
+            forward_micro_batch_size_per_gpu, ppo_epochs, shuffle, cliprange_value, loss_agg_mode, grad_clip,
+            use_dynamic_bsz, ppo_max_token_len_per_gpu, forward_max_token_len_per_gpu).
+        device: defaults to cuda when present, else cpu.
+        module: a :class:`ValueModel` to use instead of loading ``config.model.path``.
+        seed: seeds the mini-batch shuffle generator.
+    """
+
+    def __init__(self, config: Any, *, device: str | torch.device | None = None,
+                 module: ValueModel | None = None, seed: int = 0):
+        self.config = config
+        self.device = torch.device(device) if device is not None else default_device()
+        mcfg = config.model
+        if module is None:
+            module = load_value_model(
+                mcfg.path, trust_remote_code=mcfg.trust_remote_code, override_config=mcfg.override_config,
+                enable_gradient_checkpointing=mcfg.enable_gradient_checkpointing,
+                dtype=mcfg.fsdp_config.model_dtype, device=self.device)
+        elif mcfg.enable_gradient_checkpointing:
+            enable_activation_checkpointing(module.backbone)
+        self.module = module.to(self.device)
+        self.autocast = functools.partial(autocast_context, self.device, mcfg.fsdp_config.mixed_precision.param_dtype)
+        self.optimizer = build_optimizer(self.module.parameters(), config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.remove_padding = bool(mcfg.use_remove_padding)
+
+    def compute_values(self, batch: Any) -> torch.Tensor:
+        """``values`` ``[N, R]`` for ``batch``, no grad, in ``forward_micro_batch_size_per_gpu`` rows."""
+        cfg = self.config
+        data = {k: batch[k] for k in _KEYS}
+        micro = cfg.forward_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu
+        groups = micro_batch_indices(data["attention_mask"], micro, bool(cfg.use_dynamic_bsz),
+                                     cfg.forward_max_token_len_per_gpu)
+        out = torch.zeros(data["responses"].shape, dtype=torch.float32, device=data["responses"].device)
+        self.module.eval()
+        for idx in groups:
+            with torch.no_grad(), self.autocast():
+                vals = response_values(self.module, **select_rows(data, idx, self.device),
+                                       remove_padding=self.remove_padding)
+            out[idx.to(out.device)] = vals.to(out.device)
+        return out
+
+    def _micro_step(self, mb: dict, info: dict, meter: MetricMeter) -> torch.Tensor:
+        cfg = self.config
+        mask = response_mask_of(mb)
+        with self.autocast():
+            vpreds = response_values(self.module, *(mb[k] for k in _KEYS), remove_padding=self.remove_padding)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds, mb["returns"], mb["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **info)
+        vf_loss.backward()
+        share = float(mask.sum()) / max(info["batch_num_tokens"], 1.0)
+        meter.add("critic/vf_loss", vf_loss)
+        meter.add("critic/vf_clipfrac", vf_clipfrac, share)
+        meter.add("critic/vpred_mean", masked_mean(vpreds.detach(), mask), share)
+        return vf_loss.detach()
+
+    def update_critic(self, batch: Any) -> dict[str, float]:
+        """``critic.ppo_epochs`` x mini-batches x micro-batches on ``values``/``returns``; verl metrics.
+
+        Needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``,
+        ``values`` (old) and ``returns`` ``[N, R]``. The lr schedule advances once per call.
+        """
+        cfg = self.config
+        data = {k: batch[k] for k in (*_KEYS, "response_mask", "values", "returns")}
+        meter = MetricMeter()
+        self.module.train()
+        for _ in range(cfg.ppo_epochs):
+            for mini in mini_batch_indices(len(data["responses"]), cfg.ppo_mini_batch_size, cfg.shuffle,
+                                           self.generator):
+                info = global_batch_info(data["response_mask"][mini])
+                self.optimizer.zero_grad(set_to_none=True)
+                finite = True
+                for idx in micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                         cfg.ppo_max_token_len_per_gpu):
+                    loss = self._micro_step(select_rows(data, idx, self.device), info, meter)
+                    finite = finite and bool(torch.isfinite(loss))
+                grad_norm, skipped = optimizer_step(self.module.parameters(), self.optimizer, cfg.grad_clip, finite)
+                meter.count("critic/nonfinite_skipped", float(skipped))
+                meter.end_mini_batch(**{"critic/grad_norm": float(grad_norm)})
+        metrics = meter.result()
+        metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
+        step_scheduler(self.lr_scheduler)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, lr scheduler and shuffle-generator state."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "generator" in state:
+            self.generator.set_state(state["generator"])

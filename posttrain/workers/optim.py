@@ -1,0 +1,87 @@
+"""AdamW and the learning-rate schedules of verl (``verl/utils/torch_functional.py``).
+
+The schedule advances once per *training step* (one ``update_policy``/``update_critic`` call), not
+per optimizer step, as in verl's workers. Warm-up steps: ``optim.lr_warmup_steps`` when >= 0,
+else ``int(optim.lr_warmup_steps_ratio * optim.total_training_steps)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = [
+    "build_optimizer",
+    "build_lr_scheduler",
+    "constant_schedule_with_warmup",
+    "cosine_schedule_with_warmup",
+    "scheduler_type",
+]
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any) -> torch.optim.AdamW:
+    """AdamW(lr, betas, weight_decay) from an ``optim`` config section (fp32 state)."""
+    betas = tuple(float(b) for b in optim.betas)
+    if len(betas) != 2:
+        raise ValueError(f"optim.betas must hold two numbers, got {optim.betas!r}")
+    return torch.optim.AdamW(params, lr=float(optim.lr), betas=betas, weight_decay=float(optim.weight_decay))
+
+
+def constant_schedule_with_warmup(num_warmup_steps: int):
+    """lr factor: linear 0 -> 1 over the warm-up steps, then 1."""
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return min(1.0, step / max(1, num_warmup_steps))
+        return 1.0
+
+    return factor
+
+
+def cosine_schedule_with_warmup(num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float = 0.0,
+                                num_cycles: float = 0.5):
+    """lr factor: linear warm-up, then cosine from 1 to ``min_lr_ratio`` (``num_cycles=0.5``: half a wave)."""
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    coef, intercept = (1 - min_lr_ratio) * 0.5, (1 + min_lr_ratio) * 0.5
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return step / max(1, num_warmup_steps)
+        progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+        return max(min_lr_ratio, math.cos(math.pi * num_cycles * 2.0 * progress) * coef + intercept)
+
+    return factor
+
+
+def scheduler_type(optim: Any) -> str:
+    """``optim.warmup_style`` (verl's deprecated name) when set, else ``optim.lr_scheduler_type``."""
+    style = getattr(optim, "warmup_style", None)
+    return style if style else getattr(optim, "lr_scheduler_type", "constant")
+
+
+def warmup_steps(optim: Any) -> int:
+    """``lr_warmup_steps`` when >= 0, else ``int(lr_warmup_steps_ratio * total_training_steps)``."""
+    steps = int(optim.lr_warmup_steps)
+    if steps >= 0:
+        return steps
+    total = int(optim.total_training_steps)
+    return int(float(optim.lr_warmup_steps_ratio) * total) if total > 0 else 0
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: Any) -> LambdaLR:
+    """verl's constant or cosine schedule with warm-up, from an ``optim`` config section."""
+    kind = scheduler_type(optim)
+    warm = warmup_steps(optim)
+    if kind == "constant":
+        return LambdaLR(optimizer, constant_schedule_with_warmup(warm))
+    if kind == "cosine":
+        total = int(optim.total_training_steps)
+        if total <= 0:
+            raise ValueError("optim.total_training_steps must be set (> 0) for the cosine lr schedule")
+        factor = cosine_schedule_with_warmup(warm, total, float(optim.min_lr_ratio), float(optim.num_cycles))
+        return LambdaLR(optimizer, factor)
+    raise ValueError(f"unknown lr schedule {kind!r} (optim.lr_scheduler_type / optim.warmup_style): constant, cosine")

@@ -1,0 +1,86 @@
+"""`posttrain prep`: GSM8K (real files), MATH (a small file written here), arithmetic."""
+
+import json
+import os
+
+import pytest
+
+from posttrain.data import read_rows
+from posttrain.data.latex import last_boxed, last_boxed_answer
+from posttrain.data.prep import main
+
+GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(GSM8K_DIR, "train.jsonl")), reason="needs ../shared/data/gsm8k")
+def test_gsm8k_real_files(tmp_path):
+    assert main(["gsm8k", "--input", GSM8K_DIR, "--output", str(tmp_path)]) == 0
+    train, test = read_rows(str(tmp_path / "train.parquet")), read_rows(str(tmp_path / "test.parquet"))
+    assert (len(train), len(test)) == (7473, 1319)
+    r = train[0]
+    q = (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?"
+    )
+    assert r["data_source"] == "openai/gsm8k"
+    assert r["prompt"] == [
+        {"role": "user", "content": q + ' Let\'s think step by step and output the final answer after "####".'}
+    ]
+    assert r["ability"] == "math"
+    assert r["reward_model"] == {"style": "rule", "ground_truth": "72"}
+    assert r["extra_info"]["split"] == "train" and r["extra_info"]["index"] == 0
+    assert r["extra_info"]["question"] == q and r["extra_info"]["answer"].endswith("#### 72")
+    assert test[5]["extra_info"] == {**test[5]["extra_info"], "split": "test", "index": 5}
+    # commas are removed from ground truths ("#### 1,000" style answers exist in GSM8K)
+    assert all("," not in row["reward_model"]["ground_truth"] for row in train)
+
+
+def test_gsm8k_missing_input(tmp_path, capsys):
+    assert main(["gsm8k", "--input", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
+    assert "train.jsonl: file not found" in capsys.readouterr().err
+
+
+def test_last_boxed():
+    assert last_boxed_answer("so \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
+    assert last_boxed_answer("answer: \\boxed 5$ done") == "5"
+    assert last_boxed_answer("\\fbox{x^{2}}") == "x^{2}"
+    assert last_boxed_answer("\\boxed{unclosed {") is None
+    assert last_boxed_answer("no box") is None
+    assert last_boxed("a \\boxed{\\{1,2\\}} b") == "\\boxed{\\{1,2\\}}"
+
+
+def test_math_prep(tmp_path, capsys):
+    src = tmp_path / "train.jsonl"
+    recs = [
+        {"problem": "What is $1+1$?", "solution": "We add: $1+1=\\boxed{2}$."},
+        {"problem": "Simplify $\\frac{2}{4}$.", "solution": "Divide: $\\boxed{\\frac{1}{2}}$"},
+        {"problem": "No box here.", "solution": "The answer is 3."},
+        {"problem": "Area?", "solution": "It is $\\fbox{4\\pi}$"},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out"
+    assert main(["math", "--input", str(src), "--output", str(out)]) == 0
+    assert "skipped 1 without a \\boxed answer: rows [2]" in capsys.readouterr().out
+    rows = read_rows(str(out / "train.parquet"))
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["2", "\\frac{1}{2}", "4\\pi"]
+    assert rows[0]["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
+    assert rows[0]["prompt"][0]["content"] == (
+        "What is $1+1$? Let's think step by step and output the final answer within \\boxed{}."
+    )
+    assert rows[2]["extra_info"] == {"split": "train", "index": 3}
+
+
+def test_math_prep_bad_record(tmp_path, capsys):
+    src = tmp_path / "test.jsonl"
+    src.write_text(json.dumps({"question": "x"}) + "\n")
+    assert main(["math", "--input", str(src), "--output", str(tmp_path)]) == 2
+    assert "test.jsonl row 0: missing string field 'problem'" in capsys.readouterr().err
+
+
+def test_arithmetic_prep(tmp_path):
+    args = ["arithmetic", "--output", str(tmp_path), "--n-train", "40", "--n-test", "8", "--digits", "2"]
+    assert main(args + ["--ops", "+-"]) == 0
+    train, test = read_rows(str(tmp_path / "train.parquet")), read_rows(str(tmp_path / "test.parquet"))
+    assert (len(train), len(test)) == (40, 8)
+    assert {r["data_source"] for r in train} == {"posttrain/arithmetic"}
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
