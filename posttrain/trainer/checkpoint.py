@@ -78,6 +78,11 @@ _FINGERPRINT_NAMES = {
 }
 
 
+# A moved or re-downloaded model folder is the same model: the vocabulary size and the strict weight
+# loads catch a different one, so a changed path only warns.
+_WARN_ONLY = {"model_path"}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unsafe to load, or from a different run config."""
 
@@ -510,8 +515,13 @@ def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str,
         logger.warning("checkpoint has no %s; cannot check it was saved with this config", FINGERPRINT_KEY)
         return
     current = json.loads(json.dumps(dict(current_fingerprint), default=_json_default))  # tuples -> lists
+    differ = [k for k in current if k in saved and saved[k] != current[k]]
+    for k in differ:
+        if k in _WARN_ONLY:
+            logger.warning("checkpoint was saved with %s=%s, this run has %s; resuming anyway",
+                           _FINGERPRINT_NAMES.get(k, k), saved[k], current[k])
     mismatches = [f"{_FINGERPRINT_NAMES.get(k, k)}={saved[k]}, this run has {current[k]}"
-                  for k in current if k in saved and saved[k] != current[k]]
+                  for k in differ if k not in _WARN_ONLY]
     if mismatches:
         raise CheckpointError("checkpoint was saved with " + "; and ".join(mismatches) +
                               ". Resume with the same settings, or start over with trainer.resume_mode=disable "

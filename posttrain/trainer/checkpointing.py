@@ -7,11 +7,17 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from posttrain.trainer.checkpoint import (CheckpointManager, RoleState, check_compatible, config_fingerprint,
-                                          resolve_resume, restore_rng)
+from posttrain.config import ConfigError
+from posttrain.trainer.checkpoint import (CheckpointError, CheckpointManager, RoleState, check_compatible,
+                                          config_fingerprint, resolve_resume, restore_rng)
 
 if TYPE_CHECKING:
     from posttrain.trainer.trainer import RLTrainer
+
+
+class ResumeError(CheckpointError, ConfigError):
+    """The checkpoint to resume from cannot be used with this run's settings (a `CheckpointError`, and a
+    `ConfigError` so that the command line prints it as one `error:` line and exits 2)."""
 
 
 class TrainerCheckpointing:
@@ -20,6 +26,7 @@ class TrainerCheckpointing:
         cfg = trainer.config.trainer
         self.manager = CheckpointManager(Path(cfg.default_local_dir).expanduser(), cfg.max_actor_ckpt_to_keep,
                                          cfg.max_critic_ckpt_to_keep)
+        self._saved_step: int | None = None  # the step this process last saved
 
     def _fingerprint(self) -> dict:
         return config_fingerprint(self.trainer.config, vocab_size=len(self.trainer.tokenizer))
@@ -38,34 +45,52 @@ class TrainerCheckpointing:
             "nonfinite_streak": t._nonfinite_streak,
             "config_fingerprint": self._fingerprint(),
         }
-        return self.manager.save(t.global_step, roles, extra)
+        path = self.manager.save(t.global_step, roles, extra)
+        self._saved_step = t.global_step
+        return path
 
     def maybe_resume(self) -> bool:
         """Restore the checkpoint `trainer.resume_mode` points to; False when starting fresh."""
+        try:
+            return self._resume()
+        except ResumeError:
+            raise
+        except (CheckpointError, ValueError) as err:  # ValueError: the prompt loader's own checks
+            raise ResumeError(str(err)) from err
+
+    def _resume(self) -> bool:
         t = self.trainer
         path = resolve_resume(_with_expanded_dir(t.config.trainer))
         if path is None:
             return False
         loaded = self.manager.load(path)
         check_compatible(loaded.extra, self._fingerprint())
+        if t.workers.critic is not None and "critic" not in loaded.roles:
+            raise ResumeError(f"{path} has no critic, but this run trains one (algorithm.adv_estimator=gae)")
+        try:
+            t.data.train_loader.load_state_dict(loaded.extra["train_loader"])
+        except ValueError as err:
+            raise ResumeError(f"{path}: {err} (data.train_batch_size or data.train_files changed?)") from err
         t.workers.actor.load_state_dict(loaded.roles["actor"].worker_state())
         if t.workers.critic is not None:
-            if "critic" not in loaded.roles:
-                from posttrain.trainer.checkpoint import CheckpointError
-
-                raise CheckpointError(f"{path} has no critic, but this run trains one (algorithm.adv_estimator=gae)")
             t.workers.critic.load_state_dict(loaded.roles["critic"].worker_state())
-        t.data.train_loader.load_state_dict(loaded.extra["train_loader"])
         if t.kl_ctrl is not None and loaded.extra.get("kl_ctrl"):
             t.kl_ctrl.load_state_dict(loaded.extra["kl_ctrl"])
         t.global_step = int(loaded.extra["global_step"])
         t._nonfinite_streak = int(loaded.extra.get("nonfinite_streak", 0))
         restore_rng(loaded.rng)
         print(f"resumed from {path} at step {t.global_step}", flush=True)
+        if t.global_step >= t.total_steps:
+            print(f"the checkpoint is at step {t.global_step} and this run has {t.total_steps} steps: nothing left to "
+                  "train (raise trainer.total_training_steps or trainer.total_epochs to continue)", flush=True)
         return True
 
     def save_on_signal(self, signum: int) -> None:
-        path = self.save()
+        step = self.trainer.global_step
+        if self._saved_step == step and self.manager.latest() == self.manager.step_dir(step):
+            path = self.manager.step_dir(step)  # trainer.save_freq saved this step a moment ago
+        else:
+            path = self.save()
         name = signal.Signals(signum).name
         print(f"stopped by {name} after step {self.trainer.global_step}; checkpoint saved to {path}.\n"
               "Resume with the same command (trainer.resume_mode=auto picks the latest checkpoint), or with "

@@ -59,7 +59,8 @@ def data_files(config: PostTrainConfig) -> tuple[Any, Any]:
     if train is None or val is None:
         a = config.data.arithmetic
         builtin_train, builtin_val = default_dataset_files(
-            digits=a.digits, ops=tuple(a.ops), n_train=a.n_train, n_test=a.n_test, seed=a.seed)
+            digits=a.digits, ops=tuple(a.ops), n_train=a.n_train, n_test=a.n_test, seed=a.seed,
+            prompt_style=a.prompt_style)
         train = builtin_train if train is None else train
         val = builtin_val if val is None else val
     return _expand(train), _expand(val)

@@ -3,6 +3,7 @@ task written to a temporary folder, and a config sized to run a step in about a 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from posttrain.config import load_config
@@ -39,22 +40,74 @@ def tiny_model_dir(tmp_path: Path, seed: int = 0) -> Path:
     return out
 
 
-def tiny_config(tmp_path: Path, overrides: list[str] = (), n_train: int = 64, n_test: int = 8):
+def tiny_overrides(tmp_path: Path, extra: list[str] = (), n_train: int = 64, n_test: int = 8) -> list[str]:
+    """The tiny run as `key=value` overrides (data and model written under `tmp_path` once), for
+    `load_config(overrides=...)` or a `python -m posttrain.trainer.main_ppo ...` command line."""
     tmp_path = Path(tmp_path)
     data_dir = tmp_path / "data"
     if not (data_dir / "train.parquet").exists():
         write_arithmetic_parquet(str(data_dir), n_train=n_train, n_test=n_test, digits=1, ops=("+",), seed=0)
     model = tiny_model_dir(tmp_path)
-    base = TINY_OVERRIDES + [
+    return TINY_OVERRIDES + [
         f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
         f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}",
         f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.run_dir={tmp_path / 'run'}",
         "algorithm.adv_estimator=grpo",
-    ]
-    return load_config(overrides=base + list(overrides))
+    ] + list(extra)
+
+
+def tiny_config(tmp_path: Path, overrides: list[str] = (), n_train: int = 64, n_test: int = 8):
+    return load_config(overrides=tiny_overrides(tmp_path, overrides, n_train=n_train, n_test=n_test))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread while the tiny runs go: their 64-wide matmuls gain nothing from threads,
+    and on a busy 2-core machine OpenMP's barriers make each one ~1000x slower (20 ms, not 20 us).
+    Subprocesses get the same with ``OMP_NUM_THREADS=1``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tiny_trainer(tmp_path: Path, overrides: list[str] = ()):
     from posttrain.trainer.trainer import RLTrainer
 
     return RLTrainer(tiny_config(tmp_path, overrides))
+
+
+def run_main_ppo(argv: list[str], log_path: str) -> None:
+    """`python -m posttrain.trainer.main_ppo ARGV` inside an already-started interpreter (the target of
+    a multiprocessing "forkserver" child whose server preloaded torch and posttrain: a fresh process
+    in ~1 s instead of ~8 s of imports). stdout and stderr go to `log_path`; exits with main's code."""
+    import os
+    import sys
+
+    import torch
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    torch.set_num_threads(1)
+    from posttrain.trainer.main_ppo import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

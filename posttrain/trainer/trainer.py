@@ -190,7 +190,9 @@ class RLTrainer:
         with _stop_on_signals(self):
             while self.global_step < self.total_steps:
                 self.global_step += 1
+                epoch = self.data.train_loader.epoch  # of the batch drawn next (the loader then moves on)
                 metrics = self.train_step(self.data.train_loader.next_batch())
+                metrics["training/epoch"] = epoch
                 last = self.global_step == self.total_steps
                 if cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
                     metrics.update(self.validate())
