@@ -34,6 +34,8 @@ class ArithmeticTaskConfig:
     """(posttrain) Held-out problems of the built-in task (disjoint from training)."""
     seed: int = 0
     """(posttrain) Seed of the built-in task's problem generator."""
+    prompt_style: str = "fewshot"
+    """(posttrain) How problems are asked: plain, instruct, fewshot, fewshot_instruct (see posttrain.data.arithmetic)."""
 
 
 @_cfg()
