@@ -8,6 +8,11 @@ Knobs: ``digits`` (operand width), ``ops`` (any of ``+ - *``), ``n_train``, ``n_
 ``prompt_style`` (how the question is asked; see :data:`PROMPT_STYLES`). Subtraction puts the
 larger operand first, so answers are never negative. Test questions never appear in train; when
 the question space is too small for ``n_train`` distinct train questions, train questions repeat.
+
+Defaults (1-digit ``+ - *``, ``fewshot_instruct``, 128 train / 64 test) are the setting where
+SmolLM2-135M-Instruct starts at 42% greedy (32% sampled at T=1) but knows most answers (91% with
+the plain few-shot prompt): what it lacks is the ``#### N`` habit, which GRPO can teach in minutes.
+See ``benchmarks/arithmetic_baseline.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ PROMPT_STYLES: dict[str, str] = {
     "fewshot": "one worked example turn ('31 + 45 = 76\\n#### 76'), then the bare question",
     "fewshot_instruct": "the same example turn, with INSTRUCTION after each question",
 }
-DEFAULT_PROMPT_STYLE = "fewshot"
+DEFAULT_PROMPT_STYLE = "fewshot_instruct"
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -105,7 +110,7 @@ def _space_size(digits: int, ops: Sequence[str]) -> int:
 
 
 def generate_problems(
-    n_train: int, n_test: int, digits: int = 2, ops: Sequence[str] = ("+",), seed: int = 0
+    n_train: int, n_test: int, digits: int = 1, ops: Sequence[str] = ("+", "-", "*"), seed: int = 0
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, test) problems; deterministic in all arguments, test questions distinct and not in train."""
     ops = _check_ops(ops)
@@ -179,10 +184,10 @@ def make_rows(problems: Sequence[Problem], split: str, prompt_style: str = DEFAU
 
 def write_arithmetic_parquet(
     out_dir: str,
-    n_train: int = 1024,
+    n_train: int = 128,
     n_test: int = 64,
-    digits: int = 2,
-    ops: Sequence[str] = ("+",),
+    digits: int = 1,
+    ops: Sequence[str] = ("+", "-", "*"),
     seed: int = 0,
     prompt_style: str = DEFAULT_PROMPT_STYLE,
 ) -> tuple[str, str]:
@@ -198,7 +203,7 @@ def default_dataset_files(cache_dir: str | None = None, **knobs) -> tuple[str, s
     """(train, test) parquet paths of the built-in task, written once into a cache directory keyed by
     the knobs (default ``~/.cache/posttrain/arithmetic``). For the trainer when no data files are given."""
     cache_dir = os.path.expanduser(cache_dir or os.path.join("~", ".cache", "posttrain", "arithmetic"))
-    params = dict(n_train=1024, n_test=64, digits=2, ops=("+",), seed=0, prompt_style=DEFAULT_PROMPT_STYLE)
+    params = dict(n_train=128, n_test=64, digits=1, ops=("+", "-", "*"), seed=0, prompt_style=DEFAULT_PROMPT_STYLE)
     unknown = set(knobs) - set(params)
     if unknown:
         raise TypeError(f"unknown arithmetic knob(s) {sorted(unknown)}; known: {sorted(params)}")

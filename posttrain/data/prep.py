@@ -2,7 +2,7 @@
 
     posttrain prep gsm8k --input ../shared/data/gsm8k --output ~/data/gsm8k
     posttrain prep math --input math_train.jsonl --output ~/data/math
-    posttrain prep arithmetic --output ~/data/arithmetic --digits 1 --ops +-* --n-train 2048
+    posttrain prep arithmetic --output ~/data/arithmetic --digits 2 --ops + --n-train 2048
 
 GSM8K and MATH rows match verl's ``examples/data_preprocess`` scripts (same data_source, prompt
 text, ground truth and extra_info), so files made here and there are interchangeable.
@@ -160,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("arithmetic", help="the built-in arithmetic task -> train.parquet, test.parquet")
     a.add_argument("--output", required=True, help="output directory")
-    a.add_argument("--n-train", type=int, default=1024)
+    a.add_argument("--n-train", type=int, default=128)
     a.add_argument("--n-test", type=int, default=64)
-    a.add_argument("--digits", type=int, default=2, help="operand width")
-    a.add_argument("--ops", default="+", help="operators to use, e.g. '+' or '+-*'")
+    a.add_argument("--digits", type=int, default=1, help="operand width")
+    a.add_argument("--ops", default="+-*", help="operators to use, e.g. '+' or '+-*'")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
     a.set_defaults(func=_prep_arithmetic)

@@ -137,6 +137,13 @@ class RLHFDataset(Dataset):
                 self.num_filtered + len(self.rows),
                 self.max_prompt_length,
             )
+        if self.num_truncated:
+            logger.warning(
+                "truncated %d prompts to data.max_prompt_length=%d tokens (data.truncation=%s)",
+                self.num_truncated,
+                self.max_prompt_length,
+                self.truncation,
+            )
         if not self.rows:
             raise DataError(f"{', '.join(self.files)}: no usable prompts (filtered {self.num_filtered} as overlong)")
 
