@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.models.microbatch import micro_batch_indices
+from posttrain.models.attention import fast_cpu_attention
+from posttrain.models.microbatch import micro_batch_indices, split_for_padding
 
 __all__ = ["compute_response_logprobs", "response_logprobs", "response_hidden_states", "split_lm"]
 
@@ -88,15 +89,16 @@ def response_hidden_states(
     ``remove_padding`` packs the valid tokens of all rows into one sequence (verl's
     ``use_remove_padding``); otherwise only columns that are padding in every row are dropped.
     """
-    if remove_padding:
-        return _packed_hidden_states(backbone, input_ids, attention_mask, position_ids, response_length)
-    lo, hi, take = _column_window(attention_mask, response_length)
-    out = backbone(
-        input_ids=input_ids[:, lo:hi],
-        attention_mask=attention_mask[:, lo:hi],
-        position_ids=position_ids[:, lo:hi],
-        use_cache=False,
-    )
+    with fast_cpu_attention(backbone):
+        if remove_padding:
+            return _packed_hidden_states(backbone, input_ids, attention_mask, position_ids, response_length)
+        lo, hi, take = _column_window(attention_mask, response_length)
+        out = backbone(
+            input_ids=input_ids[:, lo:hi],
+            attention_mask=attention_mask[:, lo:hi],
+            position_ids=position_ids[:, lo:hi],
+            use_cache=False,
+        )
     return out.last_hidden_state[:, -take:], take
 
 
@@ -217,7 +219,9 @@ def compute_response_logprobs(
     tensors = _tensors(data)
     device = next(model.parameters()).device
     n, resp_len = tensors["responses"].shape
-    groups = micro_batch_indices(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len)
+    groups = micro_batch_indices(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len,
+                                 sort_by_length=True)
+    groups = split_for_padding(tensors["attention_mask"], groups)
     out_device = tensors["responses"].device
     log_probs = torch.zeros(n, resp_len, dtype=torch.float32, device=out_device)
     entropy = torch.zeros_like(log_probs) if calculate_entropy else None

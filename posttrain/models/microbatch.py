@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["split_rows", "split_by_tokens", "micro_batch_indices"]
+__all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding"]
+
+MIN_PIECE_TOKENS = 1024
+"""``split_for_padding`` keeps at least this many valid tokens per piece (smaller matmuls lose speed)."""
+PER_PIECE_COST = 0.03
+"""Extra cost of one more forward call, as a fraction of the group's padded tokens."""
 
 
 def split_rows(num_rows: int, micro_batch_size: int) -> list[torch.Tensor]:
@@ -40,10 +45,56 @@ def micro_batch_indices(
     micro_batch_size: int | None,
     use_dynamic_bsz: bool = False,
     max_token_len: int | None = None,
+    sort_by_length: bool = False,
 ) -> list[torch.Tensor]:
-    """Row-index groups: by tokens when ``use_dynamic_bsz`` else by ``micro_batch_size`` rows."""
+    """Row-index groups: by tokens when ``use_dynamic_bsz`` else by ``micro_batch_size`` rows
+    (consecutive rows, or with ``sort_by_length`` rows of similar length, longest first)."""
     if use_dynamic_bsz:
         if not max_token_len:
             raise ValueError("use_dynamic_bsz needs a positive max_token_len")
         return split_by_tokens(attention_mask, max_token_len)
-    return split_rows(attention_mask.shape[0], micro_batch_size or attention_mask.shape[0])
+    size = micro_batch_size or attention_mask.shape[0]
+    if not sort_by_length:
+        return split_rows(attention_mask.shape[0], size)
+    if size <= 0:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    order = torch.sort(attention_mask.sum(-1).cpu(), descending=True, stable=True).indices
+    return list(order.split(size))
+
+
+def _padded_tokens(first: torch.Tensor, last: torch.Tensor) -> int:
+    """Tokens a forward over these rows computes: rows x (columns from the earliest start to the latest end)."""
+    return int(first.numel() * (int(last.max()) - int(first.min()) + 1)) if first.numel() else 0
+
+
+def split_for_padding(attention_mask: torch.Tensor, groups: list[torch.Tensor],
+                      min_tokens: int = MIN_PIECE_TOKENS) -> list[torch.Tensor]:
+    """Split each group of row indices into 1-4 pieces of similar-length rows when that computes
+    fewer padded tokens (after a ``PER_PIECE_COST`` charge per extra call), keeping at least
+    ``min_tokens`` valid tokens per piece.
+
+    A forward computes every column between a group's earliest first token and latest last
+    token for every row (log-probs drop only columns that are padding in all rows), so rows that
+    ended early pay for the longest one. Results do not depend on the split (micro-batch losses
+    are normalised by mini-batch totals); only the amount of padding computed does.
+    """
+    mask = attention_mask.bool().cpu()
+    cols = torch.arange(mask.shape[1])
+    first = torch.where(mask, cols, mask.shape[1]).min(-1).values
+    last = torch.where(mask, cols, -1).max(-1).values
+    length = mask.sum(-1)
+    out: list[torch.Tensor] = []
+    for group in groups:
+        g = group.cpu()
+        base = _padded_tokens(first[g], last[g])
+        best, best_cost = [group], float(base)
+        order = g[torch.sort(length[g], descending=True, stable=True).indices]
+        for k in (2, 3, 4):
+            pieces = [p for p in order.tensor_split(k) if p.numel()]
+            if len(pieces) < k or min(int(length[p].sum()) for p in pieces) < min_tokens:
+                break
+            cost = sum(_padded_tokens(first[p], last[p]) for p in pieces) + PER_PIECE_COST * base * (k - 1)
+            if cost < best_cost:
+                best, best_cost = [p.to(group.device) for p in pieces], cost
+        out.extend(best)
+    return out

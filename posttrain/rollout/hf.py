@@ -1,56 +1,39 @@
-"""The ``hf`` rollout engine: ``transformers`` ``model.generate`` with a KV cache.
+"""The ``hf`` rollout engine: a ``transformers`` causal LM decoded with a KV cache.
 
 Hybrid engine: the engine holds the actor's own module (no copy), so ``update_weights`` with that
 module is a no-op. Generation runs in eval mode (no dropout) under bf16 autocast when the actor's
 ``param_dtype`` is bf16, and restores the module's training mode afterwards.
 
+Decoding (our own loop over the model's forward, not ``model.generate``): each distinct prompt is
+prefilled once (columns that are padding in every prompt dropped) and its KV cache repeated for
+its ``n`` samples, so prefill costs ``N`` prompts, not ``N * n`` rows; then all rows decode one
+token per step (logits of the last position only) until every row has emitted EOS or
+``response_length`` tokens. Sampling follows ``transformers``: temperature, top-k, top-p, softmax,
+multinomial on the global torch RNG; greedy is argmax.
+
 ``rollout_log_probs`` are ``log_softmax(logits / temperature)`` at the sampled token, from the
 model's raw logits at each decoding step: the same quantity the actor's ``compute_log_prob``
 recomputes (temperature applied, top-k/top-p truncation *not* applied), so the two agree to float
-precision in fp32. They are recorded one step at a time by a logits processor, so no
-``[steps, N, V]`` tensor is kept. Greedy decoding reports log-probs at temperature 1.
+precision in fp32. They are taken one step at a time, so no ``[steps, N, V]`` tensor is kept.
+Greedy decoding reports log-probs at temperature 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import uuid
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from posttrain.batch import Batch
+from posttrain.models.attention import fast_cpu_attention
 from posttrain.rollout.base import SamplingParams
 
 __all__ = ["HFRolloutEngine", "response_mask_from_eos"]
-
-
-class _LogProbRecorder(LogitsProcessor):
-    """Records log p(sampled token) per step; sees raw logits before temperature/top-k/top-p warpers."""
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.steps: list[torch.Tensor] = []  # each [N]
-        self._prev: torch.Tensor | None = None  # [N, V] log-probs of the previous step
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self._prev is not None:
-            self._take(input_ids[:, -1])
-        self._prev = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        self.steps.append(self._prev.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
-        self._prev = None
-
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs ``[N, steps]`` once generation has produced ``last_tokens`` ``[N]``."""
-        if self._prev is not None:
-            self._take(last_tokens)
-        return torch.stack(self.steps, dim=1)
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int], num_generated: int) -> torch.Tensor:
@@ -62,13 +45,13 @@ def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int], num_gene
 
 
 class HFRolloutEngine:
-    """Generation with ``model.generate`` (see module docstring).
+    """Generation with a KV-cached decoding loop (see module docstring).
 
     Args:
         model: a HF causal LM (the actor's module for the hybrid engine).
         tokenizer: supplies ``pad_token_id`` and ``eos_token_id``.
         autocast: context-manager factory for compute precision (e.g. bf16 autocast), or None.
-        max_batch_size: prompts (times ``n``) per ``generate`` call.
+        max_batch_size: rows (prompts times ``n``) decoded together.
         eos_token_ids: stop tokens; default the tokenizer's EOS plus the model generation config's.
     """
 
@@ -102,52 +85,74 @@ class HFRolloutEngine:
         self.model.load_state_dict(state)
 
     # ------------------------------------------------------------------ generation
-    def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
-        greedy = sampling.greedy
-        return GenerationConfig(
-            max_new_tokens=sampling.response_length,
-            do_sample=not greedy,
-            temperature=1.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p,
-            top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k,
-            num_beams=1,
-            repetition_penalty=1.0,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-        )
-
-    @torch.no_grad()
-    def _generate_chunk(self, input_ids, attention_mask, sampling: SamplingParams):
-        """``[B, P]`` prompts -> (responses ``[B, T]``, log-probs ``[B, T]`` or None), ``T <= R``."""
-        device = next(self.model.parameters()).device
-        recorder = _LogProbRecorder(sampling.logprob_temperature) if sampling.calculate_log_probs else None
-        ctx = self.autocast() if self.autocast is not None else contextlib.nullcontext()
-        with ctx:
-            seqs = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=self._generation_config(sampling),
-                logits_processor=LogitsProcessorList([recorder] if recorder else []),
-            )
-        responses = seqs[:, input_ids.shape[1]:]
-        if recorder is None or responses.shape[1] == 0:
-            return responses, None
-        return responses, recorder.finish(responses[:, -1])
-
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """``N`` prompts -> ``N * sampling.n`` rows (keys in ``posttrain.rollout.base``)."""
         prompts = _with_uids(prompts)
         rows = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
+        per_call = max(1, self.max_batch_size // sampling.n)  # prompts per decoding batch
+        pos = prompts["position_ids"] if "position_ids" in prompts else _positions(prompts["attention_mask"])
         was_training = self.model.training
         self.model.eval()
         try:
-            outs = [self._generate_chunk(rows["input_ids"][i:i + self.max_batch_size],
-                                         rows["attention_mask"][i:i + self.max_batch_size], sampling)
-                    for i in range(0, len(rows), self.max_batch_size)]
+            outs = [self._generate_chunk(prompts["input_ids"][i:i + per_call], prompts["attention_mask"][i:i + per_call],
+                                         pos[i:i + per_call], sampling)
+                    for i in range(0, len(prompts), per_call)]
         finally:
             self.model.train(was_training)
         return self._assemble(rows, outs, sampling)
+
+    @torch.no_grad()
+    def _generate_chunk(self, input_ids, attention_mask, position_ids, sampling: SamplingParams):
+        """``[B, P]`` distinct prompts -> (responses ``[B*n, T]``, log-probs ``[B*n, T]`` or None), ``T <= R``.
+
+        Each prompt is prefilled once; its KV cache and last logits are then repeated for its ``n``
+        samples, which decode together one token per step. Rows that have emitted EOS leave the
+        decoding batch (their cache rows are dropped), so a step costs the rows still running.
+        """
+        device = next(self.model.parameters()).device
+        n, steps_max = sampling.n, sampling.response_length
+        used = attention_mask.bool().any(0).nonzero()
+        lo = int(used[0]) if used.numel() else max(input_ids.shape[1] - 1, 0)  # drop all-padding columns
+        ids, mask, pos = (t[:, lo:].to(device) for t in (input_ids, attention_mask, position_ids))
+        rows = ids.shape[0] * n
+        responses = torch.full((rows, max(steps_max, 0)), self.pad_token_id, dtype=torch.long, device=device)
+        log_probs = torch.zeros(rows, max(steps_max, 0), dtype=torch.float32, device=device)
+        if steps_max <= 0:
+            return responses, None
+        step = _ModelStepper(self.model)
+        ctx = self.autocast() if self.autocast is not None else contextlib.nullcontext()
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        alive = torch.arange(rows, device=device)  # output row of each decoding-batch row
+        steps = 0
+        with ctx, fast_cpu_attention(self.model):
+            logits = step.prefill(ids, mask, pos)  # [B, V]
+            if n > 1 and not step.repeat(n):  # a cache type that cannot be repeated: prefill every row
+                ids, mask, pos = (x.repeat_interleave(n, dim=0) for x in (ids, mask, pos))
+                step = _ModelStepper(self.model)
+                logits = step.prefill(ids, mask, pos)
+            elif n > 1:
+                logits = logits.repeat_interleave(n, dim=0)
+                mask, pos = mask.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
+            pos = pos[:, -1:]
+            ended = torch.zeros(rows, dtype=torch.bool, device=device)  # rows of the decoding batch done
+            for t in range(steps_max):
+                token, lp = _sample(logits, sampling, sampling.calculate_log_probs)
+                live = ~ended
+                responses[alive[live], t] = token[live]
+                if lp is not None:
+                    log_probs[alive[live], t] = lp[live]
+                steps = t + 1
+                ended = ended | torch.isin(token, eos)
+                if t == steps_max - 1 or bool(ended.all()):
+                    break
+                if bool(ended.any()):  # drop finished rows from the batch and the cache (when the cache can)
+                    keep = (~ended).nonzero().flatten()
+                    if step.select(keep):
+                        alive, token, mask, pos, ended = alive[keep], token[keep], mask[keep], pos[keep], ended[keep]
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                pos = pos + 1
+                logits = step.decode(token[:, None], mask, pos)
+        return responses[:, :steps], (log_probs[:, :steps] if sampling.calculate_log_probs else None)
 
     def _assemble(self, rows: Batch, outs: list, sampling: SamplingParams) -> Batch:
         resp_len = sampling.response_length
@@ -178,6 +183,94 @@ class HFRolloutEngine:
         if sampling.calculate_log_probs:
             tensors["rollout_log_probs"] = log_probs * mask
         return Batch.from_dict(tensors, dict(rows.non_tensor_batch), dict(rows.meta_info))
+
+
+def _sample(logits: torch.Tensor, sampling: SamplingParams, want_log_probs: bool):
+    """Next tokens ``[N]`` from raw logits ``[N, V]`` and, when asked, their log-probs ``[N]``.
+
+    As ``transformers``' sampling: temperature, then top-k, then top-p (HF's warpers, same cut
+    rules), softmax, multinomial; greedy is argmax. The reported log-prob is
+    ``log_softmax(logits / temperature)`` (temperature 1 when greedy) at the chosen token, with no
+    top-k/top-p truncation: what the actor's ``compute_log_prob`` recomputes.
+    """
+    scores = logits.float()
+    if sampling.greedy:
+        token = scores.argmax(-1)
+    else:
+        scores = scores / sampling.temperature
+        filtered = scores
+        if sampling.top_k > 0:
+            kth = torch.topk(filtered, min(sampling.top_k, filtered.shape[-1]), dim=-1).values[..., -1:]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            sorted_logits, sorted_idx = torch.sort(filtered, descending=False)
+            remove = sorted_logits.softmax(-1).cumsum(-1) <= (1 - sampling.top_p)
+            remove[..., -1:] = False
+            filtered = filtered.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+        token = torch.multinomial(filtered.softmax(-1), 1).squeeze(-1)
+    if not want_log_probs:
+        return token, None
+    lp = scores.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+    return token, lp
+
+
+class _ModelStepper:
+    """Prefill / one-token decode with a KV cache, on the backbone + lm_head when the model splits
+    (logits of the last position only), across ``transformers`` versions (``cache``/``past_key_values``)."""
+
+    def __init__(self, model: nn.Module):
+        from posttrain.models.logprobs import split_lm
+
+        self.model = model
+        parts = split_lm(model)
+        self.body, self.head = (parts[0], parts[1]) if parts is not None else (None, None)
+        self.softcap = parts[2] if parts is not None else None
+        target = self.body if self.body is not None else model
+        params = inspect.signature(target.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep")
+                             if self.body is None and k in inspect.signature(model.forward).parameters), None)
+        self.cache = None
+
+    def _run(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        if self.cache is not None:
+            kwargs[self.cache_kw] = self.cache
+        if self.body is None:
+            if self.keep_kw:
+                kwargs[self.keep_kw] = 1
+            out = self.model(**kwargs)
+            logits = out.logits[:, -1]
+        else:
+            out = self.body(**kwargs)
+            logits = self.head(out.last_hidden_state[:, -1])
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+        cache = getattr(out, "cache", None)
+        self.cache = cache if cache is not None else out.past_key_values
+        return logits
+
+    def prefill(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        return self._run(input_ids, attention_mask, position_ids)
+
+    def repeat(self, n: int) -> bool:
+        """Repeat each cache row ``n`` times (interleaved); False when the cache type cannot."""
+        try:
+            self.cache.batch_repeat_interleave(n)
+        except (AttributeError, NotImplementedError, TypeError):
+            return False
+        return True
+
+    def select(self, rows: torch.Tensor) -> bool:
+        """Keep only ``rows`` (indices) of the cache's batch; False (cache unchanged) when it cannot."""
+        try:
+            self.cache.batch_select_indices(rows)
+        except (AttributeError, NotImplementedError, TypeError):
+            return False
+        return True
+
+    def decode(self, tokens, attention_mask, position_ids) -> torch.Tensor:
+        return self._run(tokens, attention_mask, position_ids)
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:

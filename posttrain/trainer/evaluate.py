@@ -1,0 +1,194 @@
+"""`posttrain eval`: greedy accuracy of a model or checkpoint on a dataset, per data source.
+
+    posttrain eval --model smollm2-135m-instruct                       # the built-in arithmetic test split
+    posttrain eval --model checkpoints/p/e/global_step_15 --data ~/data/gsm8k/test.parquet --n 200
+    posttrain eval --model ./my_hf_folder --json data.arithmetic.digits=2
+
+MODEL is a Hugging Face folder, a ``.gguf`` file, the alias ``smollm2-135m-instruct``, a hub id, or a
+posttrain checkpoint (a ``global_step_N`` folder, its ``actor/`` subfolder, or a checkpoint root for
+its latest checkpoint; the actor is rebuilt from ``actor/huggingface`` config + weights, as
+``posttrain export`` does). The data defaults to the built-in run's test split (``data.val_files``
+of ``posttrain/config/builtin.yaml``, i.e. the built-in arithmetic task); ``key=value`` overrides
+apply on top of the built-in config (``data.max_prompt_length``, ``data.arithmetic.*``,
+``custom_reward_function.path``, ``actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype``...).
+
+Each prompt gets one greedy response (``--max-response-length`` tokens at most) from the trainer's
+hf rollout engine; the reward manager scores it (``default_compute_score`` by ``data_source``, or
+the configured custom reward function). Accuracy is the mean score: per data source, and overall
+(over all prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["evaluate", "main", "resolve_model"]
+
+BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "builtin.yaml"
+
+
+def _is_checkpoint(path: str) -> bool:
+    from posttrain.trainer.checkpoint import CheckpointError
+    from posttrain.trainer.export import resolve_checkpoint
+
+    p = Path(path).expanduser()
+    if not p.is_dir() or (p / "config.json").exists():
+        return False
+    try:
+        resolve_checkpoint(p)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def resolve_model(path: str):
+    """Yields a path ``load_causal_lm`` takes: ``path`` itself, or a checkpoint's actor exported to a
+    temporary Hugging Face folder (removed afterwards)."""
+    if not _is_checkpoint(path):
+        yield str(path)
+        return
+    from posttrain.trainer.export import export_actor
+
+    with tempfile.TemporaryDirectory(prefix="posttrain_eval_") as tmp:
+        yield str(export_actor(Path(path).expanduser(), tmp))
+
+
+def _config(model: str, data: list[str] | None, max_response_length: int | None, batch_size: int | None,
+            overrides: list[str]):
+    from posttrain.config import load_config
+
+    items = [f"actor_rollout_ref.model.path={model}"]
+    if data:
+        items.append("data.val_files=[" + ",".join(json.dumps(os.path.expanduser(f)) for f in data) + "]")
+    if max_response_length is not None:
+        items.append(f"data.max_response_length={max_response_length}")
+    if batch_size is not None:
+        items.append(f"data.val_batch_size={batch_size}")
+    base = BUILTIN_CONFIG if BUILTIN_CONFIG.is_file() else None
+    # training-only keys (batch sizes per GPU, ...) may be unset or inconsistent: not validated here
+    return load_config(overrides=items + list(overrides), base=base, validate=False)
+
+
+def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
+             max_response_length: int | None = None, batch_size: int | None = None,
+             overrides: list[str] = (), tokenizer: str | None = None) -> dict[str, Any]:
+    """Greedy accuracy; returns ``{"model", "data", "max_response_length", "per_source": {source:
+    {"n", "accuracy"}}, "overall": {"n", "accuracy"}, "rows": [{"data_source", "prompt", "response",
+    "ground_truth", "score"}]}``. ``n``: only the first ``n`` prompts of the dataset."""
+    import torch
+
+    from posttrain.data import RLHFDataset, build_val_loader
+    from posttrain.models import autocast_context, load_causal_lm, load_tokenizer
+    from posttrain.rollout import SamplingParams, get_rollout_engine
+    from posttrain.trainer.setup import build_reward_fn, data_files, resolve_device
+    from posttrain.trainer.validation import run_validation
+
+    with resolve_model(model) as path:
+        config = _config(path, data, max_response_length, batch_size, list(overrides))
+        m = config.actor_rollout_ref.model
+        tok = load_tokenizer(tokenizer or path, trust_remote_code=m.trust_remote_code,
+                             custom_chat_template=m.custom_chat_template)
+        device = resolve_device(config)
+        actor = config.actor_rollout_ref.actor
+        module = load_causal_lm(path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
+                                dtype=actor.fsdp_config.model_dtype, device=device)
+    module.eval()
+    files = data_files(config)[1]
+    dataset = RLHFDataset(files, tok, config.data)
+    if n is not None:
+        dataset.rows, dataset.input_ids = dataset.rows[:n], dataset.input_ids[:n]
+    loader = build_val_loader(dataset, config.data)
+    engine = get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
+                                autocast=functools.partial(autocast_context, device,
+                                                           actor.fsdp_config.mixed_precision.param_dtype))
+    length = int(config.data.max_response_length)
+    sampling = SamplingParams(n=1, temperature=0.0, do_sample=False, response_length=length,
+                              calculate_log_probs=False)
+    reward_fn = build_reward_fn(config, tok)
+    key = config.data.reward_fn_key
+    with torch.no_grad():
+        _, samples = run_validation(list(loader), lambda p: engine.generate(p, sampling), reward_fn, 1, key)
+    rows = []
+    for sample in samples:
+        out = sample["batch"]
+        mask = out["response_mask"].bool()
+        texts = tok.batch_decode([r[k].tolist() for r, k in zip(out["responses"], mask)], skip_special_tokens=True)
+        prompts = tok.batch_decode([p[a.bool()].tolist() for p, a in zip(out["prompts"],
+                                                                         out["attention_mask"][:, :out["prompts"].shape[1]])],
+                                   skip_special_tokens=False)
+        for i, score in enumerate(sample["scores"]):
+            rows.append({"data_source": str(out.non_tensor_batch[key][i]), "prompt": prompts[i], "response": texts[i],
+                         "ground_truth": out.non_tensor_batch["reward_model"][i].get("ground_truth"),
+                         "score": float(score)})
+    per: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        per[r["data_source"]].append(r["score"])
+    scores = [r["score"] for r in rows]
+    return {
+        "model": model,
+        "data": files if isinstance(files, list) else [files],
+        "max_response_length": length,
+        "per_source": {s: {"n": len(v), "accuracy": sum(v) / len(v)} for s, v in sorted(per.items())},
+        "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan")},
+        "rows": rows,
+    }
+
+
+def format_result(res: dict[str, Any], show: int = 0) -> str:
+    width = max([len("data_source"), len("overall")] + [len(s) for s in res["per_source"]])
+    lines = [f"model: {res['model']}", f"data: {', '.join(map(str, res['data']))}",
+             f"greedy, at most {res['max_response_length']} new tokens",
+             f"{'data_source':<{width}}  {'n':>6}  {'accuracy':>8}"]
+    for source, v in res["per_source"].items():
+        lines.append(f"{source:<{width}}  {v['n']:>6}  {v['accuracy']:>8.4f}")
+    lines.append(f"{'overall':<{width}}  {res['overall']['n']:>6}  {res['overall']['accuracy']:>8.4f}")
+    for r in res["rows"][:show]:
+        lines.append(f"--- score {r['score']:g} (ground truth {r['ground_truth']}): {r['response']!r}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="posttrain eval", description="Greedy accuracy of a model or checkpoint on a dataset, per data source.")
+    parser.add_argument("--model", required=True,
+                        help="HF folder, .gguf file, smollm2-135m-instruct, hub id, or a checkpoint (global_step_N)")
+    parser.add_argument("--data", nargs="+", action="extend", metavar="FILE",
+                        help="parquet/jsonl files in verl's schema (default: the built-in run's test split)")
+    parser.add_argument("--n", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-response-length", type=int, default=None,
+                        help="new tokens per response (default: data.max_response_length of the built-in config)")
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per generation batch (default: all)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
+    parser.add_argument("--show", type=int, default=0, metavar="K", help="also print the first K responses")
+    parser.add_argument("--json", action="store_true", help="print the result (with every response) as JSON")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides (over the built-in config)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    data, overrides = [], list(args.overrides)
+    for item in args.data or []:  # `--data a.parquet key=value`: the override is not a file
+        (overrides if "=" in item and not Path(item).expanduser().exists() else data).append(item)
+    from posttrain.config import ConfigError
+    from posttrain.data import DataError
+    from posttrain.trainer.checkpoint import CheckpointError
+
+    try:
+        res = evaluate(args.model, data or None, n=args.n, max_response_length=args.max_response_length,
+                       batch_size=args.batch_size, overrides=overrides, tokenizer=args.tokenizer)
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=1, default=str) if args.json else format_result(res, args.show))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
