@@ -136,7 +136,7 @@ class ActorWorker:
                 calculate_entropy=True, entropy_grad=cfg.entropy_coeff != 0,
                 remove_padding=bool(cfg.use_remove_padding))
         pg_loss, pg_metrics = self.policy_loss_fn(
-            old_log_prob=mb["old_log_probs"], log_prob=log_prob, advantages=mb["advantages"],
+            old_log_prob=mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob=log_prob, advantages=mb["advantages"],
             response_mask=mask, loss_agg_mode=mode, config=ConfigWithBatchInfo(cfg, info),
             rollout_is_weights=mb.get("rollout_is_weights"))
         entropy_agg = agg_loss(entropy, mask, mode, **info)
@@ -160,9 +160,19 @@ class ActorWorker:
         ``advantages`` (``[N, R]`` / ``[N, P+R]``), ``ref_log_prob`` when ``use_kl_loss``, and optionally
         ``response_mask`` (default: the response part of ``attention_mask``) and ``rollout_is_weights``
         (multiplies the per-token policy loss). The lr schedule advances once per call.
+
+        On-policy updates (``ppo_epochs == 1`` and the batch is one mini-batch) may omit
+        ``old_log_probs``: the policy has not moved since the rollout, so the update's own log-probs,
+        detached, are the old ones (verl's ``on_policy`` branch), saving the separate forward of
+        ``compute_log_prob``.
         """
         cfg = self.config
-        keys = [*_LOGPROB_KEYS, "old_log_probs", "advantages"]
+        on_policy = cfg.ppo_epochs == 1 and len(batch["responses"]) <= cfg.ppo_mini_batch_size
+        if "old_log_probs" not in batch and not on_policy:
+            raise KeyError(f"update_policy needs 'old_log_probs' unless the update is on-policy (ppo_epochs=1 and "
+                           f"one mini-batch); got ppo_epochs={cfg.ppo_epochs}, {len(batch['responses'])} responses "
+                           f"and ppo_mini_batch_size={cfg.ppo_mini_batch_size}")
+        keys = [*_LOGPROB_KEYS, "advantages"] + (["old_log_probs"] if "old_log_probs" in batch else [])
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         keys += [k for k in ("response_mask", "rollout_is_weights") if k in batch]
         data = {k: batch[k] for k in keys}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.models.microbatch import micro_batch_indices
+from posttrain.models.microbatch import micro_batch_indices, split_for_padding
 
 __all__ = [
     "ConfigWithBatchInfo",
@@ -57,9 +57,11 @@ def mini_batch_indices(num_rows: int, mini_batch_size: int, shuffle: bool, gener
 
 def micro_batches(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, micro_batch_size, use_dynamic_bsz,
                   max_token_len) -> list[torch.Tensor]:
-    """Row indices (into the full batch) of each micro-batch of the mini-batch ``idx``."""
+    """Row indices (into the full batch) of each micro-batch of the mini-batch ``idx``: rows of similar
+    length together (less padding computed; the accumulated gradient does not depend on the split)."""
     mask = tensors["attention_mask"][idx.to(tensors["attention_mask"].device)]
-    groups = micro_batch_indices(mask, micro_batch_size, use_dynamic_bsz, max_token_len)
+    groups = micro_batch_indices(mask, micro_batch_size, use_dynamic_bsz, max_token_len, sort_by_length=True)
+    groups = split_for_padding(mask, groups)
     return [idx[g] for g in groups]
 
 

@@ -21,6 +21,7 @@ from posttrain.models import (
     load_value_model,
     micro_batch_indices,
     response_hidden_states,
+    split_for_padding,
 )
 from posttrain.workers.common import (
     MetricMeter,
@@ -87,7 +88,8 @@ class CriticWorker:
         data = {k: batch[k] for k in _KEYS}
         micro = cfg.forward_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu
         groups = micro_batch_indices(data["attention_mask"], micro, bool(cfg.use_dynamic_bsz),
-                                     cfg.forward_max_token_len_per_gpu)
+                                     cfg.forward_max_token_len_per_gpu, sort_by_length=True)
+        groups = split_for_padding(data["attention_mask"], groups)
         out = torch.zeros(data["responses"].shape, dtype=torch.float32, device=data["responses"].device)
         self.module.eval()
         for idx in groups:
