@@ -37,7 +37,7 @@ BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "builtin.yaml"
 
 
 def _is_checkpoint(path: str) -> bool:
-    from posttrain.trainer.checkpoint import CheckpointError
+    from posttrain.checkpoint import CheckpointError
     from posttrain.trainer.export import resolve_checkpoint
 
     p = Path(path).expanduser()
@@ -178,12 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         (overrides if "=" in item and not Path(item).expanduser().exists() else data).append(item)
     from posttrain.config import ConfigError
     from posttrain.data import DataError
-    from posttrain.trainer.checkpoint import CheckpointError
+    from posttrain.checkpoint import CheckpointError
 
     try:
         res = evaluate(args.model, data or None, n=args.n, max_response_length=args.max_response_length,
                        batch_size=args.batch_size, overrides=overrides, tokenizer=args.tokenizer)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
+    except (ConfigError, DataError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(res, indent=1, default=str) if args.json else format_result(res, args.show))

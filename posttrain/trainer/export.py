@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.trainer.checkpoint import (
+from posttrain.checkpoint import (
     HF_DIR,
     MODEL_FILE,
     CheckpointError,

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config import ConfigError, PostTrainConfig, uses_critic, uses_reference
+from posttrain.config import ConfigError, PostTrainConfig
 from posttrain.data import RLHFDataset, build_train_loader, build_val_loader
 from posttrain.data.arithmetic import default_dataset_files
 
@@ -101,27 +101,15 @@ def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
                          num_workers=config.reward.num_workers, on_error=config.reward.on_error)
 
 
-@dataclass
-class Workers:
-    actor: Any
-    ref: Any
-    critic: Any
-
-
 def build_workers(config: PostTrainConfig, device: torch.device, seed: int,
-                  actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None) -> Workers:
-    """Actor (+ hybrid rollout), reference when KL is used, critic for GAE.
+                  actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None):
+    """The worker group: the roles in this process (`LocalWorkerGroup`).
 
     `config` holds per-rank batch sizes (`posttrain.config.worker_config`).
     """
-    from posttrain.workers import ActorWorker, CriticWorker, RefWorker
+    from posttrain.workers.group import build_local_group
 
-    arr = config.actor_rollout_ref
-    actor = ActorWorker(arr.model, arr.actor, arr.rollout, device=device, module=actor_module,
-                        tokenizer=tokenizer, seed=seed)
-    ref = RefWorker.from_actor(actor, arr.ref) if uses_reference(config) else None
-    critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed) if uses_critic(config) else None
-    return Workers(actor, ref, critic)
+    return build_local_group(config, device, seed, actor_module, critic_module, tokenizer)
 
 
 def run_dir(config: PostTrainConfig) -> Path:

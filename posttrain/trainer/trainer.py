@@ -14,6 +14,7 @@ import math
 import random
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -23,8 +24,8 @@ from posttrain.algorithms import get_adv_estimator_fn, get_kl_controller, kl_pen
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
-from posttrain.trainer import setup
-from posttrain.trainer.checkpointing import TrainerCheckpointing
+from posttrain.checkpoint import CheckpointManager
+from posttrain.trainer import resume, setup
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.validation import run_validation
 
@@ -73,7 +74,10 @@ class RLTrainer:
         self.use_critic = uses_critic(config)
         self.global_step = 0
         self.history: list[dict[str, float]] = []
-        self.checkpointing = TrainerCheckpointing(self)
+        tcfg = config.trainer
+        self.checkpoints = CheckpointManager(Path(tcfg.default_local_dir).expanduser(), tcfg.max_actor_ckpt_to_keep,
+                                             tcfg.max_critic_ckpt_to_keep)
+        self._saved_step: int | None = None  # the step this process last saved
         self._stop_signal: int | None = None
         self._nonfinite_streak = 0
 
@@ -104,22 +108,22 @@ class RLTrainer:
             prompts.non_tensor_batch["uid"] = np.array(
                 [f"s{self.global_step}-p{i}" for i in range(len(prompts))], dtype=object)
             with timer("gen"):
-                batch = w.actor.generate_sequences(prompts)
+                batch = w.generate_sequences(prompts)
                 if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
                     baseline = self._greedy_baseline(prompts)
             with timer("reward"):
                 batch["token_level_scores"], extra = self.reward_fn(batch)
                 metrics.update(_extra_metrics(extra))
             with timer("old_log_prob"):
-                batch["old_log_probs"], entropy = w.actor.compute_log_prob(batch)
+                batch["old_log_probs"], entropy = w.compute_log_prob(batch)
                 metrics.update(mean_entropy(entropy, batch["response_mask"]))
                 metrics.update(rollout_actor_diff(batch))
-            if w.ref is not None:
+            if w.has_ref:
                 with timer("ref"):
-                    batch["ref_log_prob"] = w.ref.compute_ref_log_prob(batch)
+                    batch["ref_log_prob"] = w.compute_ref_log_prob(batch)
             if self.use_critic:
                 with timer("values"):
-                    batch["values"] = w.critic.compute_values(batch)
+                    batch["values"] = w.compute_values(batch)
             with timer("adv"):
                 batch["token_level_rewards"] = self._rewards_with_kl(batch, metrics)
                 batch["advantages"], batch["returns"] = self.adv_fn(
@@ -130,10 +134,10 @@ class RLTrainer:
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, config=cfg.algorithm)
             if self.use_critic:
                 with timer("update_critic"):
-                    metrics.update(w.critic.update_critic(batch))
+                    metrics.update(w.update_critic(batch))
             if self.global_step > cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(w.actor.update_policy(batch))
+                    metrics.update(w.update_actor(batch))
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(timer.metrics())
         metrics.update(throughput(batch, timer.seconds["step"], self.sizes.world_size))
@@ -143,7 +147,7 @@ class RLTrainer:
 
     def _greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax: score of a greedy response per prompt, repeated for its n samples -> `[N]`."""
-        greedy = self.workers.actor.generate_sequences(prompts, validate=True)
+        greedy = self.workers.generate_sequences(prompts, validate=True)
         scores, _ = self.reward_fn(greedy)
         return scores.sum(-1).repeat_interleave(self.config.actor_rollout_ref.rollout.n)
 
@@ -165,7 +169,7 @@ class RLTrainer:
         start = time.perf_counter()
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         batches = [b for b in _iterate_once(self.data.val_loader)]
-        metrics, _ = run_validation(batches, lambda p: self.workers.actor.generate_sequences(p, validate=True),
+        metrics, _ = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
                                     self.reward_fn, n, self.config.data.reward_fn_key)
         metrics["timing_s/testing"] = time.perf_counter() - start
         return metrics
@@ -179,7 +183,7 @@ class RLTrainer:
         print(describe_sizes(self.sizes), flush=True)
         tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
                            _config_dict(self.config), self.total_steps)
-        self.checkpointing.maybe_resume()
+        self._resume()
         if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
             val = self.validate()
             self.history.append({"step": 0, **val})
@@ -198,16 +202,47 @@ class RLTrainer:
                     metrics.update(self.validate())
                 self._check_health(metrics)
                 if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
-                    self.checkpointing.save()
+                    self.save_checkpoint()
                 tracker.log(metrics, step=self.global_step)
                 self.history.append({"step": self.global_step, **metrics})
                 if self._stop_signal is not None:
-                    self.checkpointing.save_on_signal(self._stop_signal)
+                    self._save_on_signal(self._stop_signal)
                     break
         if cfg.save_freq > 0 and self.global_step == self.total_steps:
-            self.checkpointing.export_final()
+            resume.export_final(self.checkpoints)
         tracker.finish()
+        self.workers.shutdown()
         return self.history
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Each role writes its own state; the driver adds step, data position, KL controller, RNG."""
+        run = resume.RunState(self.global_step, self._nonfinite_streak)
+        path = resume.save_run(self.checkpoints, self.workers, run, self.data.train_loader, self.kl_ctrl,
+                               self._fingerprint())
+        self._saved_step = self.global_step
+        return path
+
+    def _resume(self) -> None:
+        run = resume.restore_run(self.config.trainer, self.workers, self.data.train_loader,
+                                 self.kl_ctrl, self._fingerprint())
+        if run is None:
+            return
+        self.global_step, self._nonfinite_streak = run.global_step, run.nonfinite_streak
+        if self.global_step >= self.total_steps:
+            print(f"the checkpoint is at step {self.global_step} and this run has {self.total_steps} steps: nothing "
+                  "left to train (raise trainer.total_training_steps or trainer.total_epochs to continue)", flush=True)
+
+    def _save_on_signal(self, signum: int) -> None:
+        step = self.global_step
+        if self._saved_step == step and self.checkpoints.latest() == self.checkpoints.step_dir(step):
+            path = self.checkpoints.step_dir(step)  # trainer.save_freq saved this step a moment ago
+        else:
+            path = self.save_checkpoint()
+        resume.report_signal_stop(signum, step, path)
+
+    def _fingerprint(self) -> dict:
+        return resume.config_fingerprint(self.config, vocab_size=len(self.tokenizer))
 
     def _total_steps(self) -> int:
         if self.config.trainer.total_training_steps is not None:

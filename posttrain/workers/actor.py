@@ -1,4 +1,4 @@
-"""The actor (policy being trained) and the reference policy (its frozen initial copy).
+"""The actor (policy being trained) and the reference policy (frozen, loaded from the same weights).
 
 Shapes: ``N`` responses in the batch, ``R`` response length, ``P + R`` full sequence length.
 
@@ -11,8 +11,8 @@ Batch sizes arrive normalised (responses per rank), as in verl's workers.
 
 from __future__ import annotations
 
-import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,18 +29,10 @@ from posttrain.models import (
     response_logprobs,
 )
 from posttrain.rollout import SamplingParams, get_rollout_engine
-from posttrain.workers.common import (
-    ConfigWithBatchInfo,
-    MetricMeter,
-    global_batch_info,
-    micro_batches,
-    mini_batch_indices,
-    optimizer_step,
-    response_mask_of,
-    select_rows,
-    step_scheduler,
-)
+from posttrain.checkpoint import RoleState, load_role, write_role
+from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+from posttrain.workers.update import ppo_update
 
 __all__ = ["ActorWorker", "RefWorker"]
 
@@ -126,7 +118,7 @@ class ActorWorker:
         )
 
     # ------------------------------------------------------------------ update
-    def _micro_step(self, mb: dict, temperature: float, info: dict, meter: MetricMeter) -> torch.Tensor:
+    def _micro_step(self, mb: dict, info: dict, meter: MetricMeter, *, temperature: float) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns its (mini-batch-normalised) loss."""
         cfg = self.config
         mode, mask = cfg.loss_agg_mode, response_mask_of(mb)
@@ -178,33 +170,25 @@ class ActorWorker:
         data = {k: batch[k] for k in keys}
         data["response_mask"] = response_mask_of(data)
         temperature = _temperature(batch, self.rollout_config)
-        meter = MetricMeter()
-        self.module.train()
-        for _ in range(cfg.ppo_epochs):
-            for mini in mini_batch_indices(len(data["responses"]), cfg.ppo_mini_batch_size, cfg.shuffle,
-                                           self.generator):
-                self._mini_batch_step(data, mini, temperature, meter)
-        metrics = meter.result()
-        metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
+        step = functools.partial(self._micro_step, temperature=temperature)
+        metrics = ppo_update(data, cfg, micro_step=step, module=self.module, optimizer=self.optimizer,
+                             lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device,
+                             prefix="actor")
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
-        step_scheduler(self.lr_scheduler)
         return metrics
 
-    def _mini_batch_step(self, data: dict, mini: torch.Tensor, temperature: float, meter: MetricMeter) -> None:
-        cfg = self.config
-        info = global_batch_info(data["response_mask"][mini])
-        self.optimizer.zero_grad(set_to_none=True)
-        finite = True
-        for idx in micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                 cfg.ppo_max_token_len_per_gpu):
-            loss = self._micro_step(select_rows(data, idx, self.device), temperature, info, meter)
-            finite = finite and bool(torch.isfinite(loss))
-        grad_norm, skipped = optimizer_step(self.module.parameters(), self.optimizer, cfg.grad_clip, finite)
-        meter.count("actor/nonfinite_skipped", float(skipped))
-        meter.end_mini_batch(**{"actor/grad_norm": float(grad_norm)})
-
     # ------------------------------------------------------------------ checkpoint state
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config and
+        tokenizer for export) into the new folder ``folder``."""
+        write_role(Path(folder), RoleState.from_worker(self.state_dict(), hf_config=self.module.config,
+                                                       tokenizer=self.tokenizer))
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Restore what `save_checkpoint` wrote (never executes code from the folder)."""
+        self.load_state_dict(load_role(folder).worker_state())
+
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, lr scheduler and shuffle-generator state."""
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -236,12 +220,6 @@ class RefWorker:
         self.module = module.to(self.device).eval().requires_grad_(False)
         self.autocast = functools.partial(autocast_context, self.device,
                                           ref_config.fsdp_config.mixed_precision.param_dtype)
-
-    @classmethod
-    def from_actor(cls, actor: ActorWorker, ref_config: Any) -> "RefWorker":
-        """A deep copy of the actor's current (initial) weights."""
-        return cls(copy.deepcopy(actor.module), ref_config, actor.rollout_config, device=actor.device,
-                   remove_padding=bool(actor.config.use_remove_padding))
 
     @classmethod
     def from_config(cls, model_config: Any, ref_config: Any, rollout_config: Any = None, *,

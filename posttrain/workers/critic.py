@@ -8,6 +8,7 @@ column ``P - 1 + j``, the state that predicts response token ``j`` (verl slices
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,17 +24,10 @@ from posttrain.models import (
     response_hidden_states,
     split_for_padding,
 )
-from posttrain.workers.common import (
-    MetricMeter,
-    global_batch_info,
-    micro_batches,
-    mini_batch_indices,
-    optimizer_step,
-    response_mask_of,
-    select_rows,
-    step_scheduler,
-)
+from posttrain.checkpoint import RoleState, load_role, write_role
+from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+from posttrain.workers.update import ppo_update
 
 __all__ = ["CriticWorker", "response_values"]
 
@@ -119,27 +113,18 @@ class CriticWorker:
         Needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``,
         ``values`` (old) and ``returns`` ``[N, R]``. The lr schedule advances once per call.
         """
-        cfg = self.config
         data = {k: batch[k] for k in (*_KEYS, "response_mask", "values", "returns")}
-        meter = MetricMeter()
-        self.module.train()
-        for _ in range(cfg.ppo_epochs):
-            for mini in mini_batch_indices(len(data["responses"]), cfg.ppo_mini_batch_size, cfg.shuffle,
-                                           self.generator):
-                info = global_batch_info(data["response_mask"][mini])
-                self.optimizer.zero_grad(set_to_none=True)
-                finite = True
-                for idx in micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                         cfg.ppo_max_token_len_per_gpu):
-                    loss = self._micro_step(select_rows(data, idx, self.device), info, meter)
-                    finite = finite and bool(torch.isfinite(loss))
-                grad_norm, skipped = optimizer_step(self.module.parameters(), self.optimizer, cfg.grad_clip, finite)
-                meter.count("critic/nonfinite_skipped", float(skipped))
-                meter.end_mini_batch(**{"critic/grad_norm": float(grad_norm)})
-        metrics = meter.result()
-        metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
-        step_scheduler(self.lr_scheduler)
-        return metrics
+        return ppo_update(data, self.config, micro_step=self._micro_step, module=self.module,
+                          optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, generator=self.generator,
+                          device=self.device, prefix="critic")
+
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """Write this role's state (value model, optimizer, lr schedule, shuffle generator, HF config)."""
+        write_role(Path(folder), RoleState.from_worker(self.state_dict(), hf_config=self.module.config))
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Restore what `save_checkpoint` wrote (never executes code from the folder)."""
+        self.load_state_dict(load_role(folder).worker_state())
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, lr scheduler and shuffle-generator state."""

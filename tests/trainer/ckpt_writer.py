@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from posttrain.trainer.checkpoint import CheckpointManager, RoleState
+from posttrain.checkpoint import CheckpointManager, RoleState
 
 SHAPE = (128, 1024)  # 512 KiB of float32
 

@@ -19,16 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.trainer import checkpoint as ckpt
-from posttrain.trainer.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    RoleState,
-    check_compatible,
-    config_fingerprint,
-    resolve_resume,
-    restore_rng,
-)
+from posttrain import checkpoint as ckpt
+from posttrain.checkpoint import CheckpointError, CheckpointManager, RoleState, restore_rng
+from posttrain.trainer.resume import check_compatible, config_fingerprint, resolve_resume
 
 HERE = Path(__file__).parent
 

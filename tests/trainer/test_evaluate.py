@@ -142,7 +142,7 @@ def test_eval_default_scorer_and_builtin_style_data(tmp_path, capsys):
 
 def test_eval_a_checkpoint_equals_its_model(tmp_path, capsys):
     """A global_step_N folder is evaluated through its actor/huggingface config + weights; `--n` limits."""
-    from posttrain.trainer.checkpoint import CheckpointManager, RoleState
+    from posttrain.checkpoint import CheckpointManager, RoleState
 
     model_dir, model, tok = _bigram_model_dir(tmp_path)
     files = _datasets(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.data.testing import build_tiny_tokenizer
-from posttrain.trainer.checkpoint import CheckpointManager, RoleState
+from posttrain.checkpoint import CheckpointManager, RoleState
 from posttrain.trainer.export import export_actor, main
 
 

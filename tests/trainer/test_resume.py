@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from posttrain.config import ConfigError, load_config
-from posttrain.trainer.checkpoint import CheckpointError, CheckpointManager
+from posttrain.checkpoint import CheckpointError, CheckpointManager
 from posttrain.trainer.main_ppo import run as run_cli
 from posttrain.trainer.testing import one_thread, tiny_overrides
 from posttrain.trainer.trainer import RLTrainer

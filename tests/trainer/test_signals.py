@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import load_config
-from posttrain.trainer.checkpoint import CheckpointManager, verify_checkpoint
+from posttrain.checkpoint import CheckpointManager, verify_checkpoint
 from posttrain.trainer.testing import one_thread, run_main_ppo, tiny_overrides
 from posttrain.trainer.trainer import RLTrainer
 

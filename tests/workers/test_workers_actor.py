@@ -167,7 +167,7 @@ def test_state_dict_resume_matches_uninterrupted(tok, train_batch):
 
 def test_ref_worker_stays_at_initial_weights(tok, train_batch):
     actor, cfg = make_actor(tok, mini_batch_size=8, micro_batch_size=8)
-    ref = RefWorker.from_actor(actor, cfg.ref)
+    ref = RefWorker(tiny_llama(tok), cfg.ref, cfg.rollout, device="cpu")  # built like the actor, not copied
     before = ref.compute_ref_log_prob(train_batch)
     initial, _ = actor.compute_log_prob(train_batch)
     torch.testing.assert_close(before, initial)

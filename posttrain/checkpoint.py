@@ -4,7 +4,8 @@
 root/
   latest_checkpointed_iteration.txt   N, written last: the commit point of a save
   global_step_N/
-    actor/    model.safetensors  optimizer.pt  lr_scheduler.pt  [generator.pt]
+    actor/    model.safetensors  optimizer.pt  lr_scheduler.pt  [generator.pt]   (one process)
+              or dcp/ (torch.distributed.checkpoint: each rank's shards) + lr_scheduler.pt ... (FSDP2)
               huggingface/       config.json + tokenizer files (enough to export the actor alone)
     critic/   the same files
     extra_state.json                  trainer step, data sampler, KL controller, config fingerprint
@@ -15,7 +16,9 @@ root/
 A save writes everything into `root/.tmp_global_step_N_<pid>/`, fsyncs it, writes `COMPLETE`,
 renames the folder to `global_step_N`, then replaces the tracker. A process killed at any moment
 leaves the previous or the new checkpoint complete; leftovers (`.tmp_*`, `.old_*`, `.trash_*`)
-are ignored by readers and removed by the next save. Only one process (rank 0) may save into a root.
+are ignored by readers and removed by the next save. Only one driver may save into a root; the
+role folders inside the temporary folder may be written by many ranks (``save(step, writer, ...)``
+hands the writer the temporary folder and seals it once the writer returns).
 
 Loading never runs code from the checkpoint: safetensors for weights, JSON, and
 `torch.load(weights_only=True)`, whose refusal becomes a `CheckpointError` naming the file.
@@ -31,7 +34,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -42,13 +45,15 @@ __all__ = [
     "LoadedCheckpoint",
     "RoleState",
     "capture_rng",
-    "check_compatible",
-    "config_fingerprint",
+    "checkpoint_problem",
+    "is_step_dir_name",
     "load_checkpoint",
-    "resolve_resume",
+    "load_role",
+    "read_run_state",
     "restore_rng",
     "safe_torch_load",
     "verify_checkpoint",
+    "write_role",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,20 +73,6 @@ _STEP_DIR = re.compile(r"global_step_(\d+)")
 _OLD_DIR = re.compile(r"\.old_global_step_(\d+)_\d+")
 _SCRATCH = (".tmp_", ".old_", ".trash_")
 _ROLE_NAME = re.compile(r"[A-Za-z0-9_]+")
-
-# Names the fingerprint keys go by in error messages.
-_FINGERPRINT_NAMES = {
-    "model_path": "actor_rollout_ref.model.path",
-    "adv_estimator": "algorithm.adv_estimator",
-    "critic": "critic.enable",  # resolved: null means "only for gae"
-    "vocab_size": "model vocab_size",
-}
-
-
-# A moved or re-downloaded model folder is the same model: the vocabulary size and the strict weight
-# loads catch a different one, so a changed path only warns.
-_WARN_ONLY = {"model_path"}
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unsafe to load, or from a different run config."""
@@ -121,7 +112,8 @@ class RoleState:
 class LoadedCheckpoint:
     path: Path
     step: int
-    roles: dict[str, RoleState]
+    roles: dict[str, Any]
+    """role name -> `RoleState` (`load_checkpoint`) or its folder (`read_run_state`)."""
     extra: dict[str, Any]
     rng: dict[str, Any] = field(default_factory=dict)
 
@@ -139,24 +131,23 @@ class CheckpointManager:
         return self.root / f"global_step_{int(step)}"
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, roles: Mapping[str, RoleState], extra: Mapping[str, Any]) -> Path:
-        """Write ``global_step_{step}`` atomically, point the tracker at it, prune; returns its path."""
-        if not roles:
-            raise CheckpointError("save() needs at least one role (e.g. {'actor': RoleState(...)})")
-        bad = [name for name in roles if not _ROLE_NAME.fullmatch(name)]
-        if bad:
-            raise CheckpointError(f"role names must be plain folder names, got {bad}")
+    def save(self, step: int, roles: Mapping[str, RoleState] | Callable[[Path], Iterable[str]],
+             extra: Mapping[str, Any]) -> Path:
+        """Write ``global_step_{step}`` atomically, point the tracker at it, prune; returns its path.
+
+        ``roles``: ``{name: RoleState}``, or a writer ``fn(folder) -> role names`` that writes one
+        sub-folder per role into ``folder`` (the workers' own ``save_checkpoint``, possibly on many ranks).
+        """
         self.root.mkdir(parents=True, exist_ok=True)
         self._recover()
         self._clean_scratch()
         tmp = self.root / f".tmp_global_step_{int(step)}_{os.getpid()}"
         tmp.mkdir()
         try:
-            for name, role in roles.items():
-                _write_role(tmp / name, role)
+            names = _write_roles(tmp, roles)
             _write_json(tmp / EXTRA_FILE, dict(extra))
             torch.save(capture_rng(), tmp / RNG_FILE)
-            _seal(tmp, int(step), list(roles))
+            _seal(tmp, int(step), names)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed process leaves it to the next save instead
             raise
@@ -294,9 +285,34 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------- writing
-def _write_role(folder: Path, role: RoleState) -> None:
+def _write_roles(folder: Path, roles: Mapping[str, RoleState] | Callable[[Path], Iterable[str]]) -> list[str]:
+    if callable(roles):
+        names = list(roles(folder))
+        _check_role_names(names)
+    else:
+        names = list(roles)
+        _check_role_names(names)
+        for name, role in roles.items():
+            write_role(folder / name, role)
+    missing = [n for n in names if not (folder / n).is_dir()]
+    if missing:
+        raise CheckpointError(f"the role writer reported {missing} but wrote no such folder in {folder}")
+    return names
+
+
+def _check_role_names(names: list[str]) -> None:
+    if not names:
+        raise CheckpointError("save() needs at least one role (e.g. {'actor': RoleState(...)})")
+    bad = [name for name in names if not _ROLE_NAME.fullmatch(name)]
+    if bad:
+        raise CheckpointError(f"role names must be plain folder names, got {bad}")
+
+
+def write_role(folder: Path, role: RoleState) -> None:
+    """One role's files (model.safetensors, optimizer.pt, ...) into a new ``folder``."""
     from safetensors.torch import save_file
 
+    folder = Path(folder)
     folder.mkdir()
     save_file(_unshared(role.model), folder / MODEL_FILE, metadata={"format": "pt"})
     for obj, name in ((role.optimizer, OPTIMIZER_FILE), (role.scheduler, SCHEDULER_FILE),
@@ -384,6 +400,16 @@ def _read_manifest(path: Path) -> dict | None:
         return None
 
 
+def is_step_dir_name(name: str) -> bool:
+    """True for ``global_step_N``."""
+    return _STEP_DIR.fullmatch(name) is not None
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when it is."""
+    return _problem(Path(path))
+
+
 def _problem(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint, or None when it is."""
     if not path.is_dir():
@@ -425,6 +451,11 @@ def safe_torch_load(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path}: {err}") from err
 
 
+def load_role(folder: str | os.PathLike, hf: bool = False) -> RoleState:
+    """One role folder written by `write_role` (weights on CPU); ``hf`` also loads config and tokenizer."""
+    return _load_role(Path(folder), hf)
+
+
 def _load_role(folder: Path, hf: bool) -> RoleState:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -453,14 +484,22 @@ def _load_role(folder: Path, hf: bool) -> RoleState:
 
 def load_checkpoint(path: str | os.PathLike, *, hf: bool = False) -> LoadedCheckpoint:
     """Load a complete ``global_step_N`` folder; ``hf=True`` also loads each role's config and tokenizer."""
+    state = read_run_state(path)
+    state.roles = {name: _load_role(state.path / name, hf) for name in state.roles}
+    return state
+
+
+def read_run_state(path: str | os.PathLike) -> LoadedCheckpoint:
+    """A complete checkpoint's step, extra state and RNG states, without the weights: ``roles`` maps
+    each saved role to its folder (the workers load their own, possibly sharded, state from it)."""
     path = Path(path)
     manifest = verify_checkpoint(path)
-    roles = {name: _load_role(path / name, hf) for name in manifest["roles"]}
     try:
         extra = json.loads((path / EXTRA_FILE).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {path / EXTRA_FILE}: {err}") from err
     rng = safe_torch_load(path / RNG_FILE) if (path / RNG_FILE).exists() else {}
+    roles = {name: path / name for name in manifest["roles"]}
     return LoadedCheckpoint(path=path, step=int(manifest["step"]), roles=roles, extra=extra, rng=rng)
 
 
@@ -497,59 +536,3 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
         else:
             logger.warning("checkpoint has CUDA rng states for %d devices, this machine has %d; not restored",
                            len(rng["cuda"]), torch.cuda.device_count())
-
-
-# ---------------------------------------------------------------------- resume
-def config_fingerprint(config: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """What must match between the run that saved a checkpoint and the run resuming it."""
-    from posttrain.config import uses_critic
-
-    return {"model_path": str(config.actor_rollout_ref.model.path), "adv_estimator": config.algorithm.adv_estimator,
-            "critic": uses_critic(config), "vocab_size": vocab_size}
-
-
-def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose ``extra["config_fingerprint"]`` differs from this run's."""
-    saved = extra.get(FINGERPRINT_KEY)
-    if saved is None:
-        logger.warning("checkpoint has no %s; cannot check it was saved with this config", FINGERPRINT_KEY)
-        return
-    current = json.loads(json.dumps(dict(current_fingerprint), default=_json_default))  # tuples -> lists
-    differ = [k for k in current if k in saved and saved[k] != current[k]]
-    for k in differ:
-        if k in _WARN_ONLY:
-            logger.warning("checkpoint was saved with %s=%s, this run has %s; resuming anyway",
-                           _FINGERPRINT_NAMES.get(k, k), saved[k], current[k])
-    mismatches = [f"{_FINGERPRINT_NAMES.get(k, k)}={saved[k]}, this run has {current[k]}"
-                  for k in differ if k not in _WARN_ONLY]
-    if mismatches:
-        raise CheckpointError("checkpoint was saved with " + "; and ".join(mismatches) +
-                              ". Resume with the same settings, or start over with trainer.resume_mode=disable "
-                              "or another trainer.default_local_dir")
-
-
-def resolve_resume(trainer_config: Any) -> Path | None:
-    """verl's ``trainer.resume_mode``: auto (latest complete checkpoint or None), disable, resume_path."""
-    trainer = getattr(trainer_config, "trainer", trainer_config)  # accepts the whole config too
-    mode = trainer.resume_mode
-    if mode == "disable":
-        return None
-    if mode == "auto":
-        return CheckpointManager(trainer.default_local_dir).latest()
-    if mode != "resume_path":
-        raise CheckpointError(f"trainer.resume_mode={mode!r}: valid modes are auto, disable, resume_path")
-    raw = trainer.resume_from_path
-    if not raw:
-        raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
-    path = Path(raw).expanduser().absolute()
-    if not _STEP_DIR.fullmatch(path.name):
-        hint = ""
-        if path.is_dir():
-            latest = CheckpointManager(path).latest()
-            hint = f" (its latest is {latest})" if latest else ""
-        raise CheckpointError(f"trainer.resume_from_path={raw} must be a global_step_N folder{hint}")
-    problem = _problem(path)
-    if problem is not None:
-        raise CheckpointError(f"trainer.resume_from_path={raw}: {problem}")
-    return path
-

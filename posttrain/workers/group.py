@@ -1,0 +1,124 @@
+"""The worker boundary: every call the trainer makes on its workers, and the one-process group.
+
+The trainer holds a `WorkerGroup` and nothing else of the workers. Each call takes and returns
+plain batches, tensors, dicts of floats or paths, so the same calls can cross a process boundary:
+`LocalWorkerGroup` runs the roles in this process (CPU or one GPU, no Ray needed), and
+`posttrain.distributed.RankWorkerGroup` runs them on many ranks through Ray, splitting each batch
+across the data-parallel ranks and gathering the results back in order.
+
+    generate_sequences(prompts, validate=False) -> Batch    rollout (n samples per prompt)
+    compute_log_prob(batch) -> (old_log_probs, entropy)     actor, no grad      [N, R] each
+    compute_ref_log_prob(batch) -> ref_log_prob             reference policy    [N, R]
+    compute_values(batch) -> values                         critic              [N, R]
+    update_actor(batch) -> metrics                          PPO epochs on the actor
+    update_critic(batch) -> metrics                         PPO epochs on the critic
+    save_checkpoint(folder) -> role names                   each role writes folder/<role>/
+    load_checkpoint(folder)                                 each role reads folder/<role>/
+    shutdown()
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from posttrain.batch import Batch
+
+__all__ = ["LocalWorkerGroup", "WorkerGroup", "build_local_group"]
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """What the trainer may call on its workers (see the module docstring for shapes)."""
+
+    world_size: int
+    has_ref: bool
+    has_critic: bool
+
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch: ...
+
+    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor: ...
+
+    def compute_values(self, batch: Batch) -> torch.Tensor: ...
+
+    def update_actor(self, batch: Batch) -> dict[str, float]: ...
+
+    def update_critic(self, batch: Batch) -> dict[str, float]: ...
+
+    def save_checkpoint(self, folder: Path) -> list[str]: ...
+
+    def load_checkpoint(self, folder: Path) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalWorkerGroup:
+    """The roles in this process: actor (with its hybrid rollout), optional reference and critic."""
+
+    world_size = 1
+
+    def __init__(self, actor: Any, ref: Any = None, critic: Any = None):
+        self.actor, self.ref, self.critic = actor, ref, critic
+        self.has_ref, self.has_critic = ref is not None, critic is not None
+
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        return self.actor.generate_sequences(prompts, validate=validate)
+
+    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.actor.compute_log_prob(batch)
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        return self.ref.compute_ref_log_prob(batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        return self.critic.compute_values(batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self.actor.update_policy(batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.critic.update_critic(batch)
+
+    def save_checkpoint(self, folder: Path) -> list[str]:
+        roles = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        for name, worker in roles.items():
+            worker.save_checkpoint(Path(folder) / name)
+        return list(roles)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.actor.load_checkpoint(Path(folder) / "actor")
+        if self.critic is not None:
+            self.critic.load_checkpoint(Path(folder) / "critic")
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process."""
+
+
+def build_local_group(config: Any, device: torch.device, seed: int, actor_module: Any = None,
+                      critic_module: Any = None, tokenizer: Any = None) -> LocalWorkerGroup:
+    """Actor (+ hybrid rollout), reference when KL is used, critic for GAE, in this process.
+
+    `config` holds per-rank batch sizes (`posttrain.config.worker_config`). The reference is loaded
+    from ``actor_rollout_ref.model.path`` like the actor; only when the caller hands in an in-memory
+    ``actor_module`` (tests, notebooks) is the reference a copy of that module's initial weights.
+    """
+    from posttrain.config import uses_critic, uses_reference
+    from posttrain.workers import ActorWorker, CriticWorker, RefWorker
+
+    arr = config.actor_rollout_ref
+    ref = None
+    if uses_reference(config):
+        if actor_module is None:
+            ref = RefWorker.from_config(arr.model, arr.ref, arr.rollout, device=device)
+        else:
+            ref = RefWorker(copy.deepcopy(actor_module), arr.ref, arr.rollout, device=device,
+                            remove_padding=bool(arr.model.use_remove_padding))
+    actor = ActorWorker(arr.model, arr.actor, arr.rollout, device=device, module=actor_module,
+                        tokenizer=tokenizer, seed=seed)
+    critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed) if uses_critic(config) else None
+    return LocalWorkerGroup(actor, ref, critic)

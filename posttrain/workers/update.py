@@ -1,0 +1,51 @@
+"""The PPO update loop the actor and the critic share: ``ppo_epochs`` x mini-batches (one optimizer
+step each) x micro-batches (gradient accumulation), with the non-finite guard.
+
+Each role supplies only its ``micro_step(micro_batch, batch_info, meter) -> loss``: the forward, the
+loss normalised by the mini-batch totals in ``batch_info`` (see ``common.py``) and its backward.
+Everything that must happen once per optimizer step across ranks (the global token counts, the
+gradient norm over all shards, skipping a non-finite step on every rank alike) lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from posttrain.workers.common import (MetricMeter, global_batch_info, micro_batches, mini_batch_indices,
+                                      optimizer_step, select_rows, step_scheduler)
+
+__all__ = ["ppo_update"]
+
+MicroStep = Callable[[dict, dict, MetricMeter], torch.Tensor]
+
+
+def ppo_update(data: dict[str, torch.Tensor], cfg: Any, *, micro_step: MicroStep, module: torch.nn.Module,
+               optimizer: torch.optim.Optimizer, lr_scheduler: Any, generator: torch.Generator,
+               device: torch.device, prefix: str) -> dict[str, float]:
+    """Run the update on ``data`` (this rank's rows, ``response_mask`` included); returns metrics.
+
+    cfg: the role's section with ``ppo_epochs``, ``ppo_mini_batch_size`` (responses per rank),
+    ``shuffle``, ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``
+    and ``grad_clip``. ``prefix`` names the metrics (``actor`` / ``critic``). The lr schedule advances
+    once per call, after the metrics read the rate that was used.
+    """
+    meter = MetricMeter()
+    module.train()
+    for _ in range(cfg.ppo_epochs):
+        for mini in mini_batch_indices(len(data["responses"]), cfg.ppo_mini_batch_size, cfg.shuffle, generator):
+            info = global_batch_info(data["response_mask"][mini])
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for idx in micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                     cfg.ppo_max_token_len_per_gpu):
+                loss = micro_step(select_rows(data, idx, device), info, meter)
+                finite = finite and bool(torch.isfinite(loss))
+            grad_norm, skipped = optimizer_step(module.parameters(), optimizer, cfg.grad_clip, finite)
+            meter.count(f"{prefix}/nonfinite_skipped", float(skipped))
+            meter.end_mini_batch(**{f"{prefix}/grad_norm": float(grad_norm)})
+    metrics = meter.result()
+    metrics[f"{prefix}/lr"] = lr_scheduler.get_last_lr()[0]
+    step_scheduler(lr_scheduler)
+    return metrics
