@@ -3,7 +3,7 @@
 CHECKPOINT is a ``global_step_N`` folder, its ``actor/`` subfolder, or a checkpoint root (then its
 latest complete checkpoint). The model is rebuilt from ``actor/huggingface/config.json`` without any
 ``quantization_config`` (GGUF-loaded models carry one and transformers refuses to save them), the
-weights are loaded strictly from ``model.safetensors``, and the folder is written with safetensors
+weights are loaded strictly from ``model.safetensors`` (or gathered from the ranks' ``dcp/`` shards), and the folder is written with safetensors
 plus the tokenizer, ready for ``AutoModelForCausalLM.from_pretrained(DIR)``.
 """
 
@@ -25,6 +25,7 @@ from posttrain.checkpoint import (
     CheckpointManager,
     verify_checkpoint,
 )
+from posttrain.workers.role_state import DCP_DIR, read_full_weights
 
 __all__ = ["export_actor", "main", "resolve_checkpoint"]
 
@@ -65,9 +66,13 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    state = load_file(actor / MODEL_FILE, device="cpu")
-    model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
-    _load_strict(model, state, actor / MODEL_FILE)
+    if (actor / DCP_DIR).is_dir():  # saved by FSDP2 ranks: DCP gathers the shards into the full model
+        model = AutoModelForCausalLM.from_config(config)
+        read_full_weights(actor, model)
+    else:
+        state = load_file(actor / MODEL_FILE, device="cpu")
+        model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
+        _load_strict(model, state, actor / MODEL_FILE)
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

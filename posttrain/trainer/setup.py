@@ -27,14 +27,17 @@ def resolve_device(config: PostTrainConfig) -> torch.device:
     return torch.device(want)
 
 
-def check_single_process(config: PostTrainConfig) -> None:
-    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
-    if world != 1:
+def world_size(config: PostTrainConfig) -> int:
+    """Ranks of the run: ``trainer.nnodes * trainer.n_gpus_per_node`` (one process per device)."""
+    return config.trainer.nnodes * config.trainer.n_gpus_per_node
+
+
+def check_in_memory_models(config: PostTrainConfig, actor_module: Any, critic_module: Any) -> None:
+    if world_size(config) > 1 and (actor_module is not None or critic_module is not None):
         raise ConfigError(
-            f"trainer.nnodes={config.trainer.nnodes} x trainer.n_gpus_per_node={config.trainer.n_gpus_per_node} "
-            f"= {world} processes: multi-process training (FSDP2 / Ray) is not available yet; "
-            "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
-        )
+            f"in-memory models can only train in one process, and this run has trainer.nnodes x "
+            f"trainer.n_gpus_per_node = {world_size(config)} ranks: save the model to a folder and set "
+            "actor_rollout_ref.model.path (and critic.model.path), or set trainer.n_gpus_per_node=1 trainer.nnodes=1")
 
 
 def check_rollout_engine(config: PostTrainConfig) -> None:
@@ -101,15 +104,20 @@ def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
                          num_workers=config.reward.num_workers, on_error=config.reward.on_error)
 
 
-def build_workers(config: PostTrainConfig, device: torch.device, seed: int,
+def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, device: torch.device, seed: int,
                   actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None):
-    """The worker group: the roles in this process (`LocalWorkerGroup`).
+    """The worker group: the roles in this process (`LocalWorkerGroup`) for one rank, else one Ray
+    actor per device (`RankWorkerGroup`, FSDP2-sharded models).
 
-    `config` holds per-rank batch sizes (`posttrain.config.worker_config`).
+    `worker_config` holds per-rank batch sizes (`posttrain.config.worker_config`).
     """
-    from posttrain.workers.group import build_local_group
+    if world_size(config) == 1:
+        from posttrain.workers.group import build_local_group
 
-    return build_local_group(config, device, seed, actor_module, critic_module, tokenizer)
+        return build_local_group(worker_config, device, seed, actor_module, critic_module, tokenizer)
+    from posttrain.distributed.group import RankWorkerGroup
+
+    return RankWorkerGroup(config, worker_config, seed, tokenizer)
 
 
 def run_dir(config: PostTrainConfig) -> Path:

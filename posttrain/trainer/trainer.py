@@ -38,7 +38,8 @@ class NonFiniteError(RuntimeError):
 
 
 class RLTrainer:
-    """PPO / GRPO / RLOO / REINFORCE++ / ReMax / ... on one process (CPU or one GPU).
+    """PPO / GRPO / RLOO / REINFORCE++ / ReMax / ...: one process (CPU or one GPU), or one rank per
+    device through Ray with FSDP2-sharded models (``trainer.nnodes x trainer.n_gpus_per_node``).
 
     Args:
         config: a loaded config (`posttrain.load_config`).
@@ -49,7 +50,7 @@ class RLTrainer:
     def __init__(self, config: PostTrainConfig, *, actor_module: Any = None, critic_module: Any = None,
                  tokenizer: Any = None):
         validate_config(config)
-        setup.check_single_process(config)
+        setup.check_in_memory_models(config, actor_module, critic_module)
         setup.check_rollout_engine(config)
         self.config, self.sizes = config, derive_sizes(config)
         self.device = setup.resolve_device(config)
@@ -66,7 +67,8 @@ class RLTrainer:
         for optim in (wcfg.actor_rollout_ref.actor.optim, wcfg.critic.optim):
             if optim.total_training_steps < 0:
                 optim.total_training_steps = self.total_steps
-        self.workers = setup.build_workers(wcfg, self.device, config.trainer.seed, actor_module, critic_module, tokenizer)
+        self.workers = setup.build_workers(config, wcfg, self.device, config.trainer.seed, actor_module, critic_module,
+                                           tokenizer)
         self.reward_fn = setup.build_reward_fn(config, tokenizer)
         algo = config.algorithm
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None

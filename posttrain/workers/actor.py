@@ -29,9 +29,9 @@ from posttrain.models import (
     response_logprobs,
 )
 from posttrain.rollout import SamplingParams, get_rollout_engine
-from posttrain.checkpoint import RoleState, load_role, write_role
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+from posttrain.workers.role_state import load_role_state, save_role_state
 from posttrain.workers.update import ppo_update
 
 __all__ = ["ActorWorker", "RefWorker"]
@@ -181,13 +181,14 @@ class ActorWorker:
     # ------------------------------------------------------------------ checkpoint state
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config and
-        tokenizer for export) into the new folder ``folder``."""
-        write_role(Path(folder), RoleState.from_worker(self.state_dict(), hf_config=self.module.config,
-                                                       tokenizer=self.tokenizer))
+        tokenizer for export) into
+        the new folder ``folder``; sharded models: every rank calls it (see ``role_state``)."""
+        save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
+                        hf_config=self.module.config, tokenizer=self.tokenizer)
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote (never executes code from the folder)."""
-        self.load_state_dict(load_role(folder).worker_state())
+        """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""
+        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, lr scheduler and shuffle-generator state."""

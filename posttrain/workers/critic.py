@@ -24,9 +24,9 @@ from posttrain.models import (
     response_hidden_states,
     split_for_padding,
 )
-from posttrain.checkpoint import RoleState, load_role, write_role
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+from posttrain.workers.role_state import load_role_state, save_role_state
 from posttrain.workers.update import ppo_update
 
 __all__ = ["CriticWorker", "response_values"]
@@ -119,12 +119,14 @@ class CriticWorker:
                           device=self.device, prefix="critic")
 
     def save_checkpoint(self, folder: str | Path) -> None:
-        """Write this role's state (value model, optimizer, lr schedule, shuffle generator, HF config)."""
-        write_role(Path(folder), RoleState.from_worker(self.state_dict(), hf_config=self.module.config))
+        """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config) into
+        the new folder ``folder``; sharded models: every rank calls it (see ``role_state``)."""
+        save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
+                        hf_config=self.module.config)
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote (never executes code from the folder)."""
-        self.load_state_dict(load_role(folder).worker_state())
+        """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""
+        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, lr scheduler and shuffle-generator state."""

@@ -1,0 +1,110 @@
+"""`RankWorkerGroup`: the `WorkerGroup` the trainer talks to when a run has several ranks.
+
+Each call splits the driver's batch over the ``W`` data-parallel ranks (rows reordered first so
+every rank gets a similar number of tokens, when ``trainer.balance_batch``; padded to a multiple of
+``W``; padding rows carry a zero response mask in updates, so they count in no loss), runs the
+same method of every rank's `RankWorker` through Ray, and gathers the results back in the
+driver's row order. Update metrics are combined per metric kind (`dispatch.combine_metrics`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.batch import Batch
+from posttrain.distributed.dispatch import (balance_batch, combine_metrics, gather_from_ranks, inverse_permutation,
+                                            split_for_ranks)
+
+__all__ = ["RankWorkerGroup"]
+
+
+class RankWorkerGroup:
+    """``trainer.nnodes x trainer.n_gpus_per_node`` ranks placed by Ray, each a `RankWorker`.
+
+    Args:
+        config: the full run config (`trainer.*`, `ray_kwargs.*` are read here).
+        worker_config: the same config with per-rank batch sizes (`posttrain.config.worker_config`).
+        seed, tokenizer: handed to every rank.
+    """
+
+    def __init__(self, config: Any, worker_config: Any, seed: int, tokenizer: Any):
+        from omegaconf import OmegaConf
+
+        from posttrain.config import uses_critic, uses_reference
+        from posttrain.distributed.cluster import connect, resolve_device
+        from posttrain.distributed.rank import RankWorker
+        from posttrain.distributed.ray_group import RayWorkerGroup
+
+        t = config.trainer
+        device = resolve_device(t.device)
+        ray_init = OmegaConf.to_container(OmegaConf.structured(config.ray_kwargs.ray_init), resolve=True)
+        connect(ray_init, device)
+        self._ranks = RayWorkerGroup(RankWorker, (worker_config, seed, tokenizer, device), nnodes=t.nnodes,
+                                     n_gpus_per_node=t.n_gpus_per_node, device=device,
+                                     placement_timeout_s=t.ray_wait_register_center_timeout)
+        self.world_size = self._ranks.world_size
+        self.has_ref, self.has_critic = uses_reference(config), uses_critic(config)
+        self.balance = bool(t.balance_batch)
+
+    # ------------------------------------------------------------------ data-parallel calls
+    def _per_row(self, method: str, batch: Batch, **kwargs: Any) -> Any:
+        """Rows over ranks, results back in ``batch``'s order (tensors, or tuples of tensors)."""
+        batch, perm = self._balanced(batch)
+        chunks, pad = split_for_ranks(batch, self.world_size)
+        out = gather_from_ranks(self._ranks.call_each(method, chunks, **kwargs), pad)
+        return _unpermute(out, perm)
+
+    def _update(self, method: str, batch: Batch) -> dict[str, float]:
+        batch, _ = self._balanced(batch)
+        chunks, _ = split_for_ranks(batch, self.world_size, inert_padding=True)
+        return combine_metrics(self._ranks.call_each(method, chunks))
+
+    def _balanced(self, batch: Batch) -> tuple[Batch, np.ndarray | None]:
+        if not self.balance or self.world_size == 1 or "attention_mask" not in batch:
+            return batch, None
+        batch = Batch.concat([batch])  # a copy: the caller's batch keeps its order
+        return batch, balance_batch(batch, self.world_size)
+
+    # ------------------------------------------------------------------ WorkerGroup
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        chunks, pad = split_for_ranks(prompts, self.world_size)
+        outs = self._ranks.call_each("generate_sequences", chunks, validate=validate)
+        samples = len(outs[0]) // len(chunks[0])  # responses per prompt (n)
+        return gather_from_ranks(outs, pad * samples)
+
+    def compute_log_prob(self, batch: Batch):
+        return self._per_row("compute_log_prob", batch)
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_ref_log_prob", batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_values", batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self._update("update_actor", batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self._update("update_critic", batch)
+
+    def save_checkpoint(self, folder: Path) -> list[str]:
+        return self._ranks.call_all("save_checkpoint", str(folder))[0]
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self._ranks.call_all("load_checkpoint", str(folder))
+
+    def shutdown(self) -> None:
+        self._ranks.shutdown()
+
+
+def _unpermute(out: Any, perm: np.ndarray | None) -> Any:
+    if perm is None or out is None:
+        return out
+    inv = torch.as_tensor(inverse_permutation(perm))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_unpermute(o, perm) for o in out)
+    return out[inv]

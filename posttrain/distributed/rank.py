@@ -1,0 +1,133 @@
+"""`RankWorker`: everything one rank holds — the actor with its hybrid rollout, the reference and
+the critic, each an FSDP2-sharded model — and the calls a `RankWorkerGroup` makes on it.
+
+One process per device (a Ray actor). The constructor joins the default process group from the
+environment the group set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), loads each
+model on CPU, shards it over all ranks (``fsdp_config.fsdp_size`` for HSDP) and wraps it in the
+same `ActorWorker` / `RefWorker` / `CriticWorker` the one-process group uses: the per-rank math is
+one code path. Batch sizes in ``config`` are per rank already (`posttrain.config.worker_config`).
+
+Generation runs inside `gathered_for_generation`: the actor's shards are all-gathered once, and
+the decoding loop then runs without collectives, since ranks stop decoding at different steps.
+That gathered module is also where a rollout engine that keeps its own copy of the weights
+(vLLM) receives them after each update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.batch import Batch
+
+__all__ = ["RankWorker"]
+
+
+class RankWorker:
+    """The roles of one rank. Args: the worker config (per-rank sizes), the seed, the tokenizer, and
+    ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
+
+    def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
+        from posttrain.config import uses_critic, uses_reference
+        from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
+
+        arr = config.actor_rollout_ref
+        self.rank, world = init_distributed(backend_for(device_type), timeout_s=arr.nccl_timeout)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        torch.manual_seed(seed + self.rank)  # each rank samples its own responses
+        mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
+        self.actor = self._build_actor(config, mesh, seed, tokenizer)
+        self.ref = self._build_ref(config, mesh) if uses_reference(config) else None
+        self.critic = self._build_critic(config, mesh, seed) if uses_critic(config) else None
+
+    # ------------------------------------------------------------------ building the roles
+    def _build_actor(self, config: Any, mesh: Any, seed: int, tokenizer: Any):
+        from posttrain.distributed.fsdp import shard_model
+        from posttrain.models import load_causal_lm
+        from posttrain.workers import ActorWorker
+
+        arr = config.actor_rollout_ref
+        m = arr.model
+        module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
+                                dtype=arr.actor.fsdp_config.model_dtype, device="cpu")
+        module = shard_model(module, mesh, arr.actor.fsdp_config,
+                             gradient_checkpointing=bool(m.enable_gradient_checkpointing))
+        return ActorWorker(m, arr.actor, arr.rollout, device=self.device, module=module, tokenizer=tokenizer, seed=seed)
+
+    def _build_ref(self, config: Any, mesh: Any):
+        from posttrain.distributed.fsdp import shard_model
+        from posttrain.models import load_causal_lm
+        from posttrain.workers import RefWorker
+
+        arr = config.actor_rollout_ref
+        m = arr.model
+        module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
+                                dtype=arr.ref.fsdp_config.model_dtype, device="cpu")
+        module = shard_model(module, mesh, arr.ref.fsdp_config, forward_only=True)
+        return RefWorker(module, arr.ref, arr.rollout, device=self.device, remove_padding=bool(m.use_remove_padding))
+
+    def _build_critic(self, config: Any, mesh: Any, seed: int):
+        from posttrain.distributed.fsdp import shard_model
+        from posttrain.models import load_value_model
+        from posttrain.workers import CriticWorker
+
+        c = config.critic.model
+        module = load_value_model(c.path, trust_remote_code=c.trust_remote_code, override_config=c.override_config,
+                                  dtype=c.fsdp_config.model_dtype, device="cpu")
+        module = shard_model(module, mesh, c.fsdp_config, gradient_checkpointing=bool(c.enable_gradient_checkpointing))
+        return CriticWorker(config.critic, device=self.device, module=module, seed=seed)
+
+    # ------------------------------------------------------------------ the group's calls
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        from posttrain.distributed.fsdp import gathered_for_generation
+
+        with self._resident(self.actor), gathered_for_generation(self.actor.module):
+            return self.actor.generate_sequences(prompts, validate=validate)
+
+    def compute_log_prob(self, batch: Batch):
+        with self._resident(self.actor):
+            return self.actor.compute_log_prob(batch)
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        with self._resident(self.ref):
+            return self.ref.compute_ref_log_prob(batch)
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        with self._resident(self.critic):
+            return self.critic.compute_values(batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        with self._resident(self.actor, with_optimizer=True):
+            return self.actor.update_policy(batch)
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        with self._resident(self.critic, with_optimizer=True):
+            return self.critic.update_critic(batch)
+
+    def save_checkpoint(self, folder: str) -> list[str]:
+        """Every rank writes its shards of each role into ``folder/<role>/`` (a collective)."""
+        roles = self._trained_roles()
+        for name, worker in roles.items():
+            with self._resident(worker, with_optimizer=True):
+                worker.save_checkpoint(Path(folder) / name)
+        return list(roles)
+
+    def load_checkpoint(self, folder: str) -> None:
+        for name, worker in self._trained_roles().items():
+            with self._resident(worker, with_optimizer=True):
+                worker.load_checkpoint(Path(folder) / name)
+
+    def _trained_roles(self) -> dict[str, Any]:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    @staticmethod
+    def _resident(worker: Any, with_optimizer: bool = False):
+        """``param_offload`` / ``optimizer_offload``: the role's state on the device for one phase."""
+        from posttrain.distributed.fsdp import resident_for_phase
+
+        if worker is None:
+            return contextlib.nullcontext()
+        return resident_for_phase(worker.module, getattr(worker, "optimizer", None) if with_optimizer else None)
