@@ -18,6 +18,10 @@ How one micro-batch is computed (``response_logprobs``):
    ``[t, H]`` per chunk instead of ``[t, V]`` logits.
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
+
+Under FSDP2 (``posttrain.distributed.fsdp.shard_model``) the backbone and ``lm_head`` calls run
+inside the root unit's forward hooks (:func:`call_as_forward`), and ``compute_response_logprobs``
+runs the same number of micro-batches on every rank (``equal_micro_batch_count``).
 """
 
 from __future__ import annotations
@@ -26,13 +30,29 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.models.attention import fast_cpu_attention
-from posttrain.models.microbatch import micro_batch_indices, split_for_padding
+from posttrain.models.microbatch import equal_micro_batch_count, micro_batch_indices, split_for_padding
 
-__all__ = ["compute_response_logprobs", "response_logprobs", "response_hidden_states", "split_lm"]
+__all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "response_logprobs",
+           "response_hidden_states", "split_lm"]
+
+FSDP_CALL_ATTR = "posttrain_fsdp_call"
+"""Name of the FSDP forward method ``shard_model`` registers on a sharded root: ``root.<name>(fn, *args)``."""
+
+
+def call_as_forward(model: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, run as ``model``'s forward when ``model`` is an FSDP-sharded root.
+
+    Calling ``model.base_model`` and ``lm_head`` directly skips the root's forward hooks, which
+    gather the parameters the root unit owns (final norm, tied embedding) and prepare backward.
+    For any other model this is a plain call.
+    """
+    runner = getattr(model, FSDP_CALL_ATTR, None)
+    return runner(fn, *args, **kwargs) if runner is not None else fn(*args, **kwargs)
 
 _CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
 
@@ -157,6 +177,12 @@ def response_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    return call_as_forward(model, _response_logprobs, model, input_ids, attention_mask, position_ids, responses,
+                           temperature, calculate_entropy, entropy_grad, remove_padding)
+
+
+def _response_logprobs(model, input_ids, attention_mask, position_ids, responses, temperature,
+                       calculate_entropy, entropy_grad, remove_padding):
     batch, resp_len = responses.shape
     parts = split_lm(model)
     if parts is None:
@@ -222,17 +248,40 @@ def compute_response_logprobs(
     groups = micro_batch_indices(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len,
                                  sort_by_length=True)
     groups = split_for_padding(tensors["attention_mask"], groups)
+    # under FSDP each forward is a collective: every rank runs the same number (padding ones are dropped)
+    plan = equal_micro_batch_count(groups) if _is_sharded(model) else [(g, False) for g in groups]
     out_device = tensors["responses"].device
     log_probs = torch.zeros(n, resp_len, dtype=torch.float32, device=out_device)
     entropy = torch.zeros_like(log_probs) if calculate_entropy else None
     # one autocast region for all micro-batches: autocast caches the bf16 casts of the weights
     ctx = autocast() if autocast is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
-        for idx in groups:
-            mb = {k: v[idx.to(v.device)].to(device) for k, v in tensors.items()}
+        for idx, padding in plan:
+            mb = _stand_in_row(tensors) if not idx.numel() else {k: v[idx.to(v.device)] for k, v in tensors.items()}
+            mb = {k: v.to(device) for k, v in mb.items()}
             lp, ent = response_logprobs(model, **mb, temperature=temperature, calculate_entropy=calculate_entropy,
                                         remove_padding=remove_padding)
+            if padding:
+                continue
             log_probs[idx.to(out_device)] = lp.to(out_device)
             if entropy is not None:
                 entropy[idx.to(out_device)] = ent.to(out_device)
     return log_probs, entropy
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP units (only then are its forwards collectives)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule  # only once a process group exists: keeps imports light
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _stand_in_row(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One all-valid row of token 0 (``[1, P+R]``, ``[1, R]``) for a rank that got no rows but must
+    still run the forwards of the others' micro-batches; its output is discarded."""
+    seq_len, resp_len = tensors["input_ids"].shape[1], tensors["responses"].shape[1]
+    ids = torch.zeros(1, seq_len, dtype=tensors["input_ids"].dtype)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(seq_len)[None],
+            "responses": torch.zeros(1, resp_len, dtype=tensors["responses"].dtype)}

@@ -1,10 +1,19 @@
-"""Split a batch into micro-batches by rows or by a token budget (verl's dynamic batch size)."""
+"""Split a batch into micro-batches by rows or by a token budget (verl's dynamic batch size).
+
+Under FSDP every forward and backward is a collective (all-gathers, reduce-scatters), so every
+rank must run the same number of micro-batches; the splits here depend on each rank's own rows
+(lengths, token budgets). :func:`equal_micro_batch_count` makes the counts agree.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Mapping, NamedTuple
 
-__all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding",
+           "MicroBatch", "equal_micro_batch_count", "zero_loss_weight"]
 
 MIN_PIECE_TOKENS = 1024
 """``split_for_padding`` keeps at least this many valid tokens per piece (smaller matmuls lose speed)."""
@@ -97,4 +106,71 @@ def split_for_padding(attention_mask: torch.Tensor, groups: list[torch.Tensor],
             if cost < best_cost:
                 best, best_cost = [p.to(group.device) for p in pieces], cost
         out.extend(best)
+    return out
+
+
+class MicroBatch(NamedTuple):
+    """One entry of :func:`equal_micro_batch_count`.
+
+    rows: row indices (as the groups given).
+    padding: True for a stand-in run only so this rank joins the collectives of the others'
+        extra micro-batch: drop its outputs, and give its loss zero weight (:func:`zero_loss_weight`).
+    """
+
+    rows: torch.Tensor
+    padding: bool
+
+
+def _max_over_ranks(count: int, group: dist.ProcessGroup | None) -> int:
+    """``count`` all-reduced with MAX over ``group`` (itself without an initialised process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return count
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # "cpu:gloo,cuda:nccl" takes CPU tensors
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _split_largest(groups: list[torch.Tensor]) -> bool:
+    """Halve the group with the most rows in place (rows keep their order, so similar lengths stay
+    together); False when every group has one row."""
+    sizes = [g.numel() for g in groups]
+    i = max(range(len(groups)), key=sizes.__getitem__, default=None)
+    if i is None or sizes[i] < 2:
+        return False
+    groups[i:i + 1] = list(groups[i].tensor_split(2))
+    return True
+
+
+def equal_micro_batch_count(groups: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[MicroBatch]:
+    """The same number of micro-batches on every rank of ``group`` (default: the world).
+
+    A collective (one all-reduce MAX of the count) when ``torch.distributed`` is initialised with
+    more than one rank; call it on every rank, with this rank's ``groups``. Ranks below the
+    agreed count split their largest groups in halves; a rank with fewer rows than the count
+    appends padding entries (its first row again, ``padding=True``; empty ``rows`` when the rank
+    has no rows at all). Results do not change: micro-batch losses are normalised by mini-batch
+    totals, and padding entries carry zero loss weight.
+    """
+    groups = [g for g in groups if g.numel()]
+    target = _max_over_ranks(len(groups), group)
+    while len(groups) < target and _split_largest(groups):
+        pass
+    out = [MicroBatch(g, False) for g in groups]
+    stand_in = groups[0][:1] if groups else torch.zeros(0, dtype=torch.long)
+    out += [MicroBatch(stand_in, True) for _ in range(target - len(out))]
+    return out
+
+
+def zero_loss_weight(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a padding micro-batch whose ``response_mask`` is all zeros.
+
+    posttrain's losses sum ``loss * mask`` (NaN-safe) over the mask and divide by mini-batch
+    totals computed before, so this micro-batch adds exactly 0 to the loss, the gradient and the
+    summed metrics, while its forward and backward still run every FSDP collective.
+    """
+    if "response_mask" not in micro_batch:
+        raise KeyError("zero_loss_weight needs 'response_mask' in the micro-batch (the loss mask)")
+    out = dict(micro_batch)
+    out["response_mask"] = torch.zeros_like(micro_batch["response_mask"])
     return out
