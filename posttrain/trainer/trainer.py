@@ -185,14 +185,25 @@ class RLTrainer:
         print(describe_sizes(self.sizes), flush=True)
         tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
                            _config_dict(self.config), self.total_steps)
-        self._resume()
-        if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
-            val = self.validate()
-            self.history.append({"step": 0, **val})
-            tracker.log(val, step=0)
-            if cfg.val_only:
-                tracker.finish()
-                return self.history
+        try:
+            self._resume()
+            if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
+                val = self.validate()
+                self.history.append({"step": 0, **val})
+                tracker.log(val, step=0)
+                if cfg.val_only:
+                    tracker.finish()
+                    return self.history
+            self._train_loop(tracker)
+        finally:
+            self.workers.shutdown()  # a failed rank must not leave the others waiting in a collective
+        if cfg.save_freq > 0 and self.global_step == self.total_steps:
+            resume.export_final(self.checkpoints)
+        tracker.finish()
+        return self.history
+
+    def _train_loop(self, tracker: Any) -> None:
+        cfg = self.config.trainer
         with _stop_on_signals(self):
             while self.global_step < self.total_steps:
                 self.global_step += 1
@@ -210,11 +221,6 @@ class RLTrainer:
                 if self._stop_signal is not None:
                     self._save_on_signal(self._stop_signal)
                     break
-        if cfg.save_freq > 0 and self.global_step == self.total_steps:
-            resume.export_final(self.checkpoints)
-        tracker.finish()
-        self.workers.shutdown()
-        return self.history
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
