@@ -90,6 +90,10 @@ def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
             yield f"{key}={get_key(config, key)!r} {rule}"
 
 
+ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")
+
+
 def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     """Settings verl accepts that posttrain does not implement yet: refused, never ignored."""
     unsupported = [
@@ -103,6 +107,12 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
             yield f"{key}={bad}: {why}; set it to {not bad}"
     if config.actor_rollout_ref.model.lora_rank:
         yield f"actor_rollout_ref.model.lora_rank={config.actor_rollout_ref.model.lora_rank}: LoRA is not supported yet; set it to 0"
+    for key in ULYSSES_KEYS:
+        sp = get_key(config, key)
+        follows_actor = key.startswith("actor_rollout_ref.ref.") and sp == get_key(config, ULYSSES_KEYS[0])
+        if sp is not None and sp > 1 and not follows_actor:
+            yield (f"{key}={sp}: Ulysses sequence parallelism is not supported yet (ranks split the batch, not "
+                   "the sequence); set it to 1")
     if config.actor_rollout_ref.rollout.over_sample_rate:
         yield "actor_rollout_ref.rollout.over_sample_rate: over-sampling is not supported yet; set it to 0"
 

@@ -64,3 +64,13 @@ def test_warnings_for_legal_but_suspicious():
                                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"])
     errors, warnings = find_problems(c)
     assert errors == [] and any("KL is used twice" in w for w in warnings)
+
+
+def test_sequence_parallelism_is_refused_naming_the_key():
+    from posttrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: Ulysses") as err:
+        load_config(overrides=["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    assert "ref.ulysses" not in str(err.value)  # the ref follows the actor: one message, not two
+    with pytest.raises(ConfigError, match=r"critic.ulysses_sequence_parallel_size=2"):
+        load_config(overrides=["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
