@@ -9,6 +9,7 @@ driver's row order. Update metrics are combined per metric kind (`dispatch.combi
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,29 @@ class RankWorkerGroup:
         self.world_size = self._ranks.world_size
         self.has_ref, self.has_critic = uses_reference(config), uses_critic(config)
         self.balance = bool(t.balance_batch)
+        if t.save_freq > 0 or t.resume_mode != "disable":
+            self.check_shared_folder(Path(t.default_local_dir).expanduser(), "trainer.default_local_dir")
+
+    def check_shared_folder(self, folder: Path, key: str) -> None:
+        """Every rank writes its checkpoint shards into ``folder``, and the driver seals them: refuse to
+        start unless every rank sees a file the driver writes there (a filesystem all nodes mount)."""
+        from posttrain.config import ConfigError
+
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker = folder / f".posttrain_shared_check_{uuid.uuid4().hex}"
+            token = uuid.uuid4().hex
+            marker.write_text(token)
+        except OSError as err:
+            raise ConfigError(f"{key}={folder}: cannot write there ({err.strerror or err}); choose a writable "
+                              "folder that every node mounts") from None
+        try:
+            seen = self._ranks.call_all("sees_file", str(marker), token)
+        finally:
+            marker.unlink(missing_ok=True)
+        problem = unshared_ranks_message(self._ranks.ranks, seen, folder, key)
+        if problem:
+            raise ConfigError(problem)
 
     # ------------------------------------------------------------------ data-parallel calls
     def _per_row(self, method: str, batch: Batch, **kwargs: Any) -> Any:
@@ -99,6 +123,17 @@ class RankWorkerGroup:
 
     def shutdown(self) -> None:
         self._ranks.shutdown()
+
+
+def unshared_ranks_message(ranks: list[Any], seen: list[bool], folder: Path, key: str) -> str | None:
+    """The error for ranks (`RankInfo`) that could not read the driver's marker file, or None."""
+    blind = [info for info, ok in zip(ranks, seen) if not ok]
+    if not blind:
+        return None
+    where = ", ".join(f"rank {i.rank} on {i.hostname} ({i.ip})" for i in blind)
+    return (f"{key}={folder} is not shared by all nodes: {where} cannot see a file the driver wrote there. "
+            "Every rank writes its checkpoint shards into that folder; put it on a filesystem every node mounts "
+            "(NFS, Lustre, a cloud bucket mount)")
 
 
 def _unpermute(out: Any, perm: np.ndarray | None) -> Any:

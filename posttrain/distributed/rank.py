@@ -120,6 +120,14 @@ class RankWorker:
             with self._resident(worker, with_optimizer=True):
                 worker.load_checkpoint(Path(folder) / name)
 
+    @staticmethod
+    def sees_file(path: str, token: str) -> bool:
+        """Whether this rank reads ``token`` from ``path`` (the driver's shared-folder check)."""
+        try:
+            return Path(path).read_text() == token
+        except OSError:
+            return False
+
     def _trained_roles(self) -> dict[str, Any]:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
