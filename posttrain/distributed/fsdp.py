@@ -16,10 +16,11 @@ tensors with gloo for CPU ones). The recipe follows verl's ``apply_fsdp2``:
 Gradient averaging. posttrain's losses are normalised by *global* token / sequence counts and
 multiplied by the world size (``posttrain/workers/common.py::global_batch_info``), i.e. they expect
 the DDP/FSDP convention "gradients are averaged over ranks". FSDP2's default path reduces with
-``ReduceOp.AVG``, which gloo implements as a plain sum (pytorch/pytorch#162338: a silent W-fold
-gradient on CPU). Every unit therefore reduces with ``ReduceOp.SUM`` and divides by ``W`` itself
-afterwards (``set_force_sum_reduction_for_comms(True)`` + ``set_gradient_divide_factor(W)``):
-the same average on gloo and NCCL.
+``ReduceOp.AVG``, which gloo implemented as a plain sum (pytorch/pytorch#162338: a silent W-fold
+gradient on CPU; torch 2.13's gloo averages correctly for FSDP and HSDP in our checks, but
+posttrain accepts older torch). Every unit therefore reduces with ``ReduceOp.SUM`` and divides by
+``W`` itself afterwards (``set_force_sum_reduction_for_comms(True)`` +
+``set_gradient_divide_factor(W)``): the same average on gloo and NCCL, whatever the release.
 
 Calling sub-modules directly. posttrain's log-prob code runs ``model.base_model`` and
 ``lm_head`` separately (to avoid ``[B, S, V]`` logits), which would skip the root unit's hooks
@@ -248,32 +249,17 @@ def shard_model(
             average posttrain's world-size-scaled losses expect). Tests pass 1 to break it on purpose.
     """
     device = _mesh_device(mesh)
-    hf_model = module.backbone if _is_value_model(module) else module
     if gradient_checkpointing:
-        enable_activation_checkpointing(hf_model)
+        enable_activation_checkpointing(module.backbone if _is_value_model(module) else module)
     _cast_master_weights(module, fsdp_config)
     if forward_only:
         module.requires_grad_(False)
     reshard = bool(_cfg(fsdp_config, "reshard_after_forward", True))
     offload = _offload_policy(fsdp_config, forward_only, device)
-    kwargs = dict(mesh=mesh, mp_policy=_mixed_precision(fsdp_config, device), offload_policy=offload,
-                  reshard_after_forward=reshard)
-    blocks = _blocks(module)
-    if not blocks:
-        raise ValueError(f"shard_model: {type(module).__name__} names no decoder layers in _no_split_modules; "
-                         "FSDP needs one unit per layer")
-    for unit in [*blocks, *_embeddings(hf_model)]:
-        fully_shard(unit, **kwargs)
-    if _is_value_model(module):
-        fully_shard(module.backbone, **kwargs)
-        fully_shard(module.value_head, **kwargs)
-    else:
-        fully_shard(module, **kwargs)
-        _register_call(module)
+    blocks = _apply_fully_shard(module, dict(mesh=mesh, mp_policy=_mixed_precision(fsdp_config, device),
+                                             offload_policy=offload, reshard_after_forward=reshard))
     factor = float(gradient_divide_factor if gradient_divide_factor is not None else mesh.size())
-    for unit in fsdp_units(module):
-        unit.set_force_sum_reduction_for_comms(True)  # never ReduceOp.AVG: gloo sums (pytorch#162338)
-        unit.set_gradient_divide_factor(factor)
+    _reduce_by_sum_then_divide(module, factor)
     if _cfg(fsdp_config, "forward_prefetch", False):
         for this, nxt in zip(blocks, blocks[1:]):
             this.set_modules_to_forward_prefetch([nxt])
@@ -282,6 +268,36 @@ def shard_model(
         param_offload=bool(_cfg(fsdp_config, "param_offload", False)),
         optimizer_offload=bool(_cfg(fsdp_config, "optimizer_offload", False)), gradient_divide_factor=factor)
     return module
+
+
+def _apply_fully_shard(module: nn.Module, kwargs: dict) -> list[nn.Module]:
+    """``fully_shard`` per decoder layer, untied embedding / lm_head, then the root (or, for a
+    ValueModel, its backbone and value head); returns the decoder layers."""
+    blocks = _blocks(module)
+    if not blocks:
+        raise ValueError(f"shard_model: {type(module).__name__} names no decoder layers in _no_split_modules; "
+                         "FSDP needs one unit per layer")
+    value_model = _is_value_model(module)
+    for unit in [*blocks, *_embeddings(module.backbone if value_model else module)]:
+        fully_shard(unit, **kwargs)
+    if value_model:
+        fully_shard(module.backbone, **kwargs)
+        fully_shard(module.value_head, **kwargs)
+    else:
+        fully_shard(module, **kwargs)
+        _register_call(module)
+    return blocks
+
+
+def _reduce_by_sum_then_divide(module: nn.Module, factor: float) -> None:
+    """Every unit reduces gradients with ``ReduceOp.SUM`` and then divides by ``factor``.
+
+    Never ``ReduceOp.AVG`` (gloo summed instead of averaging, pytorch/pytorch#162338) nor
+    ``PREMUL_SUM`` (NCCL-only): the same plain sum on every backend.
+    """
+    for unit in fsdp_units(module):
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(factor)
 
 
 def _call(self, fn, *args, **kwargs):
@@ -304,8 +320,8 @@ def _lazy_init(module: nn.Module) -> None:
     """Run the root's hooks once, so FSDP decides the root before any layer is called on its own.
 
     FSDP makes the first unit whose forward runs the root; a decoding loop that calls the
-    backbone directly would otherwise crown a decoder layer. Costs one all-gather of the root's
-    own parameters on every rank.
+    backbone directly would otherwise crown a decoder layer. Gathers the root's own parameters
+    (a collective, on every rank).
     """
     call = getattr(module, FSDP_CALL_ATTR, None)
     if call is not None:
@@ -328,9 +344,9 @@ def gathered_for_generation(module: nn.Module) -> Iterator[nn.Module]:
     if not units:
         yield module
         return
-    _lazy_init(module)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
+    _lazy_init(module)  # after the line above: the root's own parameters stay gathered from here on
     handles = [unit.unshard(async_op=True) for unit in units]
     for handle in handles:
         if handle is not None:

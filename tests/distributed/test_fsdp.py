@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.algorithms import agg_loss
 from posttrain.data.testing import build_tiny_tokenizer
-from posttrain.distributed.fsdp import (build_mesh, fsdp_units, gathered_for_generation, run_local_ranks,
-                                        shard_model)
+from posttrain.distributed.fsdp import (build_mesh, fsdp_units, gathered_for_generation, init_distributed,
+                                        run_local_ranks, shard_model)
 from posttrain.models.logprobs import compute_response_logprobs, response_logprobs
 from posttrain.models.microbatch import (equal_micro_batch_count, micro_batch_indices, split_for_padding,
                                          zero_loss_weight)
@@ -318,3 +318,11 @@ def test_equal_micro_batch_count_without_process_group():
     assert [(p.rows.tolist(), p.padding) for p in plan] == [([0, 1, 2], False), ([3], False)]
     mb = zero_loss_weight({"response_mask": torch.ones(2, 3), "advantages": torch.ones(2, 3)})
     assert mb["response_mask"].sum() == 0 and mb["advantages"].sum() == 6
+
+
+def test_init_distributed_names_missing_launcher_variables(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match=r"\['WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\]"):
+        init_distributed()
