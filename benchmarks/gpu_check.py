@@ -11,10 +11,12 @@ full length and the work is the same each run).
 
 Per setting (``--settings``; default all four): ``base``; ``ckpt`` (gradient checkpointing);
 ``offload`` (``param_offload`` + ``optimizer_offload``: parameters and AdamW state in CPU memory
-between phases, moved in for each phase); ``offload_ckpt`` (both). ``offload_policy`` (FSDP2's
-``CPUOffloadPolicy``: optimizer step on the CPU) can be added. Each setting builds a fresh model,
-shards it with ``posttrain.distributed.fsdp.shard_model`` and runs ``--steps`` steps (the first
-is warm-up; the last is reported):
+between phases, moved in for each phase); ``offload_ckpt`` (both); optionally ``offload_policy``
+(``fsdp_config.offload_policy``: FSDP2's ``CPUOffloadPolicy``, optimizer step on the CPU; not in
+the default list: untried on a GPU, and ``clip_grad_norm_`` on CPU-offloaded DTensors failed in
+pytorch/pytorch#148532). Each setting builds a fresh model, shards it with
+``posttrain.distributed.fsdp.shard_model`` and runs ``--steps`` steps (the first is warm-up; the
+last is reported):
 
 1. ``gen``: ``HFRolloutEngine`` sampling (``n`` responses per prompt) inside
    ``gathered_for_generation`` (parameters all-gathered once, no collectives while decoding);

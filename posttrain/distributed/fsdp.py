@@ -139,6 +139,8 @@ class ShardInfo:
     param_offload: bool
     optimizer_offload: bool
     gradient_divide_factor: float
+    gathered: bool = False
+    """True inside :func:`gathered_for_generation`."""
 
 
 def _cfg(section: Any, name: str, default: Any) -> Any:
@@ -344,6 +346,7 @@ def gathered_for_generation(module: nn.Module) -> Iterator[nn.Module]:
     if not units:
         yield module
         return
+    info = getattr(module, "posttrain_fsdp", None)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
     _lazy_init(module)  # after the line above: the root's own parameters stay gathered from here on
@@ -351,14 +354,16 @@ def gathered_for_generation(module: nn.Module) -> Iterator[nn.Module]:
     for handle in handles:
         if handle is not None:
             handle.wait()
+    if info is not None:
+        info.gathered = True
     try:
         yield module
     finally:
-        info = getattr(module, "posttrain_fsdp", None)
-        reshard = info.reshard_after_forward if info is not None else True
+        if info is not None:
+            info.gathered = False
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(reshard, recurse=False)
+            unit.set_reshard_after_forward(info.reshard_after_forward if info is not None else True, recurse=False)
 
 
 # --------------------------------------------------------------------------- offload between phases

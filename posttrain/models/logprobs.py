@@ -266,7 +266,20 @@ def compute_response_logprobs(
             log_probs[idx.to(out_device)] = lp.to(out_device)
             if entropy is not None:
                 entropy[idx.to(out_device)] = ent.to(out_device)
+    _forget_forward_record(model)
     return log_probs, entropy
+
+
+def _forget_forward_record(model: nn.Module) -> None:
+    """Clear FSDP2's record of the forwards just run (kept for backward prefetching).
+
+    FSDP2 appends every forward to a list that only a backward clears; a forward-only model (the
+    reference) would grow it for the whole run. ``reset_iter_state`` clears it and reshards (no
+    collectives); skipped inside ``gathered_for_generation``, which keeps parameters gathered.
+    """
+    reset = getattr(model, "reset_iter_state", None)  # sharded roots, torch >= 2.13
+    if reset is not None and not getattr(getattr(model, "posttrain_fsdp", None), "gathered", False):
+        reset()
 
 
 def _is_sharded(model: nn.Module) -> bool:
