@@ -438,19 +438,21 @@ def resident_for_phase(module: nn.Module, optimizer: torch.optim.Optimizer | Non
 
 # --------------------------------------------------------------------------- local ranks (tests, one node)
 def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 120.0, threads: int = 1) -> list[Any]:
+                    timeout_s: float = 120.0, threads: int = 1, start_method: str | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` local processes joined in a process group.
 
     Each process sets ``torch.set_num_threads(threads)``, the launcher environment variables and
     :func:`init_distributed` (``timeout_s`` turns a hang into an error). Returns what each rank
     returned, rank order; results travel through ``torch.save`` files and are read back with
-    ``weights_only=True`` (tensors, numbers, strings, lists, dicts). Processes are forked where the
-    platform can (no re-import of torch and transformers: seconds saved per rank), spawned otherwise
-    (then ``fn`` must be importable). A failing rank raises here with its traceback.
+    ``weights_only=True`` (tensors, numbers, strings, lists, dicts). ``start_method`` defaults to
+    ``fork`` where the platform has it (no re-import of torch and transformers: seconds saved per
+    rank) unless this process already holds a process group (a forked child would inherit it);
+    ``spawn`` otherwise (then ``fn`` must be importable). A failing rank raises here with its traceback.
     """
     import torch.multiprocessing as torch_mp
 
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods()
+                              and not dist.is_initialized() else "spawn")
     with tempfile.TemporaryDirectory(prefix="posttrain-ranks-") as out_dir:
         torch_mp.start_processes(_local_rank_main, nprocs=world_size, join=True, start_method=method,
                                  args=(world_size, _free_port(), backend, timeout_s, threads, out_dir, fn, args))
