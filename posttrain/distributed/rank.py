@@ -16,6 +16,7 @@ That gathered module is also where a rollout engine that keeps its own copy of t
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ class RankWorker:
         from posttrain.config import uses_critic, uses_reference
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
 
+        # FSDP2 warns whenever a unit returns a view (the critic's value head does), because an in-place
+        # op on it would skip a hook; posttrain's value and log-prob code never writes into those outputs.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         arr = config.actor_rollout_ref
         self.rank, world = init_distributed(backend_for(device_type), timeout_s=arr.nccl_timeout)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
