@@ -277,7 +277,7 @@ def _forget_forward_record(model: nn.Module) -> None:
     reference) would grow it for the whole run. ``reset_iter_state`` clears it and reshards (no
     collectives); skipped inside ``gathered_for_generation``, which keeps parameters gathered.
     """
-    reset = getattr(model, "reset_iter_state", None)  # sharded roots, torch >= 2.13
+    reset = getattr(model, "reset_iter_state", None)  # FSDP roots (absent in older torch: nothing to do)
     if reset is not None and not getattr(getattr(model, "posttrain_fsdp", None), "gathered", False):
         reset()
 
