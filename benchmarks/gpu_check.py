@@ -50,6 +50,7 @@ from typing import Any, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/helpers: tiny configs
 
 from posttrain.batch import Batch  # noqa: E402
 from posttrain.config.actor_rollout_ref import FSDPConfig, MixedPrecisionConfig  # noqa: E402
@@ -65,7 +66,7 @@ from posttrain.distributed.fsdp import (  # noqa: E402
 )
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.workers import ActorWorker  # noqa: E402
-from posttrain.workers.testing import tiny_worker_configs  # noqa: E402
+from helpers.tiny_models import tiny_worker_configs  # noqa: E402
 
 SETTINGS = {
     "base": dict(param_offload=False, optimizer_offload=False, offload_policy=False, ckpt=False),

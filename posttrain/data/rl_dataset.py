@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -22,40 +21,12 @@ __all__ = [
     "collate_prompts",
     "render_prompt",
     "encode_prompts",
-    "make_data_config",
     "TRUNCATION_MODES",
 ]
 
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-
-
-def make_data_config(**overrides: Any) -> SimpleNamespace:
-    """A ``data`` config section with verl 0.9's defaults, for scripts and tests that do not load
-    the full config (``posttrain.load_config(...).data`` has the same attributes)."""
-    cfg = dict(
-        train_files=None,
-        val_files=None,
-        prompt_key="prompt",
-        reward_fn_key="data_source",
-        max_prompt_length=512,
-        max_response_length=512,
-        train_batch_size=1024,
-        val_batch_size=None,
-        return_raw_chat=True,
-        shuffle=True,
-        seed=None,
-        dataloader_num_workers=8,
-        filter_overlong_prompts=False,
-        truncation="error",
-        apply_chat_template_kwargs={},
-    )
-    unknown = set(overrides) - set(cfg)
-    if unknown:
-        raise TypeError(f"unknown data config key(s) {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(overrides)
-    return SimpleNamespace(**cfg)
 
 
 def render_prompt(tokenizer, messages: Sequence[dict], apply_chat_template_kwargs: dict | None = None) -> str:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from posttrain.data import RLHFDataset, make_data_config, read_rows
+from posttrain.data import RLHFDataset, read_rows
+from helpers.data import make_data_config
 from posttrain.data.arithmetic import (
     DATA_SOURCE,
     Problem,
@@ -12,7 +13,7 @@ from posttrain.data.arithmetic import (
     make_messages,
     make_rows,
 )
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.rewards import default_compute_score
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from posttrain.data import PromptLoader, StatefulSampler, build_train_loader, build_val_loader, make_data_config
+from posttrain.data import PromptLoader, StatefulSampler, build_train_loader, build_val_loader
+from helpers.data import make_data_config
 
 
 class ListDataset:

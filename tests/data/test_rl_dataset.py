@@ -6,8 +6,9 @@ import logging
 import pytest
 import torch
 
-from posttrain.data import DataError, RLHFDataset, collate_prompts, make_data_config, render_prompt, write_rows
-from posttrain.data.testing import build_tiny_tokenizer
+from posttrain.data import DataError, RLHFDataset, collate_prompts, render_prompt, write_rows
+from helpers.data import make_data_config
+from helpers.tokenizer import build_tiny_tokenizer
 
 
 def row(q="What is 1 + 2?", gt="3", i=0, **over):
@@ -48,7 +49,7 @@ def test_parquet_and_jsonl_give_same_items(tmp_path, tok):
     pq, js = str(tmp_path / "a.parquet"), str(tmp_path / "a.jsonl")
     write_rows(rows, pq)
     write_rows(rows, js)
-    cfg = make_data_config(max_prompt_length=64)
+    cfg = make_data_config(max_prompt_length=64, return_raw_chat=True)
     a, b = RLHFDataset(pq, tok, cfg), RLHFDataset([js], tok, cfg)
     assert len(a) == len(b) == 2
     for i in range(2):

@@ -17,7 +17,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from posttrain.trainer.testing import tiny_config  # noqa: E402
+from helpers.tiny_run import tiny_config  # noqa: E402
 
 COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
             "critic/values/mean", "critic/advantages/mean", "critic/returns/mean", "critic/score/mean")

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from posttrain.trainer.testing import tiny_model_dir  # noqa: E402
+from helpers.tiny_run import tiny_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.algorithms import agg_loss
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.distributed.fsdp import (build_mesh, fsdp_units, gathered_for_generation, init_distributed,
                                         run_local_ranks, shard_model)
 from posttrain.models.logprobs import compute_response_logprobs, response_logprobs
@@ -28,7 +28,7 @@ from posttrain.rollout import SamplingParams
 from posttrain.rollout.hf import HFRolloutEngine
 from posttrain.workers import ActorWorker, CriticWorker, RefWorker
 from posttrain.workers.common import global_batch_info
-from posttrain.workers.testing import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 TEMP = 0.8
 PROMPT_LEN, RESP_LEN = 6, 10

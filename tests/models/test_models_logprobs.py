@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.models import (
     autocast_context,
     compute_response_logprobs,
@@ -14,7 +14,7 @@ from posttrain.models import (
     response_logprobs,
 )
 from posttrain.models import logprobs as logprobs_mod
-from posttrain.workers.testing import tiny_llama
+from helpers.tiny_models import tiny_llama
 
 R = 6
 

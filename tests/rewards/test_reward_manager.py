@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.batch import Batch
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.rewards import BatchRewardFn, RewardError, RewardManager, load_custom_reward_fn
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from posttrain.config.actor_rollout_ref import RolloutConfig, SamplingConfig
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.hf import HFRolloutEngine, response_mask_from_eos
-from posttrain.workers.testing import tiny_llama, tiny_prompt_batch
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch
 
 PROMPTS = ["1+1=", "hello there 2*3=", "x"]
 R = 10

@@ -63,7 +63,7 @@ def _assert_consistent(loaded: ckpt.LoadedCheckpoint) -> None:
 def test_round_trip_restores_model_optimizer_scheduler_extra_and_rng(tmp_path):
     from transformers import LlamaConfig
 
-    from posttrain.data.testing import build_tiny_tokenizer
+    from helpers.tokenizer import build_tiny_tokenizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.trainer.testing import one_thread, tiny_trainer
+from helpers.tiny_run import one_thread, tiny_trainer
 
 STEPS = 20
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from posttrain.trainer.testing import tiny_trainer
+from helpers.tiny_run import tiny_trainer
 
 CORE_METRICS = [
     "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",

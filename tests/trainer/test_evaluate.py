@@ -17,7 +17,7 @@ from posttrain.data.arithmetic import Problem, make_rows, write_arithmetic_parqu
 from posttrain.data.schema import read_rows, write_rows
 from posttrain.rewards import arithmetic
 from posttrain.trainer.evaluate import main
-from posttrain.trainer.testing import one_thread, tiny_model_dir
+from helpers.tiny_run import one_thread, tiny_model_dir
 
 MAX_NEW = 8
 

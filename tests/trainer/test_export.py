@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.checkpoint import CheckpointManager, RoleState
 from posttrain.trainer.export import export_actor, main
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.trainer.testing import one_thread, tiny_model_dir, tiny_trainer
+from helpers.tiny_run import one_thread, tiny_model_dir, tiny_trainer
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.data.prep import main as prep_main
 from posttrain.rewards import gsm8k
-from posttrain.trainer.testing import one_thread, tiny_config
+from helpers.tiny_run import one_thread, tiny_config
 from posttrain.trainer.trainer import RLTrainer
 
 GSM8K_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"

@@ -3,7 +3,7 @@ starts near 1/vocab (~1%); within 15 steps the mean reward must rise clearly."""
 
 import torch
 
-from posttrain.trainer.testing import tiny_trainer
+from helpers.tiny_run import tiny_trainer
 
 
 def test_grpo_raises_reward_on_trivial_task(tmp_path):

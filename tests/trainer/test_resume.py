@@ -18,7 +18,7 @@ import torch
 from posttrain.config import ConfigError, load_config
 from posttrain.checkpoint import CheckpointError, CheckpointManager
 from posttrain.trainer.main_ppo import run as run_cli
-from posttrain.trainer.testing import one_thread, tiny_overrides
+from helpers.tiny_run import one_thread, tiny_overrides
 from posttrain.trainer.trainer import RLTrainer
 
 

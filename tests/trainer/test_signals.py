@@ -23,7 +23,7 @@ import pytest
 
 from posttrain.config import load_config
 from posttrain.checkpoint import CheckpointManager, verify_checkpoint
-from posttrain.trainer.testing import one_thread, run_main_ppo, tiny_overrides
+from helpers.tiny_run import one_thread, run_main_ppo, tiny_overrides
 from posttrain.trainer.trainer import RLTrainer
 
 

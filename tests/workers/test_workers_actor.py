@@ -11,10 +11,10 @@ import torch
 from posttrain.batch import Batch
 from posttrain.config.actor_rollout_ref import OptimConfig
 from posttrain.algorithms import LOSS_AGG_MODES, agg_loss, get_policy_loss_fn, kl_penalty
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.rollout import SamplingParams
 from posttrain.workers import ActorWorker, RefWorker
-from posttrain.workers.testing import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 TEMP = 0.8
 PROMPTS = ["1+1=", "hello 2*3=", "x", "what is 7-5?"]

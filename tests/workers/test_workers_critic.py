@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from posttrain.algorithms import compute_value_loss
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.models import value_model_from_lm
 from posttrain.rollout import SamplingParams
 from posttrain.workers import CriticWorker
-from posttrain.workers.testing import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.workers import ActorWorker, CriticWorker, RefWorker
-from posttrain.workers.testing import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 
 @pytest.fixture(scope="module")

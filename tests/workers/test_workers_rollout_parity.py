@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.workers import ActorWorker
-from posttrain.workers.testing import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 PROMPTS = ["1+1=", "hello there, 2*3=", "x", "what is 17-5?", "ab"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from posttrain.config import load_config
 from posttrain.data.arithmetic import write_arithmetic_parquet
-from posttrain.data.testing import build_tiny_tokenizer
+from helpers.tokenizer import build_tiny_tokenizer
 
 TINY_OVERRIDES = [
     "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.logger=[file]", "trainer.val_before_train=False",
@@ -30,7 +30,7 @@ TINY_OVERRIDES = [
 
 def tiny_model_dir(tmp_path: Path, seed: int = 0) -> Path:
     """A saved tiny Llama + tokenizer folder (so the critic and export load real files)."""
-    from posttrain.workers.testing import tiny_llama
+    from helpers.tiny_models import tiny_llama
 
     out = Path(tmp_path) / f"tiny_model_{seed}"
     if not (out / "config.json").exists():

@@ -1,0 +1,89 @@
+"""posttrain's error classes and how the command line reports them.
+
+Every error a user can cause derives from `PosttrainError`; the message names the key, file, row or
+value and what would be valid. The command line (`run_cli`) prints such an error as one line,
+``error: <message>``, and exits with the class's ``exit_code``; anything else is a bug and keeps
+its Python traceback. ``--debug`` (any sub-command) or ``POSTTRAIN_DEBUG=1`` also prints the
+traceback of a user error.
+
+Exit codes: 0 done; 1 a user error found while running (data, reward, checkpoint, disk);
+2 a config or command-line error found before the run starts; 3 the run stopped on non-finite
+losses; 130 / 143 stopped by SIGINT / SIGTERM (after saving a checkpoint when ``trainer.save_freq``
+allows it, see `posttrain.trainer.trainer`).
+
+This module imports nothing from posttrain, so every layer (storage included) may use it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable
+
+__all__ = ["ConfigError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "run_cli", "user_errors"]
+
+DEBUG_ENV = "POSTTRAIN_DEBUG"
+
+
+class PosttrainError(Exception):
+    """A problem the user can fix (bad key, file, row, value, checkpoint); never a bug in posttrain."""
+
+    exit_code = 1
+
+
+class ConfigError(PosttrainError, ValueError):
+    """A config problem a user can fix; the message names the key and what would be valid."""
+
+    exit_code = 2
+
+
+class SignalStop(PosttrainError):
+    """The run was stopped by SIGINT/SIGTERM (after saving, when it could); exits 128 + the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + int(signum)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes reported as one ``error:`` line: `PosttrainError`, plus the Ray worker
+    group's error once that module is loaded (it cannot derive from ours without importing ray here)."""
+    classes: list[type[BaseException]] = [PosttrainError]
+    ray_group = sys.modules.get("posttrain.distributed.ray_group")
+    if ray_group is not None and hasattr(ray_group, "WorkerGroupError"):
+        classes.append(ray_group.WorkerGroupError)
+    return tuple(classes)
+
+
+def debug_enabled(argv: list[str] | None = None) -> bool:
+    return (argv is not None and "--debug" in argv) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def format_error(err: BaseException) -> str:
+    """``error: <message>``; a multi-line message keeps its lines."""
+    text = str(err).strip() or type(err).__name__
+    return f"error: {text}"
+
+
+def run_cli(fn: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """Call a sub-command's ``fn(argv)``; a user error becomes one ``error:`` line and its exit code.
+
+    ``--debug`` is taken out of ``argv`` (any position) and turns on tracebacks for user errors.
+    """
+    debug = debug_enabled(argv)
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return int(fn(argv) or 0)
+    except user_errors() as err:
+        if debug:
+            traceback.print_exc()
+        sys.stdout.flush()
+        print(format_error(err), file=sys.stderr, flush=True)
+        return int(getattr(err, "exit_code", 1))
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return 130
