@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from posttrain.errors import PosttrainError
+
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
@@ -74,7 +76,7 @@ _OLD_DIR = re.compile(r"\.old_global_step_(\d+)_\d+")
 _SCRATCH = (".tmp_", ".old_", ".trash_")
 _ROLE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
-class CheckpointError(RuntimeError):
+class CheckpointError(PosttrainError, RuntimeError):
     """A checkpoint is missing, incomplete, unsafe to load, or from a different run config."""
 
 

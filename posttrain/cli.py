@@ -13,7 +13,7 @@ BUILTIN_CONFIG = Path(__file__).parent / "config" / "builtin.yaml"
 
 
 def _config_cmd(argv: list[str]) -> int:
-    from posttrain.config import ConfigError, derive_sizes, describe_sizes, load_config, to_yaml
+    from posttrain.config import derive_sizes, describe_sizes, load_config, to_yaml
     from posttrain.config.docs import keys_table, markdown_reference
 
     parser = argparse.ArgumentParser(prog="posttrain config", description="Print the resolved config as YAML.")
@@ -29,11 +29,7 @@ def _config_cmd(argv: list[str]) -> int:
     if args.markdown:
         sys.stdout.write(markdown_reference())
         return 0
-    try:
-        config = load_config(args.config, args.overrides, base=BUILTIN_CONFIG if args.builtin else None)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = load_config(args.config, args.overrides, base=BUILTIN_CONFIG if args.builtin else None)
     print(to_yaml(config), end="")
     print("# derived batch sizes\n" + "\n".join(f"# {line}" for line in describe_sizes(derive_sizes(config)).splitlines()))
     return 0
@@ -57,7 +53,14 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Route to a sub-command. A user error (any `posttrain.errors.PosttrainError`) prints one
+    ``error: ...`` line and returns its exit code; ``--debug`` (anywhere) or ``POSTTRAIN_DEBUG=1``
+    adds the traceback."""
+    from posttrain.errors import run_cli
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = [a for a in argv if a == "--debug"]
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
@@ -65,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:8s} {help_text}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    command, rest = argv[0], argv[1:]
+    command, rest = argv[0], argv[1:] + debug
     if command == "config":
-        return _config_cmd(rest)
+        return run_cli(_config_cmd, rest)
     if command == "train":
         from posttrain.trainer.main_ppo import train_cli
 
-        return train_cli(rest, builtin=True)
-    return _delegate(COMMANDS[command][0], rest)
+        return run_cli(lambda a: train_cli(a, builtin=True), rest)
+    return run_cli(lambda a: _delegate(COMMANDS[command][0], a), rest)
 
 
 def entry() -> None:

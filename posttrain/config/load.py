@@ -18,14 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.config.docs import all_keys, leaf_type
+from posttrain.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
 # Keys verl's YAML files carry that describe Hydra plumbing, not settings.
 _HYDRA_ONLY_KEYS = {"_target_", "defaults", "hydra"}
-
-
-class ConfigError(ValueError):
-    """A config problem a user can fix; the message names the key and what would be valid."""
 
 
 def _suggest(key: str) -> str:

@@ -103,7 +103,9 @@ class RewardConfig:
     num_workers: int = 0
     """(posttrain) Processes scoring responses in parallel (0: in this process)."""
     on_error: str = "raise"
-    """(posttrain) An exception in a scorer: raise (naming the row) or zero (score 0, counted in reward/errors)."""
+    """(posttrain) An exception, a time-out or a nan/inf score in a scorer: raise (naming the row) or zero (score 0, counted in reward/errors)."""
+    timeout_s: Optional[float] = 60.0
+    """(posttrain) Seconds the scorer may take on one row; then the row is handled per reward.on_error (null: no limit)."""
 
 
 @_cfg()

@@ -181,4 +181,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from posttrain.errors import run_cli
+
+    raise SystemExit(run_cli(main, sys.argv[1:]))

@@ -17,12 +17,14 @@ import json
 import os
 from typing import Any
 
+from posttrain.errors import PosttrainError
+
 __all__ = ["DataError", "SUPPORTED_SUFFIXES", "read_rows", "write_rows", "validate_row"]
 
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-class DataError(ValueError):
+class DataError(PosttrainError, ValueError):
     """A prompt file or one of its rows is unusable; the message names file, row and field."""
 
 

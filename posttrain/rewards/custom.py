@@ -14,46 +14,71 @@ import os
 import sys
 from typing import Any
 
+from posttrain.errors import ConfigError, SignalStop
+
 __all__ = ["load_custom_reward_fn", "CustomRewardFn", "REQUIRED_PARAMS"]
 
 REQUIRED_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
+class RewardFunctionError(ConfigError):
+    """``custom_reward_function`` cannot be used: no file, does not import, no such function, wrong
+    signature. Each case is also the built-in type it used to be (FileNotFoundError, ...)."""
+
+
+class RewardFileNotFound(RewardFunctionError, FileNotFoundError):
+    pass
+
+
+class RewardImportError(RewardFunctionError, RuntimeError):
+    pass
+
+
+class RewardNameError(RewardFunctionError, AttributeError):
+    pass
+
+
+class RewardSignatureError(RewardFunctionError, TypeError):
+    pass
+
+
 def _load_function(path: str, name: str):
     if not path:
-        raise ValueError("custom_reward_function.path is empty")
+        raise RewardFunctionError("custom_reward_function.path is empty")
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
-        raise FileNotFoundError(f"custom_reward_function.path={path!r}: file not found ({full})")
+        raise RewardFileNotFound(f"custom_reward_function.path={path!r}: file not found ({full})")
     if not name:
-        raise ValueError(f"custom_reward_function.name is empty (path={path!r})")
+        raise RewardFunctionError(f"custom_reward_function.name is empty (path={path!r})")
     # A stable, unique module name per file, so pickling by reference works in forked workers.
     mod_name = "posttrain_custom_reward_" + hashlib.sha1(full.encode()).hexdigest()[:12]
     module = sys.modules.get(mod_name)
     if module is None:
         spec = importlib.util.spec_from_file_location(mod_name, full)
         if spec is None or spec.loader is None:
-            raise ValueError(f"custom_reward_function.path={path!r}: not a Python file that can be imported")
+            raise RewardFunctionError(f"custom_reward_function.path={path!r}: not a Python file that can be imported")
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except Exception as e:
-            raise RuntimeError(
+        except BaseException as e:  # SystemExit from a script-style file too
+            if isinstance(e, (KeyboardInterrupt, SignalStop)):
+                raise
+            raise RewardImportError(
                 f"custom_reward_function.path={path!r}: importing it failed: {type(e).__name__}: {e}"
             ) from e
         sys.modules[mod_name] = module
     fn = getattr(module, name, None)
     if fn is None:
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise AttributeError(f"custom_reward_function.name={name!r} is not defined in {path}; callables there: {found}")
+        raise RewardNameError(f"custom_reward_function.name={name!r} is not defined in {path}; callables there: {found}")
     if not callable(fn):
-        raise TypeError(f"custom_reward_function.name={name!r} in {path} is a {type(fn).__name__}, not a function")
+        raise RewardSignatureError(f"custom_reward_function.name={name!r} in {path} is a {type(fn).__name__}, not a function")
     return fn
 
 
 def _check_signature(fn, path: str, name: str, reward_kwargs: dict) -> None:
     if inspect.iscoroutinefunction(fn):
-        raise TypeError(f"custom reward function {name!r} in {path} is async; write a plain function")
+        raise RewardSignatureError(f"custom reward function {name!r} in {path} is async; write a plain function")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -77,7 +102,7 @@ def _check_signature(fn, path: str, name: str, reward_kwargs: dict) -> None:
             problems.append(f"does not accept {missing}")
         if unfilled:
             problems.append(f"requires {unfilled}, which the reward manager does not pass")
-        raise TypeError(
+        raise RewardSignatureError(
             f"custom reward function {name!r} in {path} has signature {name}{sig}: it {' and '.join(problems)}. "
             "Expected def fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
         )

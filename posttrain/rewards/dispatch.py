@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain.errors import PosttrainError
+
 __all__ = ["default_compute_score", "KNOWN_DATA_SOURCES", "UnknownDataSourceError"]
 
 _GSM8K = ("openai/gsm8k",)
@@ -12,7 +14,7 @@ _ARITHMETIC = ("posttrain/arithmetic",)
 KNOWN_DATA_SOURCES: tuple[str, ...] = _GSM8K + _MATH + _ARITHMETIC
 
 
-class UnknownDataSourceError(NotImplementedError):
+class UnknownDataSourceError(PosttrainError, NotImplementedError):
     """No built-in scorer for a data_source (verl raises ``NotImplementedError`` too)."""
 
 

@@ -8,25 +8,68 @@ data_source (``on_error="raise"``) or scores 0 and is counted (``on_error="zero"
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import numbers
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from posttrain.batch import Batch
-from posttrain.rewards._worker import score_chunk, score_row
+from posttrain.errors import PosttrainError
+from posttrain.rewards._worker import die_with_parent, is_finite_number, score_chunk, score_row
 from posttrain.rewards.dispatch import default_compute_score
 
-__all__ = ["RewardManager", "BatchRewardFn", "RewardError", "place_on_last_token", "response_mask_of"]
+__all__ = ["RewardManager", "BatchRewardFn", "RewardError", "RewardInterrupted", "place_on_last_token",
+           "response_mask_of", "scoring_in_progress"]
 
 ERRORS_KEY = "reward/errors"
 
 
-class RewardError(RuntimeError):
-    """A scorer failed on one row; the message names the row and its data_source."""
+class RewardError(PosttrainError, RuntimeError):
+    """A scorer failed, hung or returned nan/inf on one row; the message names the row and its data_source."""
+
+
+class RewardInterrupted(BaseException):
+    """SIGINT/SIGTERM arrived while rewards were being computed: the trainer's signal handler raises it
+    there (a BaseException, so scorers' ``except Exception`` cannot swallow it) to stop at once."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_SCORING = 0
+
+
+def scoring_in_progress() -> bool:
+    """True while a reward manager or batch reward function is running in this process."""
+    return _SCORING > 0
+
+
+def _where(tb: str) -> str:
+    """`` (at file:line)`` of the innermost frame of a scorer's traceback text (the full one: --debug)."""
+    import re
+
+    frames = re.findall(r'File "([^"]+)", line (\d+)', tb or "")
+    return f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else ""
+
+
+@contextlib.contextmanager
+def _scoring():
+    global _SCORING
+    _SCORING += 1
+    try:
+        yield
+    finally:
+        _SCORING -= 1
+
+
+def _row_name(i: int, data_source: Any, extra_info: Any) -> str:
+    index = extra_info.get("index") if isinstance(extra_info, dict) else None
+    return f"row {i} (data_source={data_source!r}" + (f", extra_info.index={index!r})" if index is not None else ")")
 
 
 def response_mask_of(batch: Batch) -> torch.Tensor:
@@ -96,6 +139,7 @@ class RewardManager:
         num_workers: int = 0,
         on_error: str = "raise",
         mp_context: str = "spawn",
+        timeout_s: float | None = 60.0,
     ):
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
@@ -107,6 +151,7 @@ class RewardManager:
         self.num_workers = num_workers
         self.on_error = on_error
         self.mp_context = mp_context
+        self.timeout_s = float(timeout_s) if timeout_s else None
         self._pool: ProcessPoolExecutor | None = None
 
     # ---------------------------------------------------------------- inputs
@@ -133,27 +178,56 @@ class RewardManager:
     # ---------------------------------------------------------------- scoring
     def _run(self, jobs: list[tuple]) -> list[tuple]:
         if self.num_workers == 0 or len(jobs) <= 1:
-            return [score_row(self.compute_score, *job) for job in jobs]
+            return [score_row(self.compute_score, *job, timeout=self.timeout_s) for job in jobs]
         if self._pool is None:
             ctx = multiprocessing.get_context(self.mp_context)
-            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx, initializer=die_with_parent)
         size = max(1, -(-len(jobs) // (4 * self.num_workers)))
         chunks = [jobs[s : s + size] for s in range(0, len(jobs), size)]
-        futures = [self._pool.submit(score_chunk, self.compute_score, c) for c in chunks]
-        return [r for f in futures for r in f.result()]
+        futures = [self._pool.submit(score_chunk, self.compute_score, c, self.timeout_s) for c in chunks]
+        try:
+            self._wait(futures, size)
+        except BaseException:  # a signal (RewardInterrupted, KeyboardInterrupt): no worker may go on
+            self.close(kill=True)
+            raise
+        results = []
+        for f, chunk in zip(futures, chunks):
+            if f.done() and not f.cancelled() and f.exception() is None:
+                results.extend(f.result())
+            else:  # a worker stuck past the time-out (in C code the alarm cannot interrupt) was killed
+                why = (f"did not finish within {self.timeout_s:g} s per row (reward.timeout_s); its worker was stopped"
+                       if not f.done() or f.cancelled() else f"its worker process failed: {f.exception()!r}")
+                results.extend(("error", why, "") for _ in chunk)
+        if not all(f.done() and not f.cancelled() and f.exception() is None for f in futures):
+            self.close(kill=True)
+        return results
+
+    def _wait(self, futures: list, chunk_size: int) -> None:
+        """Until every chunk is done, or none finished for a whole chunk's time-out (plus a margin)."""
+        window = None if self.timeout_s is None else self.timeout_s * chunk_size + 5.0
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=window, return_when=FIRST_COMPLETED)
+            if not done:
+                return
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         jobs, mask = self._jobs(batch)
-        results = self._run(jobs)
+        with _scoring():
+            results = self._run(jobs)
         n = len(jobs)
         scores = torch.zeros(n, dtype=torch.float64)
         errors = np.zeros(n, dtype=np.float64)
         dict_rows: list[dict] = [{} for _ in range(n)]
-        for (i, data_source, *_), res in zip(jobs, results):
+        for (i, data_source, _, _, extra_info), res in zip(jobs, results):
+            if res[0] == "ok" and not is_finite_number(res[1]["score"] if isinstance(res[1], dict) and "score" in res[1]
+                                                       else res[1]):
+                res = ("error", f"the reward function returned {res[1]!r} (not a finite number)", "")
             if res[0] == "error":
                 if self.on_error == "raise":
                     raise RewardError(
-                        f"reward function failed on row {i} (data_source={data_source!r}): {res[1]}\n{res[2]}"
+                        f"reward function failed on {_row_name(i, data_source, extra_info)}: {res[1]}"
+                        f"{_where(res[2])}; reward.on_error=zero scores such rows 0 and counts them"
                     )
                 errors[i] = 1.0
                 continue
@@ -177,11 +251,18 @@ class RewardManager:
         extra[ERRORS_KEY] = errors
         return place_on_last_token(scores, mask), extra
 
-    def close(self) -> None:
-        """Shut down the worker pool (if any)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, kill: bool = False) -> None:
+        """Shut down the worker pool (if any); ``kill`` ends its processes at once (a stuck scorer)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if kill:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                if proc.is_alive():
+                    proc.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+        else:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def __del__(self):
         try:
@@ -199,7 +280,8 @@ class BatchRewardFn:
         self.fn = fn
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-        out = self.fn(batch)
+        with _scoring():
+            out = self.fn(batch)
         extra: dict[str, np.ndarray] = {}
         if isinstance(out, tuple):
             out, extra = out
@@ -208,4 +290,12 @@ class BatchRewardFn:
         if scores.shape != (len(batch),):
             shape = list(scores.shape)
             raise ValueError(f"batch reward function {name} returned shape {shape}, expected [{len(batch)}]")
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            sources = batch.non_tensor_batch.get("data_source")
+            extras = batch.non_tensor_batch.get("extra_info")
+            rows = [_row_name(i, sources[i] if sources is not None else None, extras[i] if extras is not None else None)
+                    + f" = {scores[i].item()}" for i in bad[:5]]
+            raise RewardError(f"batch reward function {name} returned a non-finite reward on {len(bad)} of "
+                              f"{len(batch)} rows: " + "; ".join(rows))
         return place_on_last_token(scores, response_mask_of(batch)), dict(extra)

@@ -191,4 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from posttrain.errors import run_cli
+
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -8,28 +8,28 @@ import argparse
 import sys
 from pathlib import Path
 
-from posttrain.config import ConfigError, load_config
+from posttrain.config import load_config
 
 BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "builtin.yaml"
 
 
 def run(config) -> int:
+    """Build and train. Exit codes (see `posttrain.errors`): 0 done, 1/2/3 a user error (raised to the
+    caller, which prints it as one line), 128 + signal number when SIGINT/SIGTERM stopped the run
+    (after its checkpoint was saved), so that a scheduler never takes a pre-empted run for a finished one."""
     from posttrain.trainer.report import summarize_run
-    from posttrain.trainer.trainer import NonFiniteError, RLTrainer
+    from posttrain.trainer.trainer import RLTrainer, startup_signals
 
     try:
-        trainer = RLTrainer(config)
+        with startup_signals():
+            trainer = RLTrainer(config)
         history = trainer.fit()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except NonFiniteError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
     except KeyboardInterrupt:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130
     summarize_run(trainer, history)
+    if trainer.stopped_by is not None:
+        return 128 + int(trainer.stopped_by)
     return 0
 
 
@@ -40,16 +40,15 @@ def train_cli(argv: list[str], builtin: bool) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
     base = BUILTIN_CONFIG if builtin and args.config is None else None
-    try:
-        config = load_config(args.config, args.overrides, base=base)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return run(config)
+    return run(load_config(args.config, args.overrides, base=base))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train_cli(list(sys.argv[1:] if argv is None else argv), builtin=False)
+    """``python -m posttrain.trainer.main_ppo``: user errors as one ``error:`` line (``--debug``:
+    with the traceback)."""
+    from posttrain.errors import run_cli
+
+    return run_cli(lambda a: train_cli(a, builtin=False), list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

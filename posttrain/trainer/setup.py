@@ -101,7 +101,8 @@ def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
     crf = config.custom_reward_function
     compute_score = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
     return RewardManager(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
-                         num_workers=config.reward.num_workers, on_error=config.reward.on_error)
+                         num_workers=config.reward.num_workers, on_error=config.reward.on_error,
+                         timeout_s=config.reward.timeout_s)
 
 
 def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, device: torch.device, seed: int,

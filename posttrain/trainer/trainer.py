@@ -9,6 +9,7 @@ KL settings); `GRPOTrainer` and `PPOTrainer` are the same loop under the names u
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import random
@@ -24,7 +25,9 @@ from posttrain.algorithms import get_adv_estimator_fn, get_kl_controller, kl_pen
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
-from posttrain.checkpoint import CheckpointManager
+from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
+from posttrain.errors import PosttrainError, SignalStop
+from posttrain.rewards.manager import RewardError, RewardInterrupted, RewardManager, scoring_in_progress
 from posttrain.trainer import resume, setup
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.validation import run_validation
@@ -33,8 +36,10 @@ from posttrain.trainer.validation import run_validation
 GREEDY_BASELINE_ESTIMATORS = {"remax"}
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(PosttrainError, RuntimeError):
     """Several steps in a row produced non-finite losses or gradients."""
+
+    exit_code = 3
 
 
 class RLTrainer:
@@ -81,6 +86,9 @@ class RLTrainer:
                                              tcfg.max_critic_ckpt_to_keep)
         self._saved_step: int | None = None  # the step this process last saved
         self._stop_signal: int | None = None
+        self.stopped_by: int | None = None
+        """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
+        self._phase = "start-up"
         self._nonfinite_streak = 0
 
     # ------------------------------------------------------------------ reward function (Python API)
@@ -98,7 +106,7 @@ class RLTrainer:
             self._reward_fn = fn
         elif "solution_str" in inspect.signature(fn).parameters:
             self._reward_fn = RewardManager(self.tokenizer, compute_score=fn, reward_fn_key=self.config.data.reward_fn_key,
-                                            on_error=self.config.reward.on_error)
+                                            on_error=self.config.reward.on_error, timeout_s=self.config.reward.timeout_s)
         else:
             self._reward_fn = BatchRewardFn(fn)
 
@@ -178,7 +186,12 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:
-        """Train until `total_steps`; returns the per-step metrics (also sent to `trainer.logger`)."""
+        """Train until `total_steps`; returns the per-step metrics (also sent to `trainer.logger`).
+
+        SIGINT/SIGTERM (first one): the step in flight finishes, a checkpoint is saved and ``fit``
+        returns with ``stopped_by`` set to the signal; a signal that arrives while rewards are being
+        computed stops at once and saves the last finished step. A second one aborts without saving.
+        """
         from posttrain.tracking import Tracking
 
         cfg = self.config.trainer
@@ -186,41 +199,67 @@ class RLTrainer:
         tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
                            _config_dict(self.config), self.total_steps)
         try:
-            self._resume()
-            if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
-                val = self.validate()
-                self.history.append({"step": 0, **val})
-                tracker.log(val, step=0)
-                if cfg.val_only:
-                    tracker.finish()
-                    return self.history
-            self._train_loop(tracker)
+            with _stop_on_signals(self):
+                self._phase = "resume"
+                self._resume()
+                if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
+                    self._phase = "validation"
+                    try:
+                        val = self.validate()
+                    except RewardInterrupted:
+                        val = None
+                    if val is not None:
+                        self.history.append({"step": 0, **val})
+                        tracker.log(val, step=0)
+                    if cfg.val_only or self._stop_signal is not None:
+                        self.stopped_by = self._stop_signal
+                        if self.stopped_by is not None:
+                            print(f"stopped by {signal.Signals(self.stopped_by).name} before the first step: nothing "
+                                  "was trained, so nothing was saved", flush=True)
+                        tracker.finish()
+                        return self.history
+                self._phase = "train"
+                self._train_loop(tracker)
         finally:
             self.workers.shutdown()  # a failed rank must not leave the others waiting in a collective
-        if cfg.save_freq > 0 and self.global_step == self.total_steps:
+            if isinstance(self._reward_fn, RewardManager):  # its scoring processes end with the run
+                self._reward_fn.close(kill=self._stop_signal is not None)
+        if cfg.save_freq > 0 and self.global_step == self.total_steps and self.stopped_by is None:
             resume.export_final(self.checkpoints)
         tracker.finish()
         return self.history
 
     def _train_loop(self, tracker: Any) -> None:
         cfg = self.config.trainer
-        with _stop_on_signals(self):
-            while self.global_step < self.total_steps:
-                self.global_step += 1
-                epoch = self.data.train_loader.epoch  # of the batch drawn next (the loader then moves on)
-                metrics = self.train_step(self.data.train_loader.next_batch())
-                metrics["training/epoch"] = epoch
-                last = self.global_step == self.total_steps
-                if cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
+        while self.global_step < self.total_steps and self._stop_signal is None:
+            self.global_step += 1
+            loader = self.data.train_loader
+            epoch = loader.epoch  # of the batch drawn next (the loader then moves on)
+            before = (loader.state_dict(), capture_rng())
+            try:
+                metrics = self.train_step(loader.next_batch())
+            except RewardInterrupted:  # stopped while scoring: this step changed no weights yet
+                self.global_step -= 1
+                loader.load_state_dict(before[0])
+                restore_rng(before[1])
+                break
+            except RewardError as err:
+                raise RewardError(f"step {self.global_step}: {err}") from err
+            metrics["training/epoch"] = epoch
+            last = self.global_step == self.total_steps
+            if cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last) and self._stop_signal is None:
+                try:
                     metrics.update(self.validate())
-                self._check_health(metrics)
-                if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
-                    self.save_checkpoint()
-                tracker.log(metrics, step=self.global_step)
-                self.history.append({"step": self.global_step, **metrics})
-                if self._stop_signal is not None:
-                    self._save_on_signal(self._stop_signal)
-                    break
+                except RewardInterrupted:
+                    print("validation interrupted; saving the step without its validation metrics", flush=True)
+            self._check_health(metrics)
+            if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
+                self.save_checkpoint()
+            tracker.log(metrics, step=self.global_step)
+            self.history.append({"step": self.global_step, **metrics})
+        if self._stop_signal is not None:
+            self.stopped_by = self._stop_signal
+            self._save_on_signal(self._stop_signal)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -243,6 +282,10 @@ class RLTrainer:
 
     def _save_on_signal(self, signum: int) -> None:
         step = self.global_step
+        if step == 0:
+            print(f"stopped by {signal.Signals(signum).name} before the first step finished: nothing was trained, "
+                  "so nothing was saved", flush=True)
+            return
         if self._saved_step == step and self.checkpoints.latest() == self.checkpoints.step_dir(step):
             path = self.checkpoints.step_dir(step)  # trainer.save_freq saved this step a moment ago
         else:
@@ -274,8 +317,11 @@ class RLTrainer:
                 "Lower actor_rollout_ref.actor.optim.lr, or check the reward function for inf/nan.")
 
 
+# The names verl users look for. All are `RLTrainer`: the algorithm comes from the config, and the
+# trainer runs its workers through Ray by itself when trainer.nnodes x trainer.n_gpus_per_node > 1.
 GRPOTrainer = RLTrainer
 PPOTrainer = RLTrainer
+RayPPOTrainer = RLTrainer
 
 
 def seed_everything(seed: int) -> None:
@@ -307,17 +353,33 @@ def _config_dict(config: PostTrainConfig) -> dict:
 
 
 class _stop_on_signals:
-    """SIGINT/SIGTERM: let the current step finish, then save and stop; a second Ctrl-C aborts at once."""
+    """SIGINT/SIGTERM: let the current step finish, then save and stop; a second Ctrl-C aborts at once.
+
+    While rewards are being computed (a scorer may hang for up to ``reward.timeout_s``) the first
+    signal stops at once: the handler raises `RewardInterrupted`, the step is undone (no weights had
+    changed yet) and the last finished step is saved."""
 
     def __init__(self, trainer: RLTrainer):
         self.trainer, self.previous = trainer, {}
 
     def _handler(self, signum, frame):
-        if self.trainer._stop_signal is not None:
+        t = self.trainer
+        if t._stop_signal is not None:
             raise KeyboardInterrupt
-        self.trainer._stop_signal = signum
-        print(f"\nreceived {signal.Signals(signum).name}: finishing step {self.trainer.global_step}, then saving "
-              "a checkpoint and stopping (press Ctrl-C again to abort now)", flush=True)
+        t._stop_signal = signum
+        name = signal.Signals(signum).name
+        if t._phase == "validation":
+            what = "stopping the validation before training; nothing is trained yet, so nothing will be saved"
+        elif t._phase == "resume":
+            what = "finishing loading the checkpoint, then stopping without training"
+        elif scoring_in_progress():
+            what = (f"stopping the reward computation of step {t.global_step} now, then saving a checkpoint of the "
+                    "last finished step")
+        else:
+            what = f"finishing step {t.global_step}, then saving a checkpoint and stopping"
+        print(f"\nreceived {name}: {what} (press Ctrl-C again to abort now, without saving)", flush=True)
+        if scoring_in_progress():
+            raise RewardInterrupted(signum)
 
     def __enter__(self):
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -331,3 +393,27 @@ class _stop_on_signals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         return False
+
+
+@contextlib.contextmanager
+def startup_signals():
+    """While a run is being built (tokenizer, data, models): the first SIGINT/SIGTERM says that nothing
+    has been trained or saved and stops (`SignalStop`, exit 128 + the signal)."""
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        print(f"\nreceived {name} during start-up: nothing has been trained yet, so there is nothing to save; "
+              "stopping now", flush=True)
+        raise SignalStop(f"stopped by {name} during start-up", signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

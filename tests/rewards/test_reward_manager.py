@@ -92,7 +92,7 @@ def test_errors_raise_or_zero(tmp_path, tok):
     )
     fn = load_custom_reward_fn(path, "boom")
     b = make_batch(tok, ["a", "b", "c"], ["1", "4", "2"], sources=["s0", "s1", "s2"])
-    with pytest.raises(RewardError, match=r"row 1 \(data_source='s1'\): ZeroDivisionError: bad row"):
+    with pytest.raises(RewardError, match=r"row 1 \(data_source='s1', extra_info.index=1\): ZeroDivisionError: bad row \(at .*reward.py:4\)"):
         RewardManager(tok, compute_score=fn)(b)
     scores, extra = RewardManager(tok, compute_score=fn, on_error="zero")(b)
     assert scores.sum(1).tolist() == [1.0, 0.0, 1.0]

@@ -2,7 +2,7 @@
 forked from a forkserver that preloaded the imports and call the same `main_ppo.main(argv)`).
 
 SIGTERM / SIGINT: the step in flight finishes, a complete checkpoint is saved at that step, the
-resume command is printed, the process exits 0; the same command resumes from there.
+resume command is printed, the process exits 128 + the signal; the same command resumes from there.
 SIGKILL (nothing can be saved) at moments when a checkpoint is being written: the next run resumes
 from the latest committed (tracked) checkpoint, which is always complete, and finishes.
 """
@@ -147,7 +147,7 @@ def _stop_with(run: Run, sig: signal.Signals) -> int:
     """Send `sig` once the run's first step line is out; returns the step it stopped after."""
     run.wait_for(run.steps)
     os.kill(run.pid, sig)
-    assert run.finish() == 0, run.output[-3000:]
+    assert run.finish() == 128 + sig, run.output[-3000:]  # a pre-empted run is not a finished one
     out = run.output
     assert f"received {sig.name}" in out
     found = re.search(rf"stopped by {sig.name} after step (\d+); checkpoint saved to (\S+)\.\n", out)
