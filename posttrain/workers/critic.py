@@ -24,6 +24,7 @@ from posttrain.models import (
     response_hidden_states,
     split_for_padding,
 )
+from posttrain.models.microbatch import equal_micro_batch_count
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
 from posttrain.workers.role_state import load_role_state, save_role_state
@@ -86,11 +87,14 @@ class CriticWorker:
         groups = split_for_padding(data["attention_mask"], groups)
         out = torch.zeros(data["responses"].shape, dtype=torch.float32, device=data["responses"].device)
         self.module.eval()
-        for idx in groups:
+        for idx, stand_in in equal_micro_batch_count(groups):  # FSDP: as many forwards as the other ranks
+            if not idx.numel():  # this rank has no rows at all: nothing to run a stand-in on
+                continue
             with torch.no_grad(), self.autocast():
                 vals = response_values(self.module, **select_rows(data, idx, self.device),
                                        remove_padding=self.remove_padding)
-            out[idx.to(out.device)] = vals.to(out.device)
+            if not stand_in:
+                out[idx.to(out.device)] = vals.to(out.device)
         return out
 
     def _micro_step(self, mb: dict, info: dict, meter: MetricMeter) -> torch.Tensor:

@@ -3,8 +3,10 @@ step each) x micro-batches (gradient accumulation), with the non-finite guard.
 
 Each role supplies only its ``micro_step(micro_batch, batch_info, meter) -> loss``: the forward, the
 loss normalised by the mini-batch totals in ``batch_info`` (see ``common.py``) and its backward.
-Everything that must happen once per optimizer step across ranks (the global token counts, the
-gradient norm over all shards, skipping a non-finite step on every rank alike) lives here.
+Everything that must happen alike on every rank lives here: the global token counts, the same
+number of micro-batches everywhere (each forward/backward of a sharded model is a collective; a
+rank with fewer rows runs zero-weight stand-ins), the gradient norm over all shards, and skipping
+a non-finite step on every rank alike.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from posttrain.models.microbatch import equal_micro_batch_count, zero_loss_weight
 from posttrain.workers.common import (MetricMeter, global_batch_info, micro_batches, mini_batch_indices,
                                       optimizer_step, select_rows, step_scheduler)
 
@@ -38,9 +41,11 @@ def ppo_update(data: dict[str, torch.Tensor], cfg: Any, *, micro_step: MicroStep
             info = global_batch_info(data["response_mask"][mini])
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for idx in micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                     cfg.ppo_max_token_len_per_gpu):
-                loss = micro_step(select_rows(data, idx, device), info, meter)
+            groups = micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                   cfg.ppo_max_token_len_per_gpu)
+            for mb in equal_micro_batch_count(groups):  # FSDP: every rank runs as many forwards/backwards
+                rows = select_rows(data, mb.rows, device)
+                loss = micro_step(zero_loss_weight(rows) if mb.padding else rows, info, meter)
                 finite = finite and bool(torch.isfinite(loss))
             grad_norm, skipped = optimizer_step(module.parameters(), optimizer, cfg.grad_clip, finite)
             meter.count(f"{prefix}/nonfinite_skipped", float(skipped))

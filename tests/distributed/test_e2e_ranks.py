@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,53 @@ def test_exported_weights_equal_one_process(one_process_ppo, two_rank_ppo):
     assert moved > 1e-3  # training changed the weights, so equality below means something
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+GSM8K_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"
+BUDGET = 900  # tokens per micro-batch: GSM8K prompts (char-level tokens) of 250-700 give 1-3 rows each
+DYNAMIC = ["actor_rollout_ref.actor.use_dynamic_bsz=True", f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={BUDGET}",
+           "critic.use_dynamic_bsz=True", f"critic.ppo_max_token_len_per_gpu={BUDGET}",
+           "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+           f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={BUDGET}",
+           "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+           f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={BUDGET}",
+           f"critic.forward_max_token_len_per_gpu={BUDGET}", "actor_rollout_ref.model.use_remove_padding=True",
+           "critic.model.use_remove_padding=True", "trainer.save_freq=-1", "trainer.total_training_steps=2",
+           "trainer.balance_batch=False", "data.max_prompt_length=1024", "data.filter_overlong_prompts=True",
+           "actor_rollout_ref.nccl_timeout=120"]
+
+
+def micro_batch_counts(lengths, ranks: int) -> list[int]:
+    from posttrain.models.microbatch import split_by_tokens
+
+    per_rank = len(lengths) // ranks
+    counts = []
+    for r in range(ranks):
+        mask = torch.zeros(per_rank, max(lengths))
+        for i, n in enumerate(lengths[r * per_rank:(r + 1) * per_rank]):
+            mask[i, :n] = 1
+        counts.append(len(split_by_tokens(mask, BUDGET)))
+    return counts
+
+
+def test_token_budget_micro_batches_and_padding_removal_equal_one_process(tmp_path_factory, ray_cluster):
+    """Real GSM8K prompts of varied length, token-budget micro-batches (each rank its own count, the
+    ranks then agree on the largest) and padding-free forwards: the numbers equal one process's."""
+    from posttrain.data.prep import main as prep_main
+
+    data = tmp_path_factory.mktemp("gsm8k")
+    assert prep_main(["gsm8k", "--input", str(GSM8K_DIR), "--output", str(data)]) == 0
+    files = [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}"]
+    one_dir = tmp_path_factory.mktemp("dyn1")
+    from posttrain.trainer.trainer import RLTrainer
+
+    probe = RLTrainer(tiny_config(one_dir, PPO_GREEDY + DYNAMIC + files))
+    lengths = [int(n) + 8 for n in probe.data.train_loader.next_batch()["attention_mask"].sum(-1)]
+    assert len(set(micro_batch_counts(lengths, 2))) > 1, lengths  # the ranks really disagree at step 1
+    one = fit(one_dir, 1, PPO_GREEDY + DYNAMIC + files)
+    two = fit(tmp_path_factory.mktemp("dyn2"), 2, PPO_GREEDY + DYNAMIC + files)
+    assert one[-1]["actor/grad_norm"] > 0 and one[-1]["critic/vf_loss"] > 0.1
+    assert_same_metrics(two, one, steps=(1, 2))
 
 
 def test_checkpoint_of_two_ranks_resumes_in_one_process(two_rank_ppo, tmp_path):
