@@ -5,6 +5,7 @@
   losses.py         agg_loss modes, clipped value loss, entropy loss
   kl.py             KL penalty estimators, fixed/adaptive KL controllers
   logprobs.py       token log-probs and entropies from logits (direct and chunked)
+  rollout_correction.py  rollout-vs-trainer mismatch: importance weights, rejection, bypass mode
   utils.py          masked mean/sum/var/whiten
 """
 
@@ -29,6 +30,13 @@ from posttrain.algorithms.logprobs import (
 )
 from posttrain.algorithms.losses import LOSS_AGG_MODES, agg_loss, compute_entropy_loss, compute_value_loss
 from posttrain.algorithms.policy_losses import get_policy_loss_fn, register_policy_loss, registered_policy_losses
+from posttrain.algorithms.rollout_correction import (
+    apply_rollout_correction,
+    register_rollout_is,
+    register_rollout_rs,
+    registered_rollout_is,
+    registered_rollout_rs,
+)
 from posttrain.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -37,6 +45,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
+    "apply_rollout_correction",
     "compute_entropy_loss",
     "compute_value_loss",
     "entropy_from_logits",
@@ -54,6 +63,10 @@ __all__ = [
     "masked_whiten",
     "register_adv_est",
     "register_policy_loss",
+    "register_rollout_is",
+    "register_rollout_rs",
     "registered_adv_estimators",
     "registered_policy_losses",
+    "registered_rollout_is",
+    "registered_rollout_rs",
 ]

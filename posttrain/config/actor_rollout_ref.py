@@ -300,6 +300,10 @@ class RolloutConfig:
     """Gather FSDP weights layer by layer for the engine."""
     enable_chunked_prefill: bool = True
     """Engine chunked prefill."""
+    enable_prefix_caching: bool = True
+    """Engine reuses the KV cache of shared prompt prefixes (reset after every weight push)."""
+    logprobs_mode: str = "processed_logprobs"
+    """Which engine log-probs rollout_log_probs hold: processed_logprobs (after temperature and top-k/top-p) or raw_logprobs."""
 
 
 @_cfg()

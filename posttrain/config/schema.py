@@ -129,6 +129,24 @@ class PFPPOConfig:
 
 
 @_cfg()
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str] = None
+    """Importance weights min(p_old / p_rollout, threshold) on the policy loss: null (off), token, or sequence (one weight per response)."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the importance weights."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated importance weights by their batch mean."""
+    rollout_rs: Optional[str] = None
+    """Rejection of tokens/responses by divergence: null, or comma-separated token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3."""
+    rollout_rs_threshold: Any = None
+    """Rejection bounds, one shared or one per rollout_rs option: "lower_upper" ratio bounds (or one number u: 1/u..u) for k1, an upper bound otherwise."""
+    bypass_mode: bool = False
+    """Use the engine's log-probs as the old log-probs and skip the old-log-prob forward pass."""
+    loss_type: str = "ppo_clip"
+    """Policy loss in bypass mode: ppo_clip (the configured loss, ratio against the rollout policy); reinforce is not implemented."""
+
+
+@_cfg()
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
@@ -148,6 +166,8 @@ class AlgorithmConfig:
     """Preference-feedback PPO reweighting (not supported yet; must stay false)."""
     pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
     """Its settings."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Correction for the rollout engine's policy differing from the trainer's (importance weights, rejection, bypass)."""
 
 
 @_cfg()

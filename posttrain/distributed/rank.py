@@ -7,10 +7,11 @@ model on CPU, shards it over all ranks (``fsdp_config.fsdp_size`` for HSDP) and 
 same `ActorWorker` / `RefWorker` / `CriticWorker` the one-process group uses: the per-rank math is
 one code path. Batch sizes in ``config`` are per rank already (`posttrain.config.worker_config`).
 
-Generation runs inside `gathered_for_generation`: the actor's shards are all-gathered once, and
-the decoding loop then runs without collectives, since ranks stop decoding at different steps.
-That gathered module is also where a rollout engine that keeps its own copy of the weights
-(vLLM) receives them after each update.
+With the hf engine, generation runs inside `gathered_for_generation`: the actor's shards are
+all-gathered once, and the decoding loop then runs without collectives, since ranks stop decoding
+at different steps. A rollout engine that keeps its own copy of the weights (vLLM, one per rank)
+is instead streamed the weights one gathered parameter at a time after each update, so no rank
+ever holds a second full copy next to the engine's.
 """
 
 from __future__ import annotations
@@ -86,9 +87,13 @@ class RankWorker:
 
     # ------------------------------------------------------------------ the group's calls
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        """The hf engine decodes with the actor's module, gathered whole for the call; an engine with its
+        own weights (vllm) needs no gather: the actor streams it one gathered parameter at a time
+        (every rank in the same order, since each gather is a collective), then it generates alone."""
         from posttrain.distributed.fsdp import gathered_for_generation
 
-        with self._resident(self.actor), gathered_for_generation(self.actor.module):
+        own = getattr(self.actor.rollout, "keeps_own_weights", False)
+        with self._resident(self.actor), (contextlib.nullcontext() if own else gathered_for_generation(self.actor.module)):
             return self.actor.generate_sequences(prompts, validate=validate)
 
     def compute_log_prob(self, batch: Batch):

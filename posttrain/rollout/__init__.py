@@ -1,5 +1,6 @@
-"""Generation engines behind one interface (``RolloutEngine``): ``hf`` (transformers generate);
-``vllm``/``sglang`` are recognised names that fail at start-up with what to do.
+"""Generation engines behind one interface (``RolloutEngine``): ``hf`` (our KV-cached decoding loop
+on the actor's own module) and ``vllm`` (an in-process vLLM engine that receives the actor's
+weights after each update, `vllm_engine`); ``sglang`` is a recognised name that fails at start-up.
 
     engine = get_rollout_engine("hf", model=actor_module, tokenizer=tok, autocast=...)
     out = engine.generate(prompts, SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout))

@@ -21,11 +21,10 @@ samples of a prompt keep its uid. When the prompt batch has no ``uid`` the engin
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["SamplingParams", "RolloutEngine", "get_rollout_engine", "ROLLOUT_ENGINES"]
+__all__ = ["SamplingParams", "RolloutEngine", "get_rollout_engine", "ROLLOUT_ENGINES", "SGLANG_MISSING"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,26 +84,37 @@ class RolloutEngine(Protocol):
         ...
 
 
+# An engine with ``keeps_own_weights = True`` (vllm) holds a copy of the policy: the actor pushes its
+# weights with ``update_weights(module)`` before generating whenever they changed since the last push,
+# and records the pushed version in the engine's ``weights_version`` attribute.
+
+
 ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
 
 
 def get_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
     """Build the engine named by ``actor_rollout_ref.rollout.name``; kwargs go to its constructor.
 
-    ``hf`` -> :class:`posttrain.rollout.hf.HFRolloutEngine` (``model``, ``tokenizer``, ...).
-    ``vllm``/``sglang`` fail at start-up with what to install (or to use ``hf``).
+    ``hf`` -> :class:`posttrain.rollout.hf.HFRolloutEngine` (``model``, ``tokenizer``, ``autocast``).
+    ``vllm`` -> :class:`posttrain.rollout.vllm_engine.VLLMRolloutEngine` (the same, plus ``config``
+    and ``seed``); RuntimeError naming the install command when vLLM is not importable.
+    ``sglang`` fails at start-up: there is no SGLang engine yet.
     """
     if name == "hf":
         from posttrain.rollout.hf import HFRolloutEngine
 
+        kwargs.pop("config", None)
+        kwargs.pop("seed", None)
         return HFRolloutEngine(**kwargs)
-    if name in ("vllm", "sglang"):
-        if importlib.util.find_spec(name) is None:
-            raise RuntimeError(
-                f"actor_rollout_ref.rollout.name={name} needs the {name} package, which is not installed: "
-                f"`pip install {name}`, or use actor_rollout_ref.rollout.name=hf"
-            )
-        raise NotImplementedError(
-            f"the {name} rollout engine is not implemented yet; use actor_rollout_ref.rollout.name=hf"
-        )
+    if name == "vllm":
+        from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(**kwargs)
+    if name == "sglang":
+        raise NotImplementedError(SGLANG_MISSING)
     raise ValueError(f"unknown actor_rollout_ref.rollout.name={name!r}; valid: {ROLLOUT_ENGINES}")
+
+
+SGLANG_MISSING = ("actor_rollout_ref.rollout.name=sglang: posttrain has no SGLang engine (one would need SGLang's "
+                  "in-process Engine with weight updates from tensors and memory release, and nothing here tests "
+                  "it); use actor_rollout_ref.rollout.name=vllm or hf")

@@ -33,7 +33,7 @@ from posttrain.batch import Batch
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.rollout.base import SamplingParams
 
-__all__ = ["HFRolloutEngine", "response_mask_from_eos"]
+__all__ = ["HFRolloutEngine", "assemble_rollout_batch", "response_mask_from_eos"]
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int], num_generated: int) -> torch.Tensor:
@@ -155,12 +155,10 @@ class HFRolloutEngine:
         return responses[:, :steps], (log_probs[:, :steps] if sampling.calculate_log_probs else None)
 
     def _assemble(self, rows: Batch, outs: list, sampling: SamplingParams) -> Batch:
-        resp_len = sampling.response_length
-        prompt_ids, prompt_mask = rows["input_ids"], rows["attention_mask"]
-        dev = prompt_ids.device  # outputs live where the prompts do
-        responses = torch.full((len(rows), resp_len), self.pad_token_id, dtype=torch.long, device=dev)
-        log_probs = torch.zeros(len(rows), resp_len, dtype=torch.float32, device=dev)
-        mask = torch.zeros(len(rows), resp_len, dtype=torch.long, device=dev)
+        dev = rows["input_ids"].device  # outputs live where the prompts do
+        responses = torch.full((len(rows), sampling.response_length), self.pad_token_id, dtype=torch.long, device=dev)
+        log_probs = torch.zeros(len(rows), sampling.response_length, dtype=torch.float32, device=dev)
+        mask = torch.zeros(len(rows), sampling.response_length, dtype=torch.long, device=dev)
         start = 0
         for resp, lp in outs:
             stop, steps = start + resp.shape[0], resp.shape[1]
@@ -169,20 +167,31 @@ class HFRolloutEngine:
             if lp is not None:
                 log_probs[start:stop, :steps] = lp.to(dev)
             start = stop
-        responses = responses.masked_fill(mask == 0, self.pad_token_id)
-        prompt_pos = rows["position_ids"] if "position_ids" in rows else _positions(prompt_mask)
-        resp_pos = prompt_pos[:, -1:] + torch.arange(1, resp_len + 1, device=dev)  # continue after the prompt (verl)
-        tensors = {
-            "prompts": prompt_ids,
-            "responses": responses,
-            "response_mask": mask,
-            "input_ids": torch.cat([prompt_ids, responses], dim=1),
-            "attention_mask": torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1),
-            "position_ids": torch.cat([prompt_pos, resp_pos], dim=1),
-        }
-        if sampling.calculate_log_probs:
-            tensors["rollout_log_probs"] = log_probs * mask
-        return Batch.from_dict(tensors, dict(rows.non_tensor_batch), dict(rows.meta_info))
+        return assemble_rollout_batch(rows, responses, mask, log_probs if sampling.calculate_log_probs else None,
+                                      self.pad_token_id)
+
+
+def assemble_rollout_batch(rows: Batch, responses: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor | None,
+                           pad_token_id: int) -> Batch:
+    """The output Batch of every engine (keys in ``posttrain.rollout.base``) from prompt rows ``[N, P]``,
+    generated ``responses`` ``[N, R]``, their ``mask`` ``[N, R]`` and log-probs (or None): tokens
+    outside the mask become ``pad_token_id``, log-probs 0; response positions continue the prompt's."""
+    prompt_ids, prompt_mask = rows["input_ids"], rows["attention_mask"]
+    dev = prompt_ids.device
+    responses = responses.masked_fill(mask == 0, pad_token_id)
+    prompt_pos = rows["position_ids"] if "position_ids" in rows else _positions(prompt_mask)
+    resp_pos = prompt_pos[:, -1:] + torch.arange(1, responses.shape[1] + 1, device=dev)  # continue after the prompt (verl)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "response_mask": mask,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1),
+        "position_ids": torch.cat([prompt_pos, resp_pos], dim=1),
+    }
+    if log_probs is not None:
+        tensors["rollout_log_probs"] = log_probs * mask
+    return Batch.from_dict(tensors, dict(rows.non_tensor_batch), dict(rows.meta_info))
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams, want_log_probs: bool):

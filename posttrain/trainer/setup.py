@@ -41,19 +41,31 @@ def check_in_memory_models(config: PostTrainConfig, actor_module: Any, critic_mo
 
 
 def check_rollout_engine(config: PostTrainConfig) -> None:
-    """Fail at start-up, not mid-run, when the named engine cannot be used."""
-    from posttrain.rollout import get_rollout_engine  # noqa: F401  (import errors surface here)
+    """Fail at start-up, not mid-run, when the named engine or ``algorithm.rollout_correction`` cannot run."""
+    from posttrain.algorithms.rollout_correction import check_rollout_correction_config
+    from posttrain.rollout import ROLLOUT_ENGINES
+    from posttrain.rollout.base import SGLANG_MISSING
 
-    name = config.actor_rollout_ref.rollout.name
-    if name != "hf":
-        import importlib.util
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.name not in ROLLOUT_ENGINES:
+        raise ConfigError(f"actor_rollout_ref.rollout.name={rollout.name!r}; valid: {', '.join(ROLLOUT_ENGINES)}")
+    if rollout.name == "sglang":
+        raise ConfigError(SGLANG_MISSING)
+    if rollout.name == "vllm":
+        from posttrain.rollout.vllm_engine import import_vllm
 
-        installed = importlib.util.find_spec(name) is not None
-        hint = "it is installed, but posttrain's engine for it is not implemented yet" if installed else f"pip install {name}"
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.name={name}: {hint}; use actor_rollout_ref.rollout.name=hf "
-            "(transformers generate) meanwhile"
-        )
+        try:
+            import_vllm()
+        except RuntimeError as err:
+            raise ConfigError(str(err)) from None
+        tp = rollout.tensor_model_parallel_size
+        if tp != 1:
+            print(f"note: actor_rollout_ref.rollout.tensor_model_parallel_size={tp} is not applied: posttrain's "
+                  "in-process vLLM engine runs one full replica per rank (tensor parallel size 1)", flush=True)
+    try:
+        check_rollout_correction_config(config.algorithm.rollout_correction, bool(rollout.calculate_log_probs))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def data_files(config: PostTrainConfig) -> tuple[Any, Any]:

@@ -1,7 +1,10 @@
 """The RL training loop. One step (`train_step`) reads top to bottom:
 
-    prompts -> generate n -> reward -> old log-prob -> ref log-prob -> values -> advantages
-            -> critic update -> actor update -> metrics
+    prompts -> generate n -> reward -> old log-prob -> ref log-prob -> values -> rollout correction
+            -> advantages -> critic update -> actor update -> metrics
+
+(`algorithm.rollout_correction.bypass_mode` takes the engine's log-probs as the old ones instead of
+recomputing them; the rollout correction weighs or rejects tokens where engine and trainer differ.)
 
 The algorithm is chosen by config alone (`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`,
 KL settings); `GRPOTrainer` and `PPOTrainer` are the same loop under the names users look for.
@@ -21,7 +24,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from posttrain.algorithms import get_adv_estimator_fn, get_kl_controller, kl_penalty, masked_mean
+from posttrain.algorithms import (apply_rollout_correction, get_adv_estimator_fn, get_kl_controller, kl_penalty,
+                                  masked_mean)
+from posttrain.algorithms.rollout_correction import uses_bypass_mode
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
@@ -113,6 +118,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
         cfg, w, timer, metrics = self.config, self.workers, StageTimer(), {}
+        correction = cfg.algorithm.rollout_correction
         with timer("step"):
             prompts.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
             prompts.non_tensor_batch["uid"] = np.array(
@@ -124,16 +130,25 @@ class RLTrainer:
             with timer("reward"):
                 batch["token_level_scores"], extra = self.reward_fn(batch)
                 metrics.update(_extra_metrics(extra))
-            with timer("old_log_prob"):
-                batch["old_log_probs"], entropy = w.compute_log_prob(batch)
-                metrics.update(mean_entropy(entropy, batch["response_mask"]))
-                metrics.update(rollout_actor_diff(batch))
+            if uses_bypass_mode(correction):  # the engine's log-probs are the old ones: no recompute
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            else:
+                with timer("old_log_prob"):
+                    batch["old_log_probs"], entropy = w.compute_log_prob(batch)
+                    metrics.update(mean_entropy(entropy, batch["response_mask"]))
+                    metrics.update(rollout_actor_diff(batch))
             if w.has_ref:
                 with timer("ref"):
                     batch["ref_log_prob"] = w.compute_ref_log_prob(batch)
             if self.use_critic:
                 with timer("values"):
                     batch["values"] = w.compute_values(batch)
+            if "rollout_log_probs" in batch.batch.keys() and not uses_bypass_mode(correction):
+                weights, batch["response_mask"], corr_metrics = apply_rollout_correction(
+                    batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction)
+                if weights is not None:
+                    batch["rollout_is_weights"] = weights
+                metrics.update(corr_metrics)
             with timer("adv"):
                 batch["token_level_rewards"] = self._rewards_with_kl(batch, metrics)
                 batch["advantages"], batch["returns"] = self.adv_fn(

@@ -92,12 +92,24 @@ class ActorWorker:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
         self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
         self.generator = torch.Generator().manual_seed(seed)
-        # hybrid engine: built now so a missing engine (vllm, ...) fails at start-up, not mid-run
+        self.weights_version = 0  # bumped whenever the module's weights change (update, checkpoint load)
+        # hybrid engine: built now so a missing engine (vllm, ...) fails at start-up, not mid-run; each
+        # rank's engine samples with its own seed
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.rollout = None if rollout_config is None else get_rollout_engine(
-            rollout_config.name, model=self.module, tokenizer=self.tokenizer, autocast=self.autocast)
+            rollout_config.name, model=self.module, tokenizer=self.tokenizer, autocast=self.autocast,
+            config=rollout_config, seed=seed + rank)
 
     def generate_sequences(self, prompts: Any, validate: bool = False) -> Any:
-        """Responses for ``prompts`` with ``rollout.*`` (or ``rollout.val_kwargs.*``) sampling."""
+        """Responses for ``prompts`` with ``rollout.*`` (or ``rollout.val_kwargs.*``) sampling.
+
+        An engine with its own copy of the weights (vllm) first receives the module's current
+        weights, streamed one tensor at a time (FSDP2 shards gathered one parameter at a time, on
+        every rank together), when they changed since its last push.
+        """
+        if getattr(self.rollout, "keeps_own_weights", False) and self.rollout.weights_version != self.weights_version:
+            self.rollout.update_weights(self.module)
+            self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
         return self.rollout.generate(prompts, sampling)
 
@@ -174,6 +186,7 @@ class ActorWorker:
         metrics = ppo_update(data, cfg, micro_step=step, module=self.module, optimizer=self.optimizer,
                              lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device,
                              prefix="actor")
+        self.weights_version += 1
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return metrics
@@ -189,6 +202,7 @@ class ActorWorker:
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""
         load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator)
+        self.weights_version += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, lr scheduler and shuffle-generator state."""
@@ -197,6 +211,7 @@ class ActorWorker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
+        self.weights_version += 1
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "generator" in state:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -179,6 +180,7 @@ def test_ref_worker_stays_at_initial_weights(tok, train_batch):
     assert not any(p.requires_grad for p in ref.module.parameters())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_unavailable_rollout_engine_fails_at_construction(tok):
     cfg = tiny_worker_configs()
     cfg.rollout.name = "vllm"
