@@ -10,7 +10,7 @@ root/
     critic/   the same files
     extra_state.json                  trainer step, data sampler, KL controller, config fingerprint
     rng_state.pt                      python / numpy / torch (/ cuda) generator states
-    COMPLETE                          manifest {file: size}, the last file written before the rename
+    COMPLETE                          manifest {file: size} + {file: sha256}, the last file written before the rename
 ```
 
 A save writes everything into `root/.tmp_global_step_N_<pid>/`, fsyncs it, writes `COMPLETE`,
@@ -26,8 +26,12 @@ Loading never runs code from the checkpoint: safetensors for weights, JSON, and
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
+import socket
+import time
 import os
 import random
 import re
@@ -132,6 +136,20 @@ class CheckpointManager:
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{int(step)}"
 
+    # ------------------------------------------------------------------ one writer
+    def lock(self) -> None:
+        """Claim the root for this process (creating it): one writer per checkpoint folder.
+
+        An exclusive ``flock`` on ``root/.lock``, which also names the holder (pid, host, start time).
+        The kernel drops it when the process ends, even by SIGKILL, so a stale lock never blocks a
+        resume. Raises `CheckpointError` naming the other process when another one holds it. The
+        same process may lock a root several times (one count per call; see `unlock`).
+        """
+        _lock_root(self.root)
+
+    def unlock(self) -> None:
+        _unlock_root(self.root)
+
     # ------------------------------------------------------------------ save
     def save(self, step: int, roles: Mapping[str, RoleState] | Callable[[Path], Iterable[str]],
              extra: Mapping[str, Any]) -> Path:
@@ -140,6 +158,14 @@ class CheckpointManager:
         ``roles``: ``{name: RoleState}``, or a writer ``fn(folder) -> role names`` that writes one
         sub-folder per role into ``folder`` (the workers' own ``save_checkpoint``, possibly on many ranks).
         """
+        try:
+            return self._save(step, roles, extra)
+        except OSError as err:  # a full disk, a folder made read-only: the previous checkpoint is untouched
+            where = err.filename or self.root
+            raise CheckpointError(f"saving the checkpoint of step {step} failed: {err.strerror or err} ({where}); "
+                                  f"the previous checkpoint in {self.root} is intact") from err
+
+    def _save(self, step, roles, extra) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         self._recover()
         self._clean_scratch()
@@ -227,8 +253,10 @@ class CheckpointManager:
         """Rewrite the manifest without the dropped roles first, then delete their folders."""
         gone = [r for r in manifest["roles"] if r not in remaining]
         files = {f: size for f, size in manifest["files"].items() if f.split("/", 1)[0] not in gone}
+        hashes = {f: h for f, h in manifest.get("sha256", {}).items() if f in files}
         tmp = self.root / f".tmp_manifest_{os.getpid()}"
-        _write_bytes(tmp, json.dumps({**manifest, "roles": remaining, "files": files}, indent=1).encode())
+        _write_bytes(tmp, json.dumps({**manifest, "roles": remaining, "files": files, "sha256": hashes},
+                                     indent=1).encode())
         os.replace(tmp, path / MARKER)
         _fsync_dir(path)
         for role in gone:
@@ -284,6 +312,67 @@ class CheckpointManager:
     def load(self, path: str | os.PathLike | int, *, hf: bool = False) -> LoadedCheckpoint:
         """Load a ``global_step_N`` folder (or step number under this root); see `load_checkpoint`."""
         return load_checkpoint(self.step_dir(path) if isinstance(path, int) else path, hf=hf)
+
+
+# ---------------------------------------------------------------------- one writer per root
+LOCK_FILE = ".lock"
+_LOCKS: dict[str, list] = {}  # resolved root -> [fd, count] held by this process
+
+
+def _lock_root(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        key = str(root.resolve())
+    except OSError as err:
+        raise CheckpointError(f"cannot create the checkpoint folder {root}: {err.strerror or err}") from None
+    held = _LOCKS.get(key)
+    if held is not None:
+        held[1] += 1
+        return
+    path = root / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise CheckpointError(f"cannot write in the checkpoint folder {root}: {err.strerror or err}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise CheckpointError(
+            f"checkpoint folder {root} is in use by another run ({holder}); only one run may write its "
+            "checkpoints: wait for that run to end or stop it, or use another trainer.default_local_dir") from None
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    info = f"pid {os.getpid()} on host {socket.gethostname()}, started {started}".encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+    except OSError as err:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        raise CheckpointError(f"cannot write in the checkpoint folder {root}: {err.strerror or err}") from None
+    _LOCKS[key] = [fd, 1]
+
+
+def _unlock_root(root: Path) -> None:
+    try:
+        key = str(root.resolve())
+    except OSError:
+        return
+    held = _LOCKS.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] <= 0:
+        del _LOCKS[key]
+        try:
+            os.ftruncate(held[0], 0)
+        except OSError:
+            pass
+        fcntl.flock(held[0], fcntl.LOCK_UN)
+        os.close(held[0])
 
 
 # ---------------------------------------------------------------------- writing
@@ -373,9 +462,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _seal(folder: Path, step: int, roles: list[str]) -> None:
-    """fsync every file and folder, then write the COMPLETE manifest (fsynced) last."""
-    files = {}
+    """fsync every file and folder, then write the COMPLETE manifest (sizes and sha256, fsynced) last."""
+    files, hashes = {}, {}
     for dirpath, _, names in os.walk(folder):
         for name in names:
             path = Path(dirpath) / name
@@ -384,10 +481,13 @@ def _seal(folder: Path, step: int, roles: list[str]) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            files[path.relative_to(folder).as_posix()] = path.stat().st_size
+            rel = path.relative_to(folder).as_posix()
+            files[rel] = path.stat().st_size
+            hashes[rel] = _file_hash(path)
     for dirpath, _, _ in os.walk(folder):
         _fsync_dir(Path(dirpath))
-    manifest = {"step": step, "roles": roles, "files": dict(sorted(files.items()))}
+    manifest = {"step": step, "roles": roles, "files": dict(sorted(files.items())),
+                "sha256": dict(sorted(hashes.items()))}
     _write_bytes(folder / MARKER, json.dumps(manifest, indent=1).encode())
     _fsync_dir(folder)
 
@@ -430,12 +530,24 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint folder; `CheckpointError` saying what is wrong otherwise."""
-    problem = _problem(Path(path))
+def verify_checkpoint(path: str | os.PathLike, *, content: bool = True) -> dict:
+    """The manifest of a complete checkpoint folder; `CheckpointError` saying what is wrong otherwise.
+
+    ``content``: also compare every file's sha256 with the manifest's (a same-size corruption is
+    refused, not loaded); the cheap listing checks (`latest`, pruning) compare sizes only."""
+    path = Path(path)
+    problem = _problem(path)
     if problem is not None:
         raise CheckpointError(f"not a complete checkpoint: {problem}")
-    return _read_manifest(Path(path))
+    manifest = _read_manifest(path)
+    if content:
+        for name, expected in manifest.get("sha256", {}).items():
+            if _file_hash(path / name) != expected:
+                raise CheckpointError(
+                    f"checkpoint {path} is corrupt: {path / name} has the size the manifest records but not its "
+                    "content (sha256 differs); resume from another checkpoint with trainer.resume_mode=resume_path "
+                    "trainer.resume_from_path=<global_step_N>")
+    return manifest
 
 
 def safe_torch_load(path: Path) -> Any:

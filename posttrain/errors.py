@@ -21,9 +21,11 @@ import sys
 import traceback
 from typing import Callable
 
-__all__ = ["ConfigError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "run_cli", "user_errors"]
+__all__ = ["ConfigError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "read_utf8", "run_cli",
+           "user_errors"]
 
 DEBUG_ENV = "POSTTRAIN_DEBUG"
+_DEBUG = False  # set while a `run_cli` call with --debug runs
 
 
 class PosttrainError(Exception):
@@ -45,6 +47,23 @@ class SignalStop(PosttrainError):
         super().__init__(message)
         self.signum = signum
         self.exit_code = 128 + int(signum)
+
+
+def read_utf8(path: str | os.PathLike, error: type[PosttrainError] = PosttrainError) -> str:
+    """A text file's contents; ``error`` naming the file, line and column of the first byte that is
+    not UTF-8 (a missing or unreadable file: ``error`` with the OS's reason)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise error(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise error(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column}); "
+                    "save the file as UTF-8") from None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -72,7 +91,9 @@ def run_cli(fn: Callable[[list[str]], int | None], argv: list[str]) -> int:
 
     ``--debug`` is taken out of ``argv`` (any position) and turns on tracebacks for user errors.
     """
-    debug = debug_enabled(argv)
+    global _DEBUG
+    debug = debug_enabled(argv) or _DEBUG
+    outer, _DEBUG = _DEBUG, debug  # nested entry points (main_ppo.run) see the flag too
     argv = [a for a in argv if a != "--debug"]
     try:
         return int(fn(argv) or 0)
@@ -87,3 +108,5 @@ def run_cli(fn: Callable[[list[str]], int | None], argv: list[str]) -> int:
             traceback.print_exc()
         print("\ninterrupted", file=sys.stderr, flush=True)
         return 130
+    finally:
+        _DEBUG = outer

@@ -9,6 +9,7 @@ Every error names the full dotted key (and the file or override it came from).
 from __future__ import annotations
 
 import difflib
+import io
 import typing
 from pathlib import Path
 from typing import Any, Iterable
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.config.docs import all_keys, leaf_type
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, read_utf8
 from posttrain.config.schema import PostTrainConfig
 
 # Keys verl's YAML files carry that describe Hydra plumbing, not settings.
@@ -60,11 +61,50 @@ def _type_name(hint: Any) -> str:
 
 
 def parse_value(text: str) -> Any:
-    """A value as Hydra/OmegaConf read it: YAML scalars, `[a,b]` lists, `null`, quoted strings."""
+    """A value as Hydra/OmegaConf read it: YAML scalars, `[a,b]` lists, `null`, quoted strings.
+
+    Raises ConfigError when YAML cannot read it (``@x``, a backtick, ``%``, an unclosed quote...)."""
     if text == "":
         return ""
-    node = OmegaConf.from_dotlist([f"v={text}"])
-    return OmegaConf.to_container(node, resolve=False)["v"]
+    try:
+        node = OmegaConf.from_dotlist([f"v={text}"])
+        return OmegaConf.to_container(node, resolve=False)["v"]
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, TypeError) as err:
+        raise ConfigError(f"cannot read {text!r} as a value ({str(err).splitlines()[0]})") from None
+
+
+# Characters that YAML reserves or reads specially at the start of a plain value.
+_YAML_INDICATORS = tuple("@`%&*!|>?")
+
+
+def _takes_text(key: str) -> bool:
+    """True for a key whose value is a string (or an entry of a free-form dict), so odd text is taken
+    literally."""
+    if key not in all_keys():
+        return True  # under a free-form dict key (checked by _check_key)
+    if all_keys()[key].is_section:
+        return False
+    hint = leaf_type(key)
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    return hint in (str, Any) or args == [str]
+
+
+def parse_override_value(key: str, text: str, where: str) -> Any:
+    """An override's value: YAML rules, except that text YAML reads specially (``@x``, backticks,
+    ``%``, ``&``, ``*``, ``!`` ...) is the literal string for string keys, and refused naming the
+    key (with the fix: quote it) for the others."""
+    text_key = _takes_text(key)
+    if text_key and text.startswith(_YAML_INDICATORS):
+        return text
+    try:
+        value = parse_value(text)
+    except ConfigError as err:
+        if text_key:
+            return text
+        raise ConfigError(f"{where}: {key}: {err}; expected {_type_name(leaf_type(key))}") from None
+    if text_key and isinstance(value, dict) and not text.lstrip().startswith("{"):
+        return text  # `name=a: b` is text, not a mapping
+    return value
 
 
 def split_override(item: str) -> tuple[str, str, bool]:
@@ -113,22 +153,23 @@ def _apply_yaml(cfg: DictConfig, path: str | Path) -> None:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    text = read_utf8(path, ConfigError)
     try:
-        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+        raw = OmegaConf.to_container(OmegaConf.load(io.StringIO(text)), resolve=False) or {}
     except (yaml.YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(raw).__name__}")
-    lines = _key_lines(path)
+    lines = _key_lines(text)
     for key, value in _flatten(raw):
         where = f"{path}" + (f":{lines[key]}" if key in lines else "")
         _check_key(key, where, allow_new=False)
         _set(cfg, key, value, where)
 
 
-def _key_lines(path: Path) -> dict[str, int]:
-    """Line number of each dotted key in a YAML file (for error messages)."""
-    node = yaml.compose(path.read_text())
+def _key_lines(text: str) -> dict[str, int]:
+    """Line number of each dotted key in a YAML file's text (for error messages)."""
+    node = yaml.compose(text)
     found: dict[str, int] = {}
 
     def walk(n: Any, prefix: str) -> None:
@@ -147,7 +188,7 @@ def apply_overrides(cfg: DictConfig, overrides: Iterable[str], source: str = "ov
         key, text, plus = split_override(item)
         where = f"{source} '{item}'"
         _check_key(key, where, allow_new=plus)
-        _set(cfg, key, parse_value(text), where)
+        _set(cfg, key, parse_override_value(key, text, where), where)
 
 
 def load_raw(path: str | Path | None = None, overrides: Iterable[str] = (), base: str | Path | None = None) -> DictConfig:

@@ -232,6 +232,8 @@ class TrainerConfig:
     """(posttrain) Stop after this many steps in a row whose update had a non-finite loss or gradient."""
     run_dir: Optional[str] = None
     """(posttrain) Folder for metrics.jsonl, plots and tracker files (null: outputs/<project>/<experiment>)."""
+    start_over: bool = False
+    """(posttrain) Start at step 0 although trainer.default_local_dir holds checkpoints: they are moved to previous_run_<time>/ inside it first (never deleted, never mixed with this run's)."""
 
 
 @_cfg()

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import yaml
 
 from posttrain.config.docs import all_keys
+from posttrain.errors import read_utf8
 from posttrain.config.load import ConfigError, apply_overrides, load_raw, split_override, to_dataclass
 from posttrain.config.schema import PostTrainConfig
 
@@ -97,7 +98,7 @@ def read_launch_script(path: str | Path) -> list[ScriptOverride]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"launch script {path} does not exist")
-    return parse_launch_script(path.read_text(), str(path))
+    return parse_launch_script(read_utf8(path, ConfigError), str(path))
 
 
 def parse_override_list(text: str, source: str = "") -> list[ScriptOverride]:
@@ -137,7 +138,7 @@ def read_source(spec: str) -> ConfigSource:
     """A launch script, YAML file, `key=value` list file, inline `key=value ...` text, or `defaults`."""
     path = Path(spec).expanduser()
     if path.is_file():
-        text = path.read_text()
+        text = read_utf8(path, ConfigError)
         if path.suffix in (".yaml", ".yml"):
             return ConfigSource(spec, "yaml", yaml_path=path)
         if _looks_like_script(path, text):
@@ -181,7 +182,7 @@ def explicit_keys(source: ConfigSource) -> dict[str, str]:
     """{dotted key: where it is set} for every schema key the source sets itself."""
     found: dict[str, str] = {}
     if source.yaml_path is not None:
-        raw = yaml.safe_load(source.yaml_path.read_text()) or {}
+        raw = yaml.safe_load(read_utf8(source.yaml_path, ConfigError)) or {}
         if isinstance(raw, dict):
             found.update({key: str(source.yaml_path) for key in _flatten_yaml(raw)})
     for item in source.overrides:

@@ -88,6 +88,63 @@ def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
     for key, ok, rule in checks:
         if not ok:
             yield f"{key}={get_key(config, key)!r} {rule}"
+    yield from _check_generic_ranges(config, {key for key, _, _ in checks})
+
+
+# Generic ranges: every int/float key is checked by its name. Counts (sizes, lengths, steps, epochs,
+# ranks) must be >= 1; everything else numeric >= 0; fractions lie in [0, 1]. A key whose default is
+# negative (verl's -1 = "auto" / "off") also accepts that default. Keys checked one by one in
+# `_check_ranges` are left out here.
+_COUNT_WORDS = ("batch_size", "_per_gpu", "max_token_len", "_length", "epochs", "nnodes", "n_gpus_per_node",
+                "total_training_steps", "max_consecutive_nonfinite", "parallel_size", "max_num_seqs",
+                "max_num_batched_tokens", "horizon", "rollout_n", "max_assistant_turns", "n_train", "n_test", "digits",
+                "num_cpus", "max_concurrent", "memory_limit_mb", "fsdp_size", "max_model_len")
+_COUNT_NAMES = ("n",)
+_FRACTIONS = ("lr_warmup_steps_ratio", "min_lr_ratio", "gpu_memory_utilization", "over_sample_rate", "top_p")
+_FREE_SIGN = ("entropy_coeff",)  # a negative entropy coefficient is a legitimate (if rare) choice
+
+
+def _numeric_keys() -> list[tuple[str, Any]]:
+    """(key, default) of every int/float leaf (Optional ones too), in schema order."""
+    from posttrain.config.docs import all_keys, leaf_type
+
+    out = []
+    for key, info in all_keys().items():
+        if info.is_section:
+            continue
+        hint = leaf_type(key)
+        args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+        base = args[0] if len(args) == 1 else hint
+        if base in (int, float):
+            out.append((key, info.default))
+    return out
+
+
+def _range_rule(key: str, default: Any) -> tuple[float, float | None, str]:
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in _FRACTIONS:
+        return 0.0, 1.0, "must be in [0, 1]"
+    if leaf in _COUNT_NAMES or any(word in leaf for word in _COUNT_WORDS):
+        return 1.0, None, "must be >= 1"
+    return 0.0, None, "must be >= 0"
+
+
+def _check_generic_ranges(config: PostTrainConfig, explicit: set[str]) -> Iterable[str]:
+    for key, default in _numeric_keys():
+        if key in explicit or key.rsplit(".", 1)[-1] in _FREE_SIGN:
+            continue
+        value = get_key(config, key)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(default, str) and default.startswith("${") and get_key(config, default[2:-1]) == value:
+            continue  # follows another key, which is checked (and named) itself
+        low, high, rule = _range_rule(key, default)
+        sentinel = default if isinstance(default, (int, float)) and not isinstance(default, bool) and default < 0 else None
+        if value == sentinel:
+            continue
+        if value != value or value < low or (high is not None and value > high):  # nan fails too
+            also = f" (or {sentinel}: {'off' if 'freq' in key else 'automatic'})" if sentinel is not None else ""
+            yield f"{key}={value!r} {rule}{also}"
 
 
 ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",

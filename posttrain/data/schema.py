@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from posttrain.errors import PosttrainError
+from posttrain.errors import PosttrainError, read_utf8
 
 __all__ = ["DataError", "SUPPORTED_SUFFIXES", "read_rows", "write_rows", "validate_row"]
 
@@ -48,8 +48,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 
 def _read_json(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = read_utf8(path, DataError)
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

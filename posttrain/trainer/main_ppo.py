@@ -14,9 +14,15 @@ BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "builtin.yaml"
 
 
 def run(config) -> int:
-    """Build and train. Exit codes (see `posttrain.errors`): 0 done, 1/2/3 a user error (raised to the
-    caller, which prints it as one line), 128 + signal number when SIGINT/SIGTERM stopped the run
-    (after its checkpoint was saved), so that a scheduler never takes a pre-empted run for a finished one."""
+    """Build and train; returns the exit code. A user error prints one ``error:`` line and returns its
+    code (1/2/3, `posttrain.errors`); SIGINT/SIGTERM return 128 + the signal number after the run saved
+    its checkpoint, so that a scheduler never takes a pre-empted run for a finished one."""
+    from posttrain.errors import run_cli
+
+    return run_cli(lambda _: _train(config), [])
+
+
+def _train(config) -> int:
     from posttrain.trainer.report import summarize_run
     from posttrain.trainer.trainer import RLTrainer, startup_signals
 

@@ -20,8 +20,8 @@ from posttrain.checkpoint import (CheckpointError, CheckpointManager, checkpoint
                                   read_run_state, restore_rng)
 from posttrain.config import ConfigError
 
-__all__ = ["ResumeError", "RunState", "check_compatible", "config_fingerprint", "export_final", "report_signal_stop",
-           "restore_run", "resolve_resume", "save_run"]
+__all__ = ["ResumeError", "RunState", "check_compatible", "config_fingerprint", "export_final", "prepare_folder",
+           "report_signal_stop", "restore_run", "resolve_resume", "save_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,21 @@ _FINGERPRINT_NAMES = {
     "critic": "critic.enable",  # resolved: null means "only for gae"
     "vocab_size": "model vocab_size",
 }
+
+# Settings that may change between a run and its resume, but change what the resumed run does: a
+# resume with other values says so at start-up, naming the keys.
+SETTING_KEYS = (
+    "actor_rollout_ref.actor.optim.lr", "critic.optim.lr", "data.train_batch_size", "data.max_prompt_length",
+    "data.max_response_length", "actor_rollout_ref.rollout.n", "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.use_kl_loss", "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.loss_agg_mode", "actor_rollout_ref.actor.policy_loss.loss_mode",
+    "actor_rollout_ref.rollout.temperature", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef",
+    "algorithm.norm_adv_by_std_in_grpo", "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+    "data.train_files", "trainer.total_training_steps", "trainer.total_epochs", "trainer.seed",
+)
+SETTINGS = "settings"
 
 # A moved or re-downloaded model folder is the same model: the vocabulary size and the strict weight
 # loads catch a different one, so a changed path only warns.
@@ -58,8 +73,12 @@ def config_fingerprint(config: Any, vocab_size: int | None = None) -> dict[str, 
     """What must match between the run that saved a checkpoint and the run resuming it."""
     from posttrain.config import uses_critic
 
+    from posttrain.config.validate import get_key
+
+    settings = {key: get_key(config, key) for key in SETTING_KEYS}
     return {"model_path": str(config.actor_rollout_ref.model.path), "adv_estimator": config.algorithm.adv_estimator,
-            "critic": uses_critic(config), "vocab_size": vocab_size}
+            "critic": uses_critic(config), "vocab_size": vocab_size,
+            SETTINGS: json.loads(json.dumps(settings, default=str))}
 
 
 def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str, Any]) -> None:
@@ -69,7 +88,8 @@ def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str,
         logger.warning("checkpoint has no %s; cannot check it was saved with this config", FINGERPRINT_KEY)
         return
     current = json.loads(json.dumps(dict(current_fingerprint), default=str))  # tuples -> lists, as saved
-    differ = [k for k in current if k in saved and saved[k] != current[k]]
+    _report_changed_settings(saved.get(SETTINGS) or {}, current.get(SETTINGS) or {})
+    differ = [k for k in current if k != SETTINGS and k in saved and saved[k] != current[k]]
     for k in differ:
         if k in _WARN_ONLY:
             logger.warning("checkpoint was saved with %s=%s, this run has %s; resuming anyway",
@@ -78,8 +98,68 @@ def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str,
                   for k in differ if k not in _WARN_ONLY]
     if mismatches:
         raise CheckpointError("checkpoint was saved with " + "; and ".join(mismatches) +
-                              ". Resume with the same settings, or start over with trainer.resume_mode=disable "
-                              "or another trainer.default_local_dir")
+                              ". Resume with the same settings, or start over with trainer.start_over=True (moves "
+                              "the checkpoints aside) or another trainer.default_local_dir")
+
+
+def _report_changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    changed = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in current if k in saved and saved[k] != current[k]]
+    if changed:
+        print("note: resuming with settings that differ from the run that saved the checkpoint:\n  "
+              + "\n  ".join(changed), flush=True)
+    return changed
+
+
+# ---------------------------------------------------------------------- the folder
+def prepare_folder(trainer_config: Any, manager: CheckpointManager) -> None:
+    """The checkpoint folder's rule, applied at start-up (before any model loads), with the folder locked:
+
+    - it holds no ``global_step_N``: nothing to decide;
+    - ``trainer.start_over=True``: its checkpoints (and tracker, ``hf_model/``) move to
+      ``previous_run_<time>/`` inside it, and this run starts at step 0;
+    - ``resume_mode=disable``: refused (this run's steps would mix with the other run's, and pruning
+      or a later resume would pick the wrong ones);
+    - ``resume_mode=auto`` and no checkpoint is complete: refused, listing what is wrong with each;
+    - otherwise resume as ``resume_mode`` says.
+    """
+    trainer = getattr(trainer_config, "trainer", trainer_config)
+    steps = manager.step_dirs()
+    if not steps:
+        return
+    root = manager.root
+    if trainer.start_over:
+        _move_aside(root, steps)
+        return
+    listed = ", ".join(p.name for p in steps[-4:]) + (f" (and {len(steps) - 4} more)" if len(steps) > 4 else "")
+    fixes = (f"resume it (trainer.resume_mode=auto), use another trainer.default_local_dir, or set trainer.start_over=True "
+             f"to move its checkpoints to {root}/previous_run_<time>/ and start at step 0")
+    if trainer.resume_mode == "disable":
+        raise ResumeError(f"trainer.resume_mode=disable, but trainer.default_local_dir={root} holds another run's "
+                          f"checkpoints ({listed}); starting over there would mix the two runs: {fixes}")
+    if trainer.resume_mode == "auto":
+        problems = [checkpoint_problem(p) for p in steps]
+        if all(problems):
+            raise ResumeError(f"trainer.default_local_dir={root} holds checkpoints but none is complete:\n  "
+                              + "\n  ".join(problems[-4:]) + f"\nNothing can be resumed; {fixes.replace('resume it (trainer.resume_mode=auto), ', '')}")
+
+
+def _move_aside(root: Path, steps: list[Path]) -> Path:
+    import os
+    import time
+
+    dest = root / f"previous_run_{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = root / f"previous_run_{time.strftime('%Y%m%d-%H%M%S')}_{n}"
+    dest.mkdir()
+    from posttrain.checkpoint import TRACKER
+
+    for path in [*steps, root / TRACKER, root / "hf_model"]:
+        if path.exists():
+            os.replace(path, dest / path.name)
+    print(f"trainer.start_over=True: moved the checkpoints found in {root} to {dest}; starting at step 0", flush=True)
+    return dest
 
 
 def resolve_resume(trainer_config: Any) -> Path | None:

@@ -33,7 +33,7 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import RewardError, RewardInterrupted, RewardManager, scoring_in_progress
-from posttrain.trainer import resume, setup
+from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.validation import run_validation
 
@@ -64,6 +64,13 @@ class RLTrainer:
         setup.check_rollout_engine(config)
         self.config, self.sizes = config, derive_sizes(config)
         self.device = setup.resolve_device(config)
+        # Everything that can be checked is checked before any model loads: paths, data files, the
+        # checkpoint folder (writable, locked for this run, its rule), the custom reward function.
+        preflight.preflight(config, actor_module, critic_module, tokenizer)
+        tcfg = config.trainer
+        self.checkpoints = CheckpointManager(Path(tcfg.default_local_dir).expanduser(), tcfg.max_actor_ckpt_to_keep,
+                                             tcfg.max_critic_ckpt_to_keep)
+        preflight.claim_checkpoint_folder(config, self.checkpoints)
         seed_everything(config.trainer.seed)
         if tokenizer is None:
             from posttrain.models import load_tokenizer
@@ -72,6 +79,7 @@ class RLTrainer:
             tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, custom_chat_template=m.custom_chat_template)
         self.tokenizer = tokenizer
         self.data = setup.build_data(config, tokenizer)
+        self.reward_fn = setup.build_reward_fn(config, tokenizer)
         self.total_steps = self._total_steps()
         wcfg = worker_config(config, self.sizes)
         for optim in (wcfg.actor_rollout_ref.actor.optim, wcfg.critic.optim):
@@ -79,16 +87,12 @@ class RLTrainer:
                 optim.total_training_steps = self.total_steps
         self.workers = setup.build_workers(config, wcfg, self.device, config.trainer.seed, actor_module, critic_module,
                                            tokenizer)
-        self.reward_fn = setup.build_reward_fn(config, tokenizer)
         algo = config.algorithm
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
         self.use_critic = uses_critic(config)
         self.global_step = 0
         self.history: list[dict[str, float]] = []
-        tcfg = config.trainer
-        self.checkpoints = CheckpointManager(Path(tcfg.default_local_dir).expanduser(), tcfg.max_actor_ckpt_to_keep,
-                                             tcfg.max_critic_ckpt_to_keep)
         self._saved_step: int | None = None  # the step this process last saved
         self._stop_signal: int | None = None
         self.stopped_by: int | None = None
@@ -239,6 +243,7 @@ class RLTrainer:
             self.workers.shutdown()  # a failed rank must not leave the others waiting in a collective
             if isinstance(self._reward_fn, RewardManager):  # its scoring processes end with the run
                 self._reward_fn.close(kill=self._stop_signal is not None)
+            self.checkpoints.unlock()  # the folder's lock (one writer) ends with the run
         if cfg.save_freq > 0 and self.global_step == self.total_steps and self.stopped_by is None:
             resume.export_final(self.checkpoints)
         tracker.finish()

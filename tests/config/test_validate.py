@@ -74,3 +74,29 @@ def test_sequence_parallelism_is_refused_naming_the_key():
     assert "ref.ulysses" not in str(err.value)  # the ref follows the actor: one message, not two
     with pytest.raises(ConfigError, match=r"critic.ulysses_sequence_parallel_size=2"):
         load_config(overrides=["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
+
+
+def test_value_ranges_are_checked_for_every_numeric_key():
+    """Generic ranges (issue 12): counts >= 1, other numbers >= 0, fractions in [0, 1], verl's -1
+    sentinels kept; a key that follows another is reported once, under the key the user set."""
+    from posttrain.config import ConfigError, load_config
+
+    builtin = "posttrain/config/builtin.yaml"
+    bad = {
+        "actor_rollout_ref.actor.ppo_mini_batch_size=-2": "actor_rollout_ref.actor.ppo_mini_batch_size=-2 must be >= 1",
+        "actor_rollout_ref.actor.clip_ratio=-0.2": "actor_rollout_ref.actor.clip_ratio=-0.2 must be >= 0",
+        "trainer.total_training_steps=0": "trainer.total_training_steps=0 must be >= 1",
+        "trainer.save_freq=-2": "trainer.save_freq=-2 must be >= 0 (or -1: off)",
+        "reward.timeout_s=-1": "reward.timeout_s=-1.0 must be >= 0",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5": "lr_warmup_steps_ratio=1.5 must be in [0, 1]",
+        "actor_rollout_ref.actor.optim.lr=nan": "actor_rollout_ref.actor.optim.lr=nan must be >= 0",
+        "critic.ppo_micro_batch_size_per_gpu=0": "critic.ppo_micro_batch_size_per_gpu=0 must be >= 1",
+    }
+    for override, message in bad.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(base=builtin, overrides=[override])
+        assert message in str(err.value), (override, str(err.value))
+        assert "critic.ppo_mini_batch_size" not in str(err.value)  # follows the actor's: not reported twice
+    for ok in ("trainer.save_freq=-1", "trainer.test_freq=0", "actor_rollout_ref.rollout.top_k=-1",
+               "reward.timeout_s=null", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1"):
+        load_config(base=builtin, overrides=[ok])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import hashlib
 import json
 import logging
 import os
@@ -288,6 +289,7 @@ def _plant(step_dir: Path, name: str, marker: Path, zip_format: bool) -> None:
         path.write_bytes(pickle.dumps({"state": _Payload(marker)}, protocol=2))  # legacy format
     manifest = json.loads((step_dir / "COMPLETE").read_text())
     manifest["files"][name] = path.stat().st_size  # an attacker fixes the manifest too
+    manifest["sha256"][name] = hashlib.sha256(path.read_bytes()).hexdigest()
     (step_dir / "COMPLETE").write_text(json.dumps(manifest))
 
 
@@ -324,8 +326,10 @@ def test_config_fingerprint_reads_the_config():
     from posttrain.config import load_config
 
     config = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=/m"], validate=False)
-    assert config_fingerprint(config, vocab_size=64) == {
-        "model_path": "/m", "adv_estimator": "grpo", "critic": False, "vocab_size": 64}
+    fingerprint = config_fingerprint(config, vocab_size=64)
+    settings = fingerprint.pop("settings")
+    assert fingerprint == {"model_path": "/m", "adv_estimator": "grpo", "critic": False, "vocab_size": 64}
+    assert settings["actor_rollout_ref.actor.optim.lr"] == 1e-6 and settings["data.train_batch_size"] == 1024
 
 
 def test_resolve_resume_modes(tmp_path):

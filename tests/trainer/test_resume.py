@@ -117,7 +117,7 @@ def test_checkpoint_from_other_config_is_refused(grpo_runs, tmp_path, capsys):
         trainer.fit()
     message = str(err.value)
     assert "algorithm.adv_estimator=grpo, this run has gae" in message
-    assert "trainer.resume_mode=disable" in message
+    assert "trainer.start_over=True" in message
     assert trainer.global_step == 0
     # the command line prints it as one error line (exit 2), not a traceback
     assert isinstance(err.value, ConfigError)

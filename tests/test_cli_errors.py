@@ -1,0 +1,89 @@
+"""Every user error, in every entry point, is one `error: ...` line and a non-zero exit; a traceback
+only with `--debug` (or POSTTRAIN_DEBUG=1). Override values YAML reads specially never crash the
+parser; bytes that are not UTF-8 name the file and line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.tiny_run import tiny_overrides
+from posttrain.cli import main
+from posttrain.trainer import main_ppo
+
+REPO = Path(__file__).resolve().parents[1]
+GRPO_SCRIPT = str(REPO / "examples" / "grpo_deepseek7b_gsm8k.sh")
+
+
+def _one_line(capsys, rc, expected_rc, *needles):
+    err = capsys.readouterr().err
+    assert rc == expected_rc, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) >= 1 and lines[-1].startswith("error: "), err
+    assert "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_data_reward_model_and_checkpoint_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    base = tiny_overrides(tmp_path)
+    cases = [
+        ([f"data.train_files={tmp_path / 'none.parquet'}"], 2, "does not exist"),
+        (["actor_rollout_ref.model.path=/no/such/model"], 2, "/no/such/model does not exist"),
+        ([f"custom_reward_function.path={tmp_path / 'r.py'}"], 2, "custom_reward_function.path="),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=-2"], 2, "ppo_mini_batch_size=-2 must be >= 1"),
+    ]
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"data_source": "x", "prompt": "not a list", "reward_model": {"ground_truth": "1"}}\n' * 8)
+    cases.append(([f"data.train_files={bad}"], 1, "rows.jsonl row 0: field 'prompt' must be a list"))
+    for extra, rc_expected, needle in cases:
+        rc = main(["train", *base, *extra])
+        _one_line(capsys, rc, rc_expected, needle)
+        rc = main_ppo.main([*base, *extra])  # python -m posttrain.trainer.main_ppo
+        _one_line(capsys, rc, rc_expected, needle)
+
+
+def test_debug_flag_and_env_show_the_traceback(tmp_path, capsys, monkeypatch):
+    base = tiny_overrides(tmp_path)
+    rc = main(["train", "--debug", *base, "actor_rollout_ref.model.path=/no/such/model"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" in err and err.rstrip().splitlines()[-1].startswith("error: ")
+    monkeypatch.setenv("POSTTRAIN_DEBUG", "1")
+    rc = main(["config", "data.train_batch_size=@x"])
+    assert rc == 2 and "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["@x", "`cmd`", "%d", ":", "&a", "*b", "!t", "{a", "'q"])
+def test_yaml_special_override_values_never_crash(value, capsys, monkeypatch):
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    # a string key takes the text as it is
+    assert main(["config", "--builtin", f"trainer.experiment_name={value}"]) == 0
+    assert "experiment_name: " in capsys.readouterr().out
+    # a number key is refused with the key named, in every command that reads overrides
+    for argv in (["config", "--builtin", f"data.train_batch_size={value}"],
+                 ["train", f"data.train_batch_size={value}"],
+                 ["plan", GRPO_SCRIPT, f"data.train_batch_size={value}"],
+                 ["diff", GRPO_SCRIPT, f"data.train_batch_size={value}"]):
+        rc = main(argv)
+        shell_quoting = argv[0] == "diff" and "'" in value  # diff reads its argument as shell words
+        _one_line(capsys, rc, 2, "cannot parse" if shell_quoting else "data.train_batch_size")
+
+
+def test_non_utf8_launch_script_and_yaml_name_the_line(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_bytes(b"python3 -m verl.trainer.main_ppo \\\n  trainer.experiment_name=caf\xe9 \\\n  data.train_batch_size=8\n")
+    for argv in (["plan", str(script)], ["diff", str(script), GRPO_SCRIPT]):
+        _one_line(capsys, main(argv), 2, f"{script}:2: not UTF-8 text (byte 0xe9")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"trainer:\n  project_name: x\n  experiment_name: caf\xe9\n")
+    _one_line(capsys, main(["config", "--config", str(cfg)]), 2, f"{cfg}:3: not UTF-8 text")
+
+
+def test_console_script_exit_codes():
+    """The real console entry: one line on stderr, exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "posttrain.cli", "config", "--builtin", "trainer.total_training_steps=0"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and out.stderr.strip() == "error: trainer.total_training_steps=0 must be >= 1"

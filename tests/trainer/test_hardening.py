@@ -1,0 +1,170 @@
+"""Issue 12: every user mistake is found before any model loads and ends in one clear error, and
+nothing is ever lost: one writer per checkpoint folder, a predictable rule for a folder holding
+another run's checkpoints, content-checked manifests, changed settings named on resume."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers.tiny_run import one_thread, tiny_overrides
+from posttrain.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
+from posttrain.config import ConfigError, load_config
+from posttrain.trainer import setup
+from posttrain.trainer.trainer import RLTrainer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Fail the test if the run gets as far as building its workers (loading its models)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the models were loaded before the mistake was found")
+
+    monkeypatch.setattr(setup, "build_workers", refuse)
+
+
+def _config(tmp_path, extra=()):
+    return load_config(overrides=tiny_overrides(tmp_path, list(extra)))
+
+
+def test_paths_and_files_are_checked_before_any_model_loads(tmp_path, no_models):
+    cases = {
+        "actor_rollout_ref.model.path=/nowhere/model": "actor_rollout_ref.model.path=/nowhere/model: /nowhere/model does not exist",
+        f"data.train_files={tmp_path / 'missing.parquet'}": f"data.train_files: {tmp_path / 'missing.parquet'} does not exist",
+        f"data.val_files={tmp_path}": "is a folder",
+        f"custom_reward_function.path={tmp_path / 'nope.py'}": "custom_reward_function.path=",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as err:
+            RLTrainer(_config(tmp_path, [override]))
+        assert message in str(err.value), (override, str(err.value))
+    reward = tmp_path / "reward.py"
+    reward.write_text("def other(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match="custom_reward_function.name='compute_score' is not defined"):
+        RLTrainer(_config(tmp_path, [f"custom_reward_function.path={reward}"]))
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_bytes(b'{"x": 1}\n{"data_source": "caf\xe9"}\n')
+    with pytest.raises(Exception, match=r"bad.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        RLTrainer(_config(tmp_path, [f"data.train_files={bad_rows}"]))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_checkpoint_folder_is_found_at_start_up(tmp_path, no_models):
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="trainer.default_local_dir=.*cannot create or write"):
+            RLTrainer(_config(tmp_path, [f"trainer.default_local_dir={locked / 'ckpt'}"]))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_checkpoint_folder_that_is_a_file_is_found_at_start_up(tmp_path, no_models):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="trainer.default_local_dir=.*cannot create or write the checkpoint folder"):
+        RLTrainer(_config(tmp_path, [f"trainer.default_local_dir={tmp_path / 'file' / 'ckpt'}"]))
+
+
+HOLDER = """
+import sys, time
+from posttrain.checkpoint import CheckpointManager
+CheckpointManager(sys.argv[1]).lock()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_other(tmp_path, no_models):
+    root = tmp_path / "ckpt"
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=rf"checkpoint folder {root} is in use by another run \(pid "
+                                                  rf"{other.pid} on host "):
+            RLTrainer(_config(tmp_path))
+    finally:
+        other.kill()
+        other.wait()
+    CheckpointManager(root).lock()  # the lock died with its process (as with kill -9)
+    CheckpointManager(root).unlock()
+
+
+def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    manager = CheckpointManager(root)
+    if complete:
+        import torch
+
+        from posttrain.checkpoint import RoleState
+
+        return manager.save(step, {"actor": RoleState(model={"w": torch.ones(2)})}, {"global_step": step})
+    path = root / f"global_step_{step}"
+    path.mkdir(parents=True)
+    (path / "extra_state.json").write_text("{}")
+    return path
+
+
+def test_disable_in_a_folder_with_another_runs_checkpoints_is_refused(tmp_path, no_models):
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, 6)
+    with pytest.raises(ConfigError, match=r"trainer.resume_mode=disable, but trainer.default_local_dir=.* holds another "
+                                          r"run's checkpoints \(global_step_6\).*trainer.start_over=True"):
+        RLTrainer(_config(tmp_path, ["trainer.resume_mode=disable"]))
+    assert (root / "global_step_6").is_dir()  # nothing was touched
+
+
+def test_no_complete_checkpoint_is_an_error_not_a_silent_fresh_start(tmp_path, no_models):
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, 2, complete=False)
+    _fake_checkpoint(root, 4, complete=False)
+    with pytest.raises(ConfigError, match=r"holds checkpoints but none is complete:\n  .*global_step_2 has no "
+                                          r"readable COMPLETE marker.*\n  .*global_step_4"):
+        RLTrainer(_config(tmp_path))
+
+
+def test_start_over_moves_the_old_run_aside_and_never_mixes_steps(tmp_path):
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, 6)
+    trainer = RLTrainer(_config(tmp_path, ["trainer.resume_mode=disable", "trainer.start_over=True",
+                                           "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2",
+                                           "trainer.total_training_steps=3"]))
+    trainer.fit()
+    manager = CheckpointManager(root)
+    assert [p.name for p in manager.step_dirs()] == ["global_step_2", "global_step_3"]  # pruning kept this run's
+    assert manager.latest() == manager.step_dir(3)
+    old = [p for p in root.iterdir() if p.name.startswith("previous_run_")]
+    assert len(old) == 1 and (old[0] / "global_step_6" / "COMPLETE").exists()
+
+
+def test_same_size_corruption_is_refused(tmp_path):
+    path = _fake_checkpoint(tmp_path / "ckpt", 1)
+    weights = path / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, other content
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"is corrupt: .*model.safetensors has the size the manifest records but "
+                                              r"not its content"):
+        verify_checkpoint(path)
+    manifest = json.loads((path / "COMPLETE").read_text())
+    assert set(manifest["sha256"]) == set(manifest["files"])
+
+
+def test_resume_names_changed_settings(tmp_path, capsys):
+    RLTrainer(_config(tmp_path, ["trainer.save_freq=1", "trainer.total_training_steps=1"])).fit()
+    capsys.readouterr()
+    trainer = RLTrainer(_config(tmp_path, ["trainer.total_training_steps=2", "actor_rollout_ref.actor.optim.lr=5e-4"]))
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "note: resuming with settings that differ from the run that saved the checkpoint" in out
+    assert "actor_rollout_ref.actor.optim.lr: 0.001 -> 0.0005" in out
+    assert "trainer.total_training_steps: 1 -> 2" in out
