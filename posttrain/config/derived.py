@@ -29,6 +29,8 @@ class RoleSizes:
     """Optimizer steps per epoch over one training batch."""
     optimizer_steps_per_step: int
     """ppo_epochs x mini_batches_per_step."""
+    last_mini_batch: Optional[int] = None
+    """Responses in the last mini-batch of a step on one rank when it is smaller than the others (else None)."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ def _role_sizes(section: str, prompts_per_mini: int, n: int, dp: int, global_mic
             )
         accum = mini // micro
     per_step = -(-responses_per_dp_rank // mini)  # a smaller last mini-batch is allowed, as in verl
-    return RoleSizes(mini, micro, accum, per_step, epochs * per_step)
+    last = responses_per_dp_rank - (per_step - 1) * mini
+    return RoleSizes(mini, micro, accum, per_step, epochs * per_step, last if last != mini else None)
 
 
 def _log_prob_micro(section: str, global_value, per_gpu_value, dp: int, dynamic: bool, needed: bool) -> Optional[int]:
@@ -191,17 +194,38 @@ def describe_sizes(sizes: DerivedSizes) -> str:
     lines = [
         f"{sizes.prompts_per_step} prompts x {sizes.responses_per_step // sizes.prompts_per_step} samples = "
         f"{sizes.responses_per_step} responses per step; / {sizes.world_size} ranks = {sizes.responses_per_rank} per rank",
-        f"actor: {a.mini_batches_per_step} mini-batches of {a.mini_batch} responses per rank"
-        + (f", {a.grad_accum} micro-batches of {a.micro_batch} each (gradient accumulation)" if a.grad_accum else ", dynamic micro-batches")
-        + f"; {a.optimizer_steps_per_step} optimizer steps per training step",
+        f"actor: {_mini_batches(a, ' (gradient accumulation)')}; {a.optimizer_steps_per_step} optimizer steps per "
+        "training step",
         f"old log-prob: micro-batches of {sizes.rollout_log_prob_micro_batch} responses per rank",
     ]
     if sizes.ref_log_prob_micro_batch is not None:
         lines.append(f"reference: micro-batches of {sizes.ref_log_prob_micro_batch} responses per rank")
     if sizes.critic is not None:
         c = sizes.critic
-        lines.append(
-            f"critic: {c.mini_batches_per_step} mini-batches of {c.mini_batch} responses per rank"
-            + (f", {c.grad_accum} micro-batches of {c.micro_batch} each" if c.grad_accum else ", dynamic micro-batches")
-        )
+        lines.append(f"critic: {_mini_batches(c, '')}")
     return "\n".join(lines)
+
+
+def _micro_split(responses: int, micro: Optional[int]) -> str:
+    """'2 micro-batches of 4' / '2 micro-batches of 4 and one of 1' / 'one micro-batch of 3'."""
+    if micro is None:
+        return "dynamic micro-batches"
+    full, rest = divmod(responses, micro)
+    parts = []
+    if full:
+        parts.append(f"{full} micro-batch{'es' if full > 1 else ''} of {micro}")
+    if rest:
+        parts.append(f"one of {rest}" if full else f"one micro-batch of {rest}")
+    return " and ".join(parts)
+
+
+def _mini_batches(r: RoleSizes, accum_note: str) -> str:
+    """Exact per-rank mini-batch description, the smaller last mini-batch included."""
+    if r.last_mini_batch is None:
+        return (f"{r.mini_batches_per_step} mini-batch{'es' if r.mini_batches_per_step > 1 else ''} of {r.mini_batch} "
+                f"responses per rank, {_micro_split(r.mini_batch, r.micro_batch)} each"
+                + (accum_note if (r.grad_accum or 0) > 1 else ""))
+    full = r.mini_batches_per_step - 1
+    return (f"{r.mini_batches_per_step} mini-batches per rank: {full} of {r.mini_batch} responses "
+            f"({_micro_split(r.mini_batch, r.micro_batch)} each) and a last one of {r.last_mini_batch} "
+            f"({_micro_split(r.last_mini_batch, r.micro_batch)})" + (accum_note if (r.grad_accum or 0) > 1 else ""))

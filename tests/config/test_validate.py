@@ -100,3 +100,19 @@ def test_value_ranges_are_checked_for_every_numeric_key():
     for ok in ("trainer.save_freq=-1", "trainer.test_freq=0", "actor_rollout_ref.rollout.top_k=-1",
                "reward.timeout_s=null", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1"):
         load_config(base=builtin, overrides=[ok])
+
+
+def test_start_up_line_is_exact_when_the_last_mini_batch_is_uneven():
+    from posttrain.config import derive_sizes, describe_sizes, load_config
+
+    base = "posttrain/config/builtin.yaml"
+    uneven = load_config(base=base, overrides=["data.train_batch_size=5", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                               "actor_rollout_ref.rollout.n=2",
+                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    sizes = derive_sizes(uneven)
+    assert sizes.actor.last_mini_batch == 2 and sizes.actor.mini_batches_per_step == 3
+    assert ("actor: 3 mini-batches per rank: 2 of 4 responses (1 micro-batch of 4 each) and a last one of 2 "
+            "(one micro-batch of 2); 3 optimizer steps per training step") in describe_sizes(sizes)
+    even = derive_sizes(load_config(base=base))
+    assert even.actor.last_mini_batch is None
+    assert "actor: 2 mini-batches of 16 responses per rank, 1 micro-batch of 16 each; 2 optimizer" in describe_sizes(even)
