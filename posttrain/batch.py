@@ -316,8 +316,10 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
-        """Rows of all batches in order. Key sets must match; shared meta_info keys must agree,
-        except ``metrics`` which are collected into a list."""
+        """Rows of all batches in order. Key sets must match; shared meta_info keys must agree, except
+        ``metrics``, merged as verl's ``DataProto.concat`` merges them: each batch's metrics dict (or
+        list of dicts) is collected, batches without metrics are skipped, and the result is a dict of
+        lists, ``{"loss": [worker0, worker1, ...]}``."""
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")
         first = batches[0]
@@ -331,11 +333,12 @@ class Batch:
                 )
             for k, v in b.meta_info.items():
                 if k == "metrics":
-                    metrics.extend(v if isinstance(v, list) else [v])
+                    if v is not None:
+                        metrics.extend(v if isinstance(v, list) else [v])
                 else:
                     _merge_meta(meta, {k: v}, f"Batch.concat (batch {i})")
         if metrics:
-            meta["metrics"] = metrics
+            meta["metrics"] = _dict_of_lists(metrics)
         if tkeys:
             td = torch.cat([b.batch for b in batches], dim=0)
         else:
@@ -440,3 +443,15 @@ def _describe(lengths: dict[str, int]) -> str:
 
 
 DataProto = Batch
+
+
+def _dict_of_lists(rows: list[dict]) -> dict[str, list]:
+    """``[{"loss": 1}, {"loss": 2}]`` -> ``{"loss": [1, 2]}`` (verl's ``list_of_dict_to_dict_of_list``:
+    the first dict's keys, each later dict may not add new ones)."""
+    out: dict[str, list] = {key: [] for key in rows[0]}
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            if key not in out:
+                raise ValueError(f"Batch.concat: metrics {i} has key {key!r}, which metrics 0 does not have")
+            out[key].append(value)
+    return out

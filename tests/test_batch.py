@@ -108,10 +108,14 @@ def test_chunk_concat():
     assert back["input_ids"].tolist() == b["input_ids"].tolist()
     assert back["uid"].tolist() == ["u0", "u1", "u2", "u3"]
     assert [len(p) for p in b.split(3)] == [3, 1]
-    # metrics are collected, other meta keys must agree
-    parts[0].meta_info["metrics"] = {"a": 1}
-    parts[1].meta_info["metrics"] = {"a": 2}
-    assert Batch.concat(parts).meta_info["metrics"] == [{"a": 1}, {"a": 2}]
+    # metrics are merged as verl's DataProto.concat merges them (a dict of lists, batches without
+    # metrics skipped, list-valued metrics flattened), other meta keys must agree
+    parts[0].meta_info["metrics"] = {"a": 1, "loss": 0.5}
+    parts[1].meta_info["metrics"] = [{"a": 2, "loss": 0.25}]
+    merged = Batch.concat(parts).meta_info["metrics"]
+    assert merged == {"a": [1, 2], "loss": [0.5, 0.25]} and merged["loss"] == [0.5, 0.25]
+    del parts[1].meta_info["metrics"]
+    assert Batch.concat(parts).meta_info["metrics"] == {"a": [1], "loss": [0.5]}
     parts[1].meta_info = {"temperature": 0.5}
     with pytest.raises(ValueError, match="'temperature' differs"):
         Batch.concat(parts)
