@@ -14,11 +14,10 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from posttrain.config.derived import uses_critic, uses_reference
+from posttrain.config.derived import estimator_needs, uses_critic, uses_reference
 from posttrain.config.docs import all_keys, format_value
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.config.validate import GROUP_ESTIMATORS
 from posttrain.config.scripts import ConfigSource, explicit_keys, load_source, read_source
 from posttrain.plan.flow import Flow, build_flow
 
@@ -35,17 +34,14 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("other", ("",)),
 )
 
-ESTIMATORS = {
-    "gae": "per-token advantages from a learned value function (GAE; needs a critic)",
-    "grpo": "each response's reward minus its group's mean, divided by the group's std (no critic)",
-    "rloo": "each response's reward minus the mean of the other responses to its prompt (no critic)",
-    "reinforce_plus_plus": "discounted returns normalised over the batch (no critic)",
-    "reinforce_plus_plus_baseline": "returns minus the group mean, normalised over the batch (no critic)",
-    "remax": "reward minus the reward of a greedy response (no critic)",
-    "opo": "reward minus a length-weighted group mean (no critic)",
-    "gpg": "group-relative advantages without std normalisation, GPG-style (no critic)",
-    "grpo_passk": "pass@k group advantages: only the best response of a group is credited (no critic)",
-}
+def _summary(estimator: str) -> str:
+    """The estimator's one-line summary, declared with its registration."""
+    from posttrain.algorithms import adv_estimator_spec
+
+    try:
+        return adv_estimator_spec(estimator).summary
+    except ValueError:
+        return "a registered estimator"
 
 
 def section_of(key: str) -> str:
@@ -175,8 +171,7 @@ def _estimator_consequence(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
     ea, eb = a.algorithm.adv_estimator, b.algorithm.adv_estimator
     if ea == eb:
         return []
-    return [f"advantages: A uses {ea}, {ESTIMATORS.get(ea, 'a registered estimator')}; "
-            f"B uses {eb}, {ESTIMATORS.get(eb, 'a registered estimator')}"]
+    return [f"advantages: A uses {ea}, {_summary(ea)}; B uses {eb}, {_summary(eb)}"]
 
 
 def _rollout_consequences(a: PostTrainConfig, b: PostTrainConfig, fa: Flow, fb: Flow) -> list[str]:
@@ -184,7 +179,7 @@ def _rollout_consequences(a: PostTrainConfig, b: PostTrainConfig, fa: Flow, fb: 
     if fa.n != fb.n:
         out.append(f"B samples {fb.n} responses per prompt (A: {fa.n}): {_ratio(fa.n, fb.n)} the rollout work per prompt"
                    + (f"; groups of {fb.n} for {b.algorithm.adv_estimator}"
-                      if b.algorithm.adv_estimator in GROUP_ESTIMATORS else ""))
+                      if estimator_needs(b.algorithm.adv_estimator, "needs_groups") else ""))
     if fa.prompts_per_step != fb.prompts_per_step:
         out.append(f"B takes {fb.prompts_per_step} prompts per step (A: {fa.prompts_per_step})")
     if fa.responses_per_step != fb.responses_per_step:

@@ -10,6 +10,9 @@
 """
 
 from posttrain.algorithms.advantages import (
+    EstimatorSpec,
+    EstimatorsWith,
+    adv_estimator_spec,
     get_adv_estimator_fn,
     register_adv_est,
     registered_adv_estimators,
@@ -40,10 +43,13 @@ from posttrain.algorithms.rollout_correction import (
 from posttrain.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
+    "EstimatorSpec",
+    "EstimatorsWith",
     "KL_PENALTY_TYPES",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
+    "adv_estimator_spec",
     "agg_loss",
     "apply_rollout_correction",
     "compute_entropy_loss",

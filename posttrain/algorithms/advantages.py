@@ -30,6 +30,7 @@ unbiased `torch.std`) so results agree to the last bit in float32.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,32 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 _ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 
 
-def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator registering an advantage estimator under `name` (str or an Enum with `.value`).
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What an estimator needs from the run, declared once with its registration: the config checks
+    (`config/validate.py`), the critic rule (`config/derived.py:uses_critic`), the trainer and
+    `posttrain diff` read it, so a newly registered estimator works everywhere."""
+
+    name: str
+    fn: AdvantageFn
+    needs_critic: bool = False
+    """Uses the critic's values (a critic is built and trained when ``critic.enable`` is null)."""
+    needs_groups: bool = False
+    """Compares the responses to the same prompt: ``rollout.n >= 2``."""
+    needs_greedy_baseline: bool = False
+    """Needs ``reward_baselines``: the reward of a greedy response to each prompt (ReMax)."""
+    summary: str = "a registered estimator"
+    """One line on what it computes (shown by `posttrain diff`)."""
+
+
+_SPECS: dict[str, EstimatorSpec] = {}
+
+
+def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
+                     needs_greedy_baseline: bool = False, summary: str = "a registered estimator",
+                     ) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering an advantage estimator under `name` (str or an Enum with `.value`),
+    with what it needs from the run (see `EstimatorSpec`); verl's one-argument form works too.
 
     Registering a name twice with a different function raises ValueError.
     """
@@ -53,6 +78,7 @@ def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
         if existing is not None and existing is not fn:
             raise ValueError(f"advantage estimator {key!r} is already registered to {existing.__qualname__}")
         _ADV_ESTIMATORS[key] = fn
+        _SPECS[key] = EstimatorSpec(key, fn, needs_critic, needs_groups, needs_greedy_baseline, summary)
         return fn
 
     return decorator
@@ -60,15 +86,41 @@ def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
 
 def get_adv_estimator_fn(name: str) -> AdvantageFn:
     """The estimator registered under `name`; ValueError listing the valid names otherwise."""
+    return adv_estimator_spec(name).fn
+
+
+def adv_estimator_spec(name: str) -> EstimatorSpec:
+    """The registration of `name` (its function and needs); ValueError listing the valid names otherwise."""
     key = getattr(name, "value", name)
-    if key not in _ADV_ESTIMATORS:
+    if key not in _SPECS:
         raise ValueError(f"unknown advantage estimator {key!r}; registered: {registered_adv_estimators()}")
-    return _ADV_ESTIMATORS[key]
+    return _SPECS[key]
 
 
 def registered_adv_estimators() -> tuple[str, ...]:
     """Names of all registered advantage estimators, sorted (for config validation messages)."""
     return tuple(sorted(_ADV_ESTIMATORS))
+
+
+class EstimatorsWith:
+    """A live view of the registered estimator names whose spec has ``need`` set: ``name in view``
+    reads the registry at that moment, so estimators registered later are included."""
+
+    def __init__(self, need: str):
+        self.need = need
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in registered_adv_estimators() if getattr(_SPECS[n], self.need))
+
+    def __contains__(self, name: object) -> bool:
+        spec = _SPECS.get(getattr(name, "value", name))  # type: ignore[arg-type]
+        return spec is not None and bool(getattr(spec, self.need))
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __repr__(self) -> str:
+        return f"EstimatorsWith({self.need!r}: {', '.join(self.names())})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +159,8 @@ def _float_mask(response_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor
 # critic-based
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_critic=True,
+                  summary="per-token advantages from a learned value function (GAE; needs a critic)")
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -147,7 +200,8 @@ def compute_gae_advantage_return(
 # group baselines (outcome reward: one scalar per response)
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_groups=True,
+                  summary="each response's reward minus its group's mean, divided by the group's std (no critic)")
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -174,7 +228,8 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", needs_groups=True,
+                  summary="pass@k group advantages: only the best response of a group is credited (no critic)")
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -208,7 +263,8 @@ def compute_grpo_passk_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_groups=True,
+                  summary="each response's reward minus the mean of the other responses to its prompt (no critic)")
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -229,7 +285,7 @@ def compute_rloo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", needs_groups=True, summary="reward minus a length-weighted group mean (no critic)")
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -253,7 +309,8 @@ def compute_opo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", needs_groups=True,
+                  summary="group-relative advantages without std normalisation, GPG-style (no critic)")
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -276,7 +333,8 @@ def compute_gpg_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_groups=True,
+                  summary="returns minus the group mean, normalised over the batch (no critic)")
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -301,7 +359,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
 # discounted returns
 
 
-@register_adv_est("reinforce_plus_plus")
+@register_adv_est("reinforce_plus_plus", summary="discounted returns normalised over the batch (no critic)")
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -331,7 +389,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_greedy_baseline=True,
+                  summary="reward minus the reward of a greedy response (no critic)")
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     reward_baselines: torch.Tensor,

@@ -59,10 +59,19 @@ class DerivedSizes:
 
 
 def uses_critic(config: PostTrainConfig) -> bool:
-    """verl's rule: critic.enable, or (when null) exactly for the gae estimator."""
+    """verl's rule: critic.enable, or (when null) exactly for an estimator that needs one (gae;
+    declared with its registration, `posttrain.algorithms.EstimatorSpec.needs_critic`)."""
     if config.critic.enable is not None:
         return bool(config.critic.enable)
-    return config.algorithm.adv_estimator == "gae"
+    return estimator_needs(config.algorithm.adv_estimator, "needs_critic")
+
+
+def estimator_needs(name: str, need: str) -> bool:
+    """Whether the registered estimator `name` declares `need` (False for an unknown name, which the
+    choices check reports)."""
+    from posttrain.algorithms import EstimatorsWith
+
+    return name in EstimatorsWith(need)
 
 
 def uses_reference(config: PostTrainConfig) -> bool:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from posttrain.config.derived import SizeError, derive_sizes, uses_critic
+from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
-# Estimators whose baseline comes from the other samples of the same prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
 ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
 TRUNCATIONS = ("error", "left", "right", "middle")
 LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
@@ -176,10 +174,10 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
 
 def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
     algo, arr = config.algorithm, config.actor_rollout_ref
-    if algo.adv_estimator == "gae" and config.critic.enable is False:
-        yield ("algorithm.adv_estimator=gae needs a learned critic, but critic.enable=False; "
+    if estimator_needs(algo.adv_estimator, "needs_critic") and config.critic.enable is False:
+        yield (f"algorithm.adv_estimator={algo.adv_estimator} needs a learned critic, but critic.enable=False; "
                "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
-    if algo.adv_estimator in GROUP_ESTIMATORS and arr.rollout.n < 2:
+    if estimator_needs(algo.adv_estimator, "needs_groups") and arr.rollout.n < 2:
         yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses to the same prompt, but "
                f"actor_rollout_ref.rollout.n={arr.rollout.n} gives groups of one; set rollout.n >= 2 "
                "or use reinforce_plus_plus / gae")
@@ -200,18 +198,19 @@ def find_warnings(config: PostTrainConfig) -> list[str]:
     warnings = []
     if algo.use_kl_in_reward and arr.actor.use_kl_loss:
         warnings.append("KL is used twice: algorithm.use_kl_in_reward=True and actor_rollout_ref.actor.use_kl_loss=True")
-    if arr.actor.entropy_coeff and algo.adv_estimator in GROUP_ESTIMATORS:
+    if arr.actor.entropy_coeff and estimator_needs(algo.adv_estimator, "needs_groups"):
         warnings.append(f"actor_rollout_ref.actor.entropy_coeff={arr.actor.entropy_coeff} with {algo.adv_estimator}: "
                         "GRPO-style scripts usually set it to 0; an entropy bonus can destabilise them")
     if not arr.rollout.do_sample and arr.rollout.n > 1:
         warnings.append(f"actor_rollout_ref.rollout.do_sample=False with n={arr.rollout.n}: greedy samples are identical, "
                         "so group advantages are all zero")
-    if uses_critic(config) and algo.adv_estimator != "gae":
+    critic_free = not estimator_needs(algo.adv_estimator, "needs_critic")
+    if uses_critic(config) and critic_free:
         warnings.append(f"critic.enable=True but algorithm.adv_estimator={algo.adv_estimator} ignores values: the critic is trained for nothing")
-    if config.critic.enable is None and algo.adv_estimator != "gae" and any(
+    if config.critic.enable is None and critic_free and any(
         k for k in ("critic.ppo_micro_batch_size_per_gpu",) if get_key(config, k) is not None
     ):
-        warnings.append("critic.* keys are set but no critic is used (adv_estimator is not gae)")
+        warnings.append(f"critic.* keys are set but no critic is used (adv_estimator={algo.adv_estimator} is critic-free)")
     return warnings
 
 
@@ -231,3 +230,11 @@ def validate_config(config: PostTrainConfig) -> None:
         if len(errors) == 1:
             raise ConfigError(errors[0])
         raise ConfigError(f"{len(errors)} config problems:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def __getattr__(name: str):
+    if name == "GROUP_ESTIMATORS":  # kept for importers: a live view of the registry
+        from posttrain.algorithms import EstimatorsWith
+
+        return EstimatorsWith("needs_groups")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

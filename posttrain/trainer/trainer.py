@@ -24,8 +24,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from posttrain.algorithms import (apply_rollout_correction, get_adv_estimator_fn, get_kl_controller, kl_penalty,
-                                  masked_mean)
+from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
+                                  kl_penalty, masked_mean)
 from posttrain.algorithms.rollout_correction import uses_bypass_mode
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
@@ -37,8 +37,9 @@ from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.validation import run_validation
 
-# Estimators whose baseline is the reward of a greedy response to the same prompt (ReMax).
-GREEDY_BASELINE_ESTIMATORS = {"remax"}
+# Estimators whose baseline is the reward of a greedy response to the same prompt (ReMax): declared
+# with their registration (`register_adv_est(..., needs_greedy_baseline=True)`), read live.
+GREEDY_BASELINE_ESTIMATORS = EstimatorsWith("needs_greedy_baseline")
 
 
 class NonFiniteError(PosttrainError, RuntimeError):

@@ -368,6 +368,7 @@ def test_every_estimator_accepts_the_uniform_call():
 
 def test_registry_rules(monkeypatch):
     monkeypatch.setattr(adv_mod, "_ADV_ESTIMATORS", dict(adv_mod._ADV_ESTIMATORS))
+    monkeypatch.setattr(adv_mod, "_SPECS", dict(adv_mod._SPECS))
 
     def mine(**kwargs):
         return None, None
@@ -381,3 +382,38 @@ def test_registry_rules(monkeypatch):
         get_adv_estimator_fn("nope")
     expected = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"}
     assert expected | {"grpo_passk"} <= set(registered_adv_estimators())
+
+
+def test_a_registered_estimator_declares_its_needs_once(monkeypatch):
+    """Whether an estimator needs a critic, groups or a greedy baseline is declared with its
+    registration; validation, the critic rule, the trainer and `posttrain diff` all read it."""
+    from posttrain.config import ConfigError, load_config, uses_critic
+    from posttrain.config.validate import GROUP_ESTIMATORS, find_problems
+    from posttrain.diff import _estimator_consequence
+    from posttrain.trainer.trainer import GREEDY_BASELINE_ESTIMATORS
+
+    monkeypatch.setattr(adv_mod, "_ADV_ESTIMATORS", dict(adv_mod._ADV_ESTIMATORS))
+    monkeypatch.setattr(adv_mod, "_SPECS", dict(adv_mod._SPECS))
+
+    @register_adv_est("my_grouped", needs_groups=True, needs_greedy_baseline=True, summary="my grouped baseline")
+    def my_grouped(**kwargs):
+        return None, None
+
+    @register_adv_est("my_valued", needs_critic=True)
+    def my_valued(**kwargs):
+        return None, None
+
+    builtin = "posttrain/config/builtin.yaml"
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator=my_grouped compares responses to the same prompt"):
+        load_config(base=builtin, overrides=["algorithm.adv_estimator=my_grouped", "actor_rollout_ref.rollout.n=1"])
+    grouped = load_config(base=builtin, overrides=["algorithm.adv_estimator=my_grouped"])
+    assert "my_grouped" in GROUP_ESTIMATORS and "my_grouped" in GREEDY_BASELINE_ESTIMATORS
+    assert "grpo" in GROUP_ESTIMATORS and "remax" in GREEDY_BASELINE_ESTIMATORS and "grpo" not in GREEDY_BASELINE_ESTIMATORS
+    assert not uses_critic(grouped)
+    valued = load_config(base=builtin, overrides=["algorithm.adv_estimator=my_valued", "critic.model.path=m",
+                                                  "critic.ppo_micro_batch_size_per_gpu=4"], validate=False)
+    assert uses_critic(valued)
+    errors, _ = find_problems(load_config(base=builtin, overrides=["algorithm.adv_estimator=my_valued",
+                                                                   "critic.enable=False"], validate=False))
+    assert any("my_valued needs a learned critic, but critic.enable=False" in e for e in errors)
+    assert "my grouped baseline" in _estimator_consequence(grouped, valued)[0]
