@@ -4,7 +4,7 @@
   policy_losses.py  policy-gradient losses (`actor.policy_loss.loss_mode`) and their registry
   losses.py         agg_loss modes, clipped value loss, entropy loss
   kl.py             KL penalty estimators, fixed/adaptive KL controllers
-  logprobs.py       token log-probs and entropies from logits (direct and chunked)
+  logprobs.py       token log-probs and entropies from logits (the math training uses)
   rollout_correction.py  rollout-vs-trainer mismatch: importance weights, rejection, bypass mode
   utils.py          masked mean/sum/var/whiten
 """
@@ -24,13 +24,7 @@ from posttrain.algorithms.kl import (
     get_kl_controller,
     kl_penalty,
 )
-from posttrain.algorithms.logprobs import (
-    entropy_from_logits,
-    entropy_from_logits_chunked,
-    logprobs_and_entropy,
-    logprobs_from_logits,
-    logprobs_from_logits_chunked,
-)
+from posttrain.algorithms.logprobs import entropy_from_logits, logprob_and_entropy, logprobs_from_logits
 from posttrain.algorithms.losses import LOSS_AGG_MODES, agg_loss, compute_entropy_loss, compute_value_loss
 from posttrain.algorithms.policy_losses import get_policy_loss_fn, register_policy_loss, registered_policy_losses
 from posttrain.algorithms.rollout_correction import (
@@ -55,14 +49,12 @@ __all__ = [
     "compute_entropy_loss",
     "compute_value_loss",
     "entropy_from_logits",
-    "entropy_from_logits_chunked",
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
     "kl_penalty",
-    "logprobs_and_entropy",
+    "logprob_and_entropy",
     "logprobs_from_logits",
-    "logprobs_from_logits_chunked",
     "masked_mean",
     "masked_sum",
     "masked_var",

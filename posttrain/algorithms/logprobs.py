@@ -1,16 +1,37 @@
-"""Token log-probabilities and entropies from logits, direct and chunked.
+"""Token log-probabilities and entropies from logits: the math, in one place.
 
-The direct forms follow verl 0.9 (`verl/utils/torch_functional.py`). The chunked forms process
-`chunk_size` rows (tokens) at a time, upcasting only that chunk to float32, so a float32
-`[batch, seq, vocab]` log-softmax is never materialised; a custom autograd function recomputes the
-chunk's softmax in backward and writes the gradient chunk by chunk into one logits-sized buffer.
-They always return float32.
+`logprob_and_entropy` is what training computes: `posttrain.models.logprobs` (model + batch ->
+response log-probs) runs the backbone, keeps the hidden states of valid response tokens, and calls
+it on one chunk of their logits at a time (each chunk checkpointed, so no `[batch, seq, vocab]`
+float32 tensor ever exists). `logprobs_from_logits` and `entropy_from_logits` are verl 0.9's
+direct forms (`verl/utils/torch_functional.py`) for code ported from verl and the entropy loss.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+
+__all__ = ["entropy_from_logits", "logprob_and_entropy", "logprobs_from_logits"]
+
+
+def logprob_and_entropy(logits: torch.Tensor, labels: torch.Tensor, calculate_entropy: bool = True,
+                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits ``[t, V]`` (already divided by the temperature), labels ``[t]`` ->
+    (log-prob ``[t]``, entropy ``[t]``, or an empty tensor when ``calculate_entropy`` is False).
+
+    log-prob = logit[label] - logsumexp(logits); entropy = logsumexp - sum(softmax * logits).
+    ``entropy_grad=False`` computes the entropy without a graph (a metric, not a loss term).
+    """
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not calculate_entropy:
+        return logp, logp.new_zeros(0)
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -33,82 +54,3 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits): logsumexp(x) - sum(softmax(x) * x). `[..., vocab]` -> `[...]`."""
     probs = F.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
-
-
-class _ChunkedLogprobEntropy(torch.autograd.Function):
-    """Rows `[N, vocab]` -> (logprob `[N]` or empty, entropy `[N]` or empty), float32."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, chunk_size, want_logprob, want_entropy):
-        n = logits.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        logp = torch.empty(n if want_logprob else 0, dtype=torch.float32, device=logits.device)
-        ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=logits.device)
-        for start in range(0, n, chunk_size):
-            x = logits[start : start + chunk_size].float()  # [chunk, vocab]
-            chunk_lse = torch.logsumexp(x, dim=-1)
-            lse[start : start + chunk_size] = chunk_lse
-            if want_logprob:
-                picked = x.gather(-1, labels[start : start + chunk_size].unsqueeze(-1)).squeeze(-1)
-                logp[start : start + chunk_size] = picked - chunk_lse
-            if want_entropy:
-                probs = torch.exp(x - chunk_lse.unsqueeze(-1))
-                ent[start : start + chunk_size] = chunk_lse - (probs * x).sum(-1)
-        ctx.chunk_size = chunk_size
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, labels, lse, ent)
-        for out, wanted in ((logp, want_logprob), (ent, want_entropy)):
-            if not wanted:
-                ctx.mark_non_differentiable(out)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        logits, labels, lse, ent = ctx.saved_tensors
-        if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None
-        grad = torch.empty_like(logits)
-        step = ctx.chunk_size
-        for start in range(0, logits.shape[0], step):
-            sl = slice(start, start + step)
-            x = logits[sl].float()
-            probs = torch.exp(x - lse[sl].unsqueeze(-1))  # [chunk, vocab]
-            g = torch.zeros_like(x)
-            if grad_logp is not None:  # d logp / dx = onehot(label) - p
-                g -= probs * grad_logp[sl].unsqueeze(-1)
-                g.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_logp[sl].unsqueeze(-1))
-            if grad_ent is not None:  # dH / dx = -p * (x - E_p[x]),  E_p[x] = lse - H
-                mean_x = (lse[sl] - ent[sl]).unsqueeze(-1)
-                g -= probs * (x - mean_x) * grad_ent[sl].unsqueeze(-1)
-            grad[sl] = g.to(grad.dtype)
-        return grad, None, None, None, None
-
-
-def logprobs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor | None, chunk_size: int = 1024, with_entropy: bool = True
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Chunked, differentiable (logprob, entropy) of `[..., vocab]` logits, each `[...]` float32.
-
-    labels `[...]` (None skips the log-probs); `with_entropy=False` skips the entropy.
-    Peak extra memory is a few float32 `[chunk_size, vocab]` buffers.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    lead = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1) if labels is not None else None
-    logp, ent = _ChunkedLogprobEntropy.apply(flat, flat_labels, chunk_size, labels is not None, with_entropy)
-    return (
-        logp.view(lead) if labels is not None else None,
-        ent.view(lead) if with_entropy else None,
-    )
-
-
-def logprobs_from_logits_chunked(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """`logprobs_from_logits` computed `chunk_size` rows at a time (float32 result)."""
-    return logprobs_and_entropy(logits, labels, chunk_size, with_entropy=False)[0]
-
-
-def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """`entropy_from_logits` computed `chunk_size` rows at a time (float32 result)."""
-    return logprobs_and_entropy(logits, None, chunk_size, with_entropy=True)[1]

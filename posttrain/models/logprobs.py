@@ -14,7 +14,7 @@ How one micro-batch is computed (``response_logprobs``):
    column ``P - 1 + j`` predicts response token ``j``; tokens after EOS are skipped);
 4. ``lm_head`` + log-softmax run over chunks of those ``T`` rows: each chunk's logits ``[t, V]``
    are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
-   an entropy per token. With gradients on, each chunk is checkpointed, so backward keeps
+   an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that math). With gradients on, each chunk is checkpointed, so backward keeps
    ``[t, H]`` per chunk instead of ``[t, V]`` logits.
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from posttrain.algorithms.logprobs import logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.models.microbatch import equal_micro_batch_count, micro_batch_indices, split_for_padding
 
@@ -135,14 +136,7 @@ def _chunk_stats(
     logits = head(hidden).float()  # [t, V]: the only vocab-sized tensor, one chunk at a time
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    if not calculate_entropy:
-        return logp, logp.new_zeros(0)
-    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
+    return logprob_and_entropy(logits / temperature, labels, calculate_entropy, entropy_grad)
 
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
@@ -210,11 +204,11 @@ def _full_logits_logprobs(model, input_ids, attention_mask, position_ids, respon
     resp_len = responses.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits[:, -resp_len - 1:-1].float() / temperature
-    lse = torch.logsumexp(logits, -1)
     mask = attention_mask[:, -resp_len:].to(torch.float32)
-    lp = (logits.gather(-1, responses.unsqueeze(-1)).squeeze(-1) - lse) * mask
-    ent = (lse - (torch.softmax(logits, -1) * logits).sum(-1)) * mask if calc_entropy else None
-    return lp, ent
+    vocab = logits.shape[-1]
+    lp, ent = logprob_and_entropy(logits.reshape(-1, vocab), responses.reshape(-1), calc_entropy)
+    lp = lp.view_as(mask) * mask
+    return lp, (ent.view_as(mask) * mask if calc_entropy else None)
 
 
 def _tensors(data: Any) -> dict[str, torch.Tensor]:

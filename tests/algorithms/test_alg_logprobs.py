@@ -1,15 +1,10 @@
-"""Token log-probs and entropies: direct forms against float64, chunked forms against direct ones."""
+"""Token log-probs and entropies: verl's direct forms and `logprob_and_entropy` (the math training
+uses) against float64, their gradients against float64 autograd, and the training path calling it."""
 
 import pytest
 import torch
 
-from posttrain.algorithms import (
-    entropy_from_logits,
-    entropy_from_logits_chunked,
-    logprobs_and_entropy,
-    logprobs_from_logits,
-    logprobs_from_logits_chunked,
-)
+from posttrain.algorithms import entropy_from_logits, logprob_and_entropy, logprobs_from_logits
 
 
 def _inputs(seed=0, shape=(3, 5), vocab=37, dtype=torch.float32):
@@ -32,21 +27,12 @@ def test_direct_forms_match_float64():
     torch.testing.assert_close(entropy_from_logits(logits).double(), ref_ent, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 7, 1000])
-def test_chunked_equals_direct(chunk):
-    logits, labels = _inputs(1)
-    logp, ent = logprobs_and_entropy(logits, labels, chunk_size=chunk)
-    torch.testing.assert_close(logp, logprobs_from_logits(logits, labels), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logprobs_from_logits_chunked(logits, labels, chunk), logp, rtol=0, atol=0)
-    torch.testing.assert_close(entropy_from_logits_chunked(logits, chunk), ent, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("use", ["logp", "entropy", "both"])
-def test_chunked_gradients_match_autograd_of_direct(use):
+def test_logprob_and_entropy_values_and_gradients_match_float64(use):
     logits, labels = _inputs(2)
+    rows, vocab = labels.numel(), logits.shape[-1]
     g = torch.Generator().manual_seed(3)
-    w_logp, w_ent = torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g)
+    w_logp, w_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
 
     def objective(logp, ent):
         total = 0.0
@@ -56,28 +42,44 @@ def test_chunked_gradients_match_autograd_of_direct(use):
             total = total + (ent * w_ent).sum()
         return total
 
-    x64 = logits.double().requires_grad_(True)
-    (ref_grad,) = torch.autograd.grad(objective(*_reference(x64, labels)), x64)
-    x = logits.clone().requires_grad_(True)
-    logp, ent = logprobs_and_entropy(x, labels if use != "entropy" else None, chunk_size=4, with_entropy=use != "logp")
+    x64 = logits.reshape(rows, vocab).double().requires_grad_(True)
+    ref_logp, ref_ent = _reference(x64, labels.reshape(rows))
+    (ref_grad,) = torch.autograd.grad(objective(ref_logp, ref_ent), x64)
+    x = logits.reshape(rows, vocab).clone().requires_grad_(True)
+    logp, ent = logprob_and_entropy(x, labels.reshape(rows), calculate_entropy=use != "logp")
+    torch.testing.assert_close(logp.double(), ref_logp.detach(), rtol=1e-5, atol=1e-5)
+    if use != "logp":
+        torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    else:
+        assert ent.numel() == 0
     (grad,) = torch.autograd.grad(objective(logp, ent), x)
-    assert grad.dtype == torch.float32
     torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-5)
 
 
-def test_chunked_bf16_upcasts_each_chunk_and_returns_float32():
-    logits, labels = _inputs(4, dtype=torch.bfloat16)
-    ref_logp, ref_ent = _reference(logits, labels)  # exact maths on the bf16 values
-    x = logits.clone().requires_grad_(True)
-    logp, ent = logprobs_and_entropy(x, labels, chunk_size=3)
-    assert logp.dtype == ent.dtype == torch.float32
-    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
-    (grad,) = torch.autograd.grad(logp.sum() + ent.sum(), x)
-    assert grad.dtype == torch.bfloat16 and grad.shape == x.shape
+def test_entropy_without_grad_is_a_metric_only():
+    logits, labels = _inputs(4)
+    x = logits.reshape(-1, logits.shape[-1]).requires_grad_(True)
+    logp, ent = logprob_and_entropy(x, labels.reshape(-1), entropy_grad=False)
+    assert logp.requires_grad and not ent.requires_grad
 
 
-def test_chunk_size_must_be_positive():
-    logits, labels = _inputs()
-    with pytest.raises(ValueError, match="chunk_size"):
-        logprobs_and_entropy(logits, labels, chunk_size=0)
+def test_the_training_path_computes_log_probs_with_it(monkeypatch):
+    """`models.logprobs` (model + batch -> response log-probs) calls `algorithms.logprobs`: one copy."""
+    from helpers.tiny_models import tiny_llama, tiny_prompt_batch
+    from helpers.tokenizer import build_tiny_tokenizer
+    from posttrain.models import logprobs as model_logprobs
+
+    calls = []
+    real = model_logprobs.logprob_and_entropy
+    monkeypatch.setattr(model_logprobs, "logprob_and_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tok = build_tiny_tokenizer()
+    model = tiny_llama(tok)
+    prompts = tiny_prompt_batch(tok, ["1+1=", "2+2="])
+    responses = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    ids = torch.cat([prompts["input_ids"], responses], 1)
+    mask = torch.cat([prompts["attention_mask"], torch.ones_like(responses)], 1)
+    pos = torch.clamp(mask.cumsum(-1) - 1, min=0)
+    logp, ent = model_logprobs.response_logprobs(model, ids, mask, pos, responses, calculate_entropy=True)
+    assert calls and logp.shape == responses.shape
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -4:-1].float()
+    torch.testing.assert_close(logp, logprobs_from_logits(logits, responses), rtol=1e-4, atol=1e-4)
