@@ -76,11 +76,11 @@ def install_hint() -> str:
 
 
 class _DropKnownNoise(logging.Filter):
-    """vLLM log records that are expected here and say nothing wrong: the chat-template warm-up
-    that cannot run without a tokenizer (we pass token ids), and the rotary embedding that has no
-    weights to receive on every push."""
+    """vLLM log records that are expected here and say nothing wrong: the chat-template warm-up and
+    the EOS lookup that cannot run without a tokenizer (we pass token ids and our stop tokens), and
+    the rotary embedding that has no weights to receive on every push."""
 
-    NOISE = ("Chat template warmup failed", "RotaryEmbedding: Failed to load weights")
+    NOISE = ("Chat template warmup failed", "Using None for EOS token id", "RotaryEmbedding: Failed to load weights")
     LOGGERS = ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise")
 
     def filter(self, record: logging.LogRecord) -> bool:
