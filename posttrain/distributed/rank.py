@@ -130,6 +130,11 @@ class RankWorker:
                 worker.load_checkpoint(Path(folder) / name)
 
     @staticmethod
+    def ping(batch: Batch | None = None) -> int:
+        """Rows received, nothing computed: a round trip that measures dispatch and gathering alone."""
+        return 0 if batch is None else len(batch)
+
+    @staticmethod
     def sees_file(path: str, token: str) -> bool:
         """Whether this rank reads ``token`` from ``path`` (the driver's shared-folder check)."""
         try:
