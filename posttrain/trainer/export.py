@@ -74,16 +74,64 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
         model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
         _load_strict(model, state, actor / MODEL_FILE)
 
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # transformers 4 needs safe_serialization=True; 5 dropped the argument and always writes safetensors.
-    takes_flag = "safe_serialization" in inspect.signature(model.save_pretrained).parameters
-    model.save_pretrained(out, **({"safe_serialization": True} if takes_flag else {}))
-    if (hf_dir / "tokenizer_config.json").exists():
-        AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False).save_pretrained(out)
-    else:
-        logger.warning("%s has no tokenizer; exported the model only", hf_dir)
+    out = _check_output(Path(output_dir), step_dir)
+
+    def write(folder: Path) -> None:
+        # transformers 4 needs safe_serialization=True; 5 dropped the argument and always writes safetensors.
+        takes_flag = "safe_serialization" in inspect.signature(model.save_pretrained).parameters
+        model.save_pretrained(folder, **({"safe_serialization": True} if takes_flag else {}))
+        if (hf_dir / "tokenizer_config.json").exists():
+            AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False).save_pretrained(folder)
+        else:
+            logger.warning("%s has no tokenizer; exported the model only", hf_dir)
+
+    _write_atomically(out, write)
     return out
+
+
+def _check_output(out: Path, step_dir: Path) -> Path:
+    """Refuse an output inside (or equal to) the checkpoint being read, a checkpoint root, or a folder
+    that holds other things than a previous export."""
+    resolved, source = out.expanduser().resolve(), step_dir.resolve()
+    if resolved == source or source in resolved.parents or resolved in source.parents and \
+            CheckpointManager(resolved).step_dirs():
+        raise CheckpointError(f"--output {out} is inside or around the checkpoint {step_dir} it exports from; "
+                              "export to a folder outside the checkpoint folder")
+    if resolved.exists() and (not resolved.is_dir() or (any(resolved.iterdir())
+                                                         and not (resolved / "config.json").exists())):
+        raise CheckpointError(f"--output {out} exists and is not an exported model folder; choose a new or empty folder")
+    return out
+
+
+def _write_atomically(out: Path, write) -> None:
+    """``write(folder)`` into a temporary sibling, then rename it to ``out`` (a previous export is replaced
+    only once the new one is complete): a kill or a full disk never leaves a half-written ``out``."""
+    import shutil
+
+    parent = out.expanduser().absolute().parent
+    tmp = parent / f".tmp_export_{out.name}_{os.getpid()}"
+    old = parent / f".old_export_{out.name}_{os.getpid()}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write(tmp)
+        for name in os.listdir(tmp):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)  # the previous export stays
+        raise CheckpointError(f"exporting to {out} failed: {err.strerror or err} ({err.filename or parent}); "
+                              "nothing was changed there") from err
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:

@@ -79,3 +79,46 @@ def test_export_of_a_non_checkpoint_fails_clearly(tmp_path, capsys):
     (tmp_path / "global_step_1").mkdir()
     assert main([str(tmp_path / "global_step_1"), "-o", str(tmp_path / "out")]) == 2
     assert "COMPLETE marker" in capsys.readouterr().err
+
+
+def test_export_never_writes_into_the_checkpoint_it_reads(saved, tmp_path):
+    root, _, _ = saved
+    step = root / "global_step_4"
+    before = sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+    for out in (step, step / "actor", step / "exported", root):
+        with pytest.raises(Exception, match="inside or around the checkpoint"):
+            export_actor(step, out)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(Exception, match="exists and is not an exported model folder"):
+        export_actor(step, tmp_path / "notes")
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) == before
+
+
+def test_an_interrupted_export_leaves_the_previous_one_or_nothing(saved, tmp_path, monkeypatch):
+    """A full disk (or a kill) in the middle of writing: no half-written folder that looks complete;
+    the error names the cause and the path."""
+    import errno
+
+    from posttrain.checkpoint import CheckpointError
+    from transformers import PreTrainedModel
+
+    root, _, _ = saved
+    out = tmp_path / "hf"
+    real = PreTrainedModel.save_pretrained
+
+    def full_disk(self, folder, *args, **kwargs):
+        real(self, folder, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed: No space left on device"):
+        export_actor(root, out)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_export")]
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
+    export_actor(root, out)
+    first = (out / "model.safetensors").read_bytes()
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    with pytest.raises(CheckpointError):
+        export_actor(root, out)
+    assert (out / "model.safetensors").read_bytes() == first  # the previous export is intact
