@@ -140,9 +140,9 @@ class CheckpointManager:
     def lock(self) -> None:
         """Claim the root for this process (creating it): one writer per checkpoint folder.
 
-        An exclusive ``flock`` on ``root/.lock``, which also names the holder (pid, host, start time).
-        The kernel drops it when the process ends, even by SIGKILL, so a stale lock never blocks a
-        resume. Raises `CheckpointError` naming the other process when another one holds it. The
+        An exclusive ``flock`` on ``root/.lock``, which also names the holder (pid, host, start time)
+        and is removed when the run ends. The kernel drops the lock when the process ends, even by
+        SIGKILL, so a ``.lock`` left by a killed run never blocks a resume. Raises `CheckpointError` naming the other process when another one holds it. The
         same process may lock a root several times (one count per call; see `unlock`).
         """
         _lock_root(self.root)
@@ -330,20 +330,28 @@ def _lock_root(root: Path) -> None:
         held[1] += 1
         return
     path = root / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise CheckpointError(f"cannot write in the checkpoint folder {root}: {err.strerror or err}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    while True:
         try:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-        finally:
-            os.close(fd)
-        raise CheckpointError(
-            f"checkpoint folder {root} is in use by another run ({holder}); only one run may write its "
-            "checkpoints: wait for that run to end or stop it, or use another trainer.default_local_dir") from None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise CheckpointError(f"cannot write in the checkpoint folder {root}: {err.strerror or err}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise CheckpointError(
+                f"checkpoint folder {root} is in use by another run ({holder}); only one run may write its "
+                "checkpoints: wait for that run to end or stop it, or use another trainer.default_local_dir") from None
+        try:  # the holder we waited for may have removed the file on release: lock the file that is there
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     info = f"pid {os.getpid()} on host {socket.gethostname()}, started {started}".encode()
     try:
@@ -367,8 +375,8 @@ def _unlock_root(root: Path) -> None:
     held[1] -= 1
     if held[1] <= 0:
         del _LOCKS[key]
-        try:
-            os.ftruncate(held[0], 0)
+        try:  # removed while still locked (a run that waits re-checks the file it locked, see _lock_root)
+            os.unlink(root / LOCK_FILE)
         except OSError:
             pass
         fcntl.flock(held[0], fcntl.LOCK_UN)
