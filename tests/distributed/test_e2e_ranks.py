@@ -20,12 +20,14 @@ ray = pytest.importorskip("ray")
 
 from helpers.tiny_run import tiny_config  # noqa: E402
 
-COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
+COMPARED = ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm",
             "critic/values/mean", "critic/advantages/mean", "critic/returns/mean", "critic/score/mean")
 
 PPO_GREEDY = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.do_sample=False", "actor_rollout_ref.rollout.n=1",
               "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
-              "actor_rollout_ref.actor.use_kl_loss=True", "trainer.total_training_steps=3", "trainer.save_freq=1"]
+              "actor_rollout_ref.actor.use_kl_loss=True", "trainer.total_training_steps=3", "trainer.save_freq=1",
+              # the adaptive KL controller's state travels in the checkpoint: its coefficient is compared
+              "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05"]
 
 
 def prompt_length_reward(batch):
@@ -153,9 +155,11 @@ def test_checkpoint_of_one_process_resumes_on_two_ranks(one_process_ppo, ray_clu
     assert_same_metrics([None] + resumed, one, steps=(2, 3))
 
 
-def test_grpo_runs_and_a_dead_rank_stops_the_run_fast(ray_cluster, tmp_path):
-    """3 sampled GRPO steps; at step 4 rank 1's process is killed: the run must end with an error
-    naming the rank within 30 s, and the checkpoint of step 2 stays complete."""
+@pytest.mark.parametrize("when", ["computing", "saving"])
+def test_grpo_runs_and_a_dead_rank_stops_the_run_fast(ray_cluster, tmp_path, when):
+    """3 sampled GRPO steps; at step 4 rank 1's process is killed, while the ranks compute (after the
+    rollout) or while they save: the run must end with an error naming the rank within 30 s, and the
+    checkpoint of step 2 stays the latest, complete, with no half-written folder left."""
     from posttrain.checkpoint import CheckpointManager
     from posttrain.distributed.ray_group import WorkerGroupError
     from posttrain.trainer.trainer import RLTrainer
@@ -165,16 +169,29 @@ def test_grpo_runs_and_a_dead_rank_stops_the_run_fast(ray_cluster, tmp_path):
     trainer = RLTrainer(cfg)
     killed_at = {}
 
+    def kill_rank_1():
+        ray.kill(trainer.workers._ranks._actors[1])
+        killed_at["t"] = time.monotonic()
+
     def reward(batch):
-        if trainer.global_step == 4:
-            ray.kill(trainer.workers._ranks._actors[1])
-            killed_at["t"] = time.monotonic()
+        if trainer.global_step == 4 and when == "computing":
+            kill_rank_1()
         return prompt_length_reward(batch) + torch.rand(len(batch))
 
+    save = trainer.workers.save_checkpoint
+
+    def save_and_die(folder):
+        if trainer.global_step == 4:
+            kill_rank_1()
+        return save(folder)
+
     trainer.reward_fn = reward
+    trainer.workers.save_checkpoint = save_and_die
     with pytest.raises(WorkerGroupError, match="rank 1") as err:
         trainer.fit()
     assert time.monotonic() - killed_at["t"] < 30, err.value
     assert [row["step"] for row in trainer.history] == [1, 2, 3]
     assert all(math.isfinite(row["actor/pg_loss"]) and row["actor/pg_loss"] != 0 for row in trainer.history[1:])
     assert CheckpointManager(tmp_path / "ckpt").latest().name == "global_step_2"
+    left = [p.name for p in (tmp_path / "ckpt").iterdir()]
+    assert [n for n in left if n.startswith(("global_step_", ".tmp_", ".old_", ".trash_"))] == ["global_step_2"], left
