@@ -162,6 +162,7 @@ class VLLMRolloutEngine:
         weakref.finalize(self, shutil.rmtree, self._dir, True)
         model.config.save_pretrained(self._dir)
         kwargs = self._engine_kwargs(model.config, seed)
+        self.dtype = getattr(torch, kwargs["dtype"], None) if isinstance(kwargs["dtype"], str) else kwargs["dtype"]
         with _restore_process_state():
             self.llm = self.vllm.LLM(model=self._dir, **kwargs)
         self._sleeping = False
@@ -210,7 +211,7 @@ class VLLMRolloutEngine:
             raise RuntimeError(self._broken)
         if isinstance(weights, nn.Module):
             self._check_matches(weights)
-            tensors: Iterable[tuple[str, torch.Tensor]] = _named_tensors(weights)
+            tensors: Iterable[tuple[str, torch.Tensor]] = _named_tensors(weights, self.dtype)
         elif isinstance(weights, dict):
             tensors = _with_tied_twins(weights, self._shapes)
         else:
@@ -324,12 +325,12 @@ def _named_params(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield _clean(name), p
 
 
-def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """One full tensor at a time: an FSDP2 shard is all-gathered (a collective) only when reached,
-    and the previous one can be freed as soon as the engine has copied it."""
+def _named_tensors(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One full tensor at a time, in the engine's dtype: an FSDP2 shard is all-gathered (a collective)
+    only when reached, and each tensor can be freed as soon as the engine has copied it."""
     for name, p in _named_params(module):
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        yield name, full.detach()
+        full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        yield name, full if dtype is None or not full.is_floating_point() else full.to(dtype)
 
 
 def _with_tied_twins(state: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> Iterator[tuple[str, torch.Tensor]]:
