@@ -165,7 +165,7 @@ class VLLMRolloutEngine:
         self.dtype = getattr(torch, kwargs["dtype"], None) if isinstance(kwargs["dtype"], str) else kwargs["dtype"]
         with _restore_process_state():
             self.llm = self.vllm.LLM(model=self._dir, **kwargs)
-        self._sleeping = False
+        self._asleep: set[str] = set()  # GPU sleep mode: the parts released (weights, kv_cache)
         self._broken: str | None = None
 
     def _engine_kwargs(self, hf_config: Any, seed: int) -> dict[str, Any]:
@@ -216,8 +216,9 @@ class VLLMRolloutEngine:
             tensors = _with_tied_twins(weights, self._shapes)
         else:
             tensors = weights
-        if self._sleeping:
-            self.llm.wake_up(tags=["weights"])
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])  # weights first, the KV cache only when generating
+            self._asleep.discard("weights")
         try:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(tensors),
                                                                   is_checkpoint_format=True))
@@ -247,15 +248,15 @@ class VLLMRolloutEngine:
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]
         per_request = 1 if sampling.greedy else sampling.n  # vLLM takes n > 1 for sampling only
         requests = [r for r in requests for _ in range(sampling.n // per_request)]
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+        if self._asleep:
+            self.llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
         try:
             outputs = self.llm.generate(requests, self._sampling_params(sampling, per_request), use_tqdm=False)
         finally:
             if self.sleeps:
                 self.llm.sleep(level=1)  # weights to host memory, KV cache freed (GPU only)
-                self._sleeping = True
+                self._asleep = {"weights", "kv_cache"}
         return self._assemble(rows, outputs, sampling)
 
     def _sampling_params(self, sampling: SamplingParams, n: int):
@@ -347,6 +348,7 @@ def _restore_process_state():
     random/numpy/torch with its own), ``torch.set_num_threads`` (replaced by a no-op) and the
     garbage collector's frozen objects."""
     py, npy, tch = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
@@ -354,6 +356,8 @@ def _restore_process_state():
         random.setstate(py)
         np.random.set_state(npy)
         torch.random.set_rng_state(tch)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
         torch.set_num_threads = set_threads
         set_threads(threads)
         gc.unfreeze()

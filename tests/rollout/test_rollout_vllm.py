@@ -224,3 +224,59 @@ def test_grpo_trains_with_vllm_plain_and_bypass(tmp_path, tok):
                 assert abs(row["rollout_corr/kl"]) < 1e-4
         if skipped:
             assert torch.equal(trainer.last_batch["old_log_probs"], trainer.last_batch["rollout_log_probs"])
+
+
+# ---------------------------------------------------------------------------------- the GPU call order
+class _FakeLLM:
+    """Records the calls the engine makes; generates tokens 7, 8 with log-probs -0.5, -0.25."""
+
+    def __init__(self):
+        self.calls, self.pushed = [], []
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags or ())))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, method, kwargs):
+        self.pushed = [name for name, _ in kwargs["weights_iterator"]]
+        self.calls.append((method,))
+
+    def generate(self, requests, sp, use_tqdm):
+        from types import SimpleNamespace as NS
+
+        self.calls.append(("generate", len(requests), sp.n))
+        done = [NS(index=j, token_ids=[7, 8], logprobs=[{7: NS(logprob=-0.5)}, {8: NS(logprob=-0.25)}])
+                for j in range(sp.n)]
+        return [NS(outputs=done) for _ in requests]
+
+
+def test_gpu_sleep_wake_and_push_order_with_a_fake_engine(tok):
+    """The sequence the GPU path runs (untestable here with vLLM itself): push -> reset prefix cache ->
+    generate -> sleep(1); next step: wake weights -> push -> reset -> wake KV cache -> generate -> sleep."""
+    from types import SimpleNamespace
+
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine, _named_params
+
+    model = tiny_llama(tok, tie_word_embeddings=True)
+    engine = object.__new__(VLLMRolloutEngine)  # no vLLM: the fake stands in for LLM
+    engine.__dict__.update(vllm=SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)), llm=_FakeLLM(),
+                           model=model, tokenizer=tok, config=None, pad_token_id=tok.pad_token_id,
+                           eos_token_ids=[tok.eos_token_id], ignore_eos=False, sleeps=True, _asleep=set(),
+                           _broken=None, dtype=None, _shapes={n: tuple(p.shape) for n, p in _named_params(model)})
+    prompts = tiny_prompt_batch(tok, PROMPTS[:2])
+    engine.update_weights(model)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, response_length=4))
+    engine.update_weights(model)
+    engine.generate(prompts, _greedy(n=2, length=4))
+    assert engine.llm.calls == [
+        ("reload_weights",), ("reset_prefix_cache",), ("generate", 2, 2), ("sleep", 1),
+        ("wake_up", ("weights",)), ("reload_weights",), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
+        ("generate", 4, 1), ("sleep", 1)]  # greedy: n requests of one sample each
+    assert "lm_head.weight" in engine.llm.pushed and "model.embed_tokens.weight" in engine.llm.pushed  # tied twin
+    assert out["responses"].tolist() == [[7, 8, 0, 0]] * 4 and out["response_mask"].tolist() == [[1, 1, 0, 0]] * 4
+    torch.testing.assert_close(out["rollout_log_probs"][0], torch.tensor([-0.5, -0.25, 0.0, 0.0]))
