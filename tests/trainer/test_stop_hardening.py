@@ -80,4 +80,4 @@ def test_ctrl_c_during_start_up_says_nothing_is_saved(tmp_path):
     assert proc.returncode == 130, out[-3000:]
     assert "received SIGINT during start-up: nothing has been trained yet, so there is nothing to save" in out
     assert "Traceback" not in out
-    assert not (tmp_path / "ckpt").exists()
+    assert CheckpointManager(tmp_path / "ckpt").step_dirs() == []  # nothing saved (the folder was only claimed)
