@@ -19,6 +19,10 @@ from posttrain.data.arithmetic import default_dataset_files
 
 
 def resolve_device(config: PostTrainConfig) -> torch.device:
+    """Where this process computes. With several ranks the driver holds no model (the ranks check
+    their own devices through Ray), so it stays on CPU: a GPU-less head node is fine."""
+    if world_size(config) > 1:
+        return torch.device("cpu")
     want = config.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")

@@ -195,3 +195,15 @@ def test_grpo_runs_and_a_dead_rank_stops_the_run_fast(ray_cluster, tmp_path, whe
     assert CheckpointManager(tmp_path / "ckpt").latest().name == "global_step_2"
     left = [p.name for p in (tmp_path / "ckpt").iterdir()]
     assert [n for n in left if n.startswith(("global_step_", ".tmp_", ".old_", ".trash_"))] == ["global_step_2"], left
+
+
+def test_gpus_asked_of_a_cpu_cluster_are_refused_naming_the_keys(ray_cluster, tmp_path):
+    """trainer.device=cuda with 2 GPUs per node on this CPU machine: one config error before any model
+    loads (the driver itself needs no GPU), not a silent wait for resources that never come."""
+    from posttrain.config import ConfigError
+    from posttrain.trainer.trainer import RLTrainer
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"trainer\.n_gpus_per_node") as err:
+        RLTrainer(tiny_config(tmp_path, ["trainer.n_gpus_per_node=2", "trainer.device=cuda"]))
+    assert "GPU" in str(err.value) and time.monotonic() - start < 30
