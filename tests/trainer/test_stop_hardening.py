@@ -81,3 +81,27 @@ def test_ctrl_c_during_start_up_says_nothing_is_saved(tmp_path):
     assert "received SIGINT during start-up: nothing has been trained yet, so there is nothing to save" in out
     assert "Traceback" not in out
     assert CheckpointManager(tmp_path / "ckpt").step_dirs() == []  # nothing saved (the folder was only claimed)
+
+
+def test_ctrl_c_during_the_first_validation_says_what_it_does(tmp_path):
+    marker = tmp_path / "validating"
+    reward = tmp_path / "reward.py"
+    reward.write_text(textwrap.dedent(f"""
+        import time
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            open({str(marker)!r}, "w").close()
+            time.sleep(600)
+    """))
+    proc = _start(tiny_overrides(tmp_path, [f"custom_reward_function.path={reward}", "trainer.val_before_train=True",
+                                            "reward.timeout_s=600"]))
+    try:
+        _wait_for(marker, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "received SIGINT: stopping the validation before training; nothing is trained yet" in out
+    assert "stopped by SIGINT before the first step: nothing was trained, so nothing was saved" in out
+    assert CheckpointManager(tmp_path / "ckpt").step_dirs() == []
