@@ -18,3 +18,14 @@ def test_unshared_checkpoint_folder_names_the_ranks_and_hosts():
                               "rank 3 on node2 (10.0.0.2) cannot see")
     assert "rank 0" not in message and "filesystem every node mounts" in message
     assert unshared_ranks_message(ranks, [True] * 4, Path("/ckpt"), "trainer.default_local_dir") is None
+
+
+def test_one_rank_trains_without_ray(tmp_path, monkeypatch):
+    """World size 1 never imports Ray: a run trains with `import ray` made impossible."""
+    import sys
+
+    from helpers.tiny_run import tiny_trainer
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    history = tiny_trainer(tmp_path, ["trainer.total_training_steps=1"]).fit()
+    assert [row["step"] for row in history] == [1]
