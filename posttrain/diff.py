@@ -174,6 +174,21 @@ def _estimator_consequence(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
     return [f"advantages: A uses {ea}, {_summary(ea)}; B uses {eb}, {_summary(eb)}"]
 
 
+def _loss_consequence(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
+    la, lb = (c.actor_rollout_ref.actor.policy_loss.loss_mode for c in (a, b))
+    if la == lb:
+        return []
+    from posttrain.algorithms import policy_loss_spec
+
+    def summary(mode: str) -> str:
+        try:
+            return policy_loss_spec(mode).summary
+        except ValueError:
+            return "a registered policy loss"
+
+    return [f"policy loss: A uses {la}, {summary(la)}; B uses {lb}, {summary(lb)}"]
+
+
 def _rollout_consequences(a: PostTrainConfig, b: PostTrainConfig, fa: Flow, fb: Flow) -> list[str]:
     out = []
     if fa.n != fb.n:
@@ -224,7 +239,8 @@ def _update_consequences(fa: Flow, fb: Flow) -> list[str]:
 
 def consequences(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
     """What the key differences mean for the run."""
-    out = _estimator_consequence(a, b) + _critic_consequence(a, b) + _reference_consequence(a, b)
+    out = (_estimator_consequence(a, b) + _loss_consequence(a, b) + _critic_consequence(a, b)
+           + _reference_consequence(a, b))
     fa, fb = build_flow(a), build_flow(b)
     out += _rollout_consequences(a, b, fa, fb) + _update_consequences(fa, fb)
     lra, lrb = a.actor_rollout_ref.actor.optim.lr, b.actor_rollout_ref.actor.optim.lr

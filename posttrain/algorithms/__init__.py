@@ -26,7 +26,8 @@ from posttrain.algorithms.kl import (
 )
 from posttrain.algorithms.logprobs import entropy_from_logits, logprob_and_entropy, logprobs_from_logits
 from posttrain.algorithms.losses import LOSS_AGG_MODES, agg_loss, compute_entropy_loss, compute_value_loss
-from posttrain.algorithms.policy_losses import get_policy_loss_fn, register_policy_loss, registered_policy_losses
+from posttrain.algorithms.policy_losses import (PolicyLossSpec, get_policy_loss_fn, policy_loss_spec, register_policy_loss,
+                                                registered_policy_losses)
 from posttrain.algorithms.rollout_correction import (
     apply_rollout_correction,
     register_rollout_is,
@@ -40,6 +41,7 @@ __all__ = [
     "EstimatorSpec",
     "EstimatorsWith",
     "KL_PENALTY_TYPES",
+    "PolicyLossSpec",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
@@ -59,6 +61,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "policy_loss_spec",
     "register_adv_est",
     "register_policy_loss",
     "register_rollout_is",

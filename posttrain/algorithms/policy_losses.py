@@ -17,6 +17,7 @@ them once per step. `rollout_is_weights`, when given, multiplies the per-token l
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,17 +29,40 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under `name`; a different function under a taken name raises."""
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """A policy loss's registration: its function, the `actor_rollout_ref.actor` keys it reads beyond
+    the PPO ones, and a one-line summary (`posttrain diff` shows it)."""
+
+    name: str
+    fn: PolicyLossFn
+    keys: tuple[str, ...] = ()
+    summary: str = "a registered policy loss"
+
+
+_LOSS_SPECS: dict[str, PolicyLossSpec] = {}
+
+
+def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str = "a registered policy loss",
+                         ) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under `name` with what it reads and does (`PolicyLossSpec`);
+    verl's one-argument form works too. A different function under a taken name raises."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         existing = _POLICY_LOSSES.get(name)
         if existing is not None and existing is not fn:
             raise ValueError(f"policy loss {name!r} is already registered to {existing.__qualname__}")
         _POLICY_LOSSES[name] = fn
+        _LOSS_SPECS[name] = PolicyLossSpec(name, fn, tuple(keys), summary)
         return fn
 
     return decorator
+
+
+def policy_loss_spec(name: str) -> PolicyLossSpec:
+    """The registration of `name`; ValueError listing the valid names otherwise."""
+    get_policy_loss_fn(name)
+    return _LOSS_SPECS[name]
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
@@ -85,7 +109,8 @@ def _metrics(**values: torch.Tensor) -> dict[str, torch.Tensor]:
 # losses
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+                      summary="PPO clipped surrogate (asymmetric DAPO clip, dual clip)")
 def compute_policy_loss_vanilla(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -117,7 +142,8 @@ def compute_policy_loss_vanilla(
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high"),
+                      summary="GSPO: a sequence-level (geometric-mean) importance ratio, clipped")
 def compute_policy_loss_gspo(
     old_log_prob,
     log_prob,
@@ -150,7 +176,7 @@ def compute_policy_loss_gspo(
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=zero)
 
 
-@register_policy_loss("gpg")
+@register_policy_loss("gpg", summary="GPG: plain policy gradient, -A log p, no ratio or clip")
 def compute_policy_loss_gpg(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -159,7 +185,9 @@ def compute_policy_loss_gpg(
     return pg_loss, {}
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "policy_loss.clip_cov_ratio",
+                            "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub"),
+                      summary="Clip-Cov: PPO clip plus no gradient for a fraction of high-covariance tokens")
 def compute_policy_loss_clip_cov(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -200,7 +228,8 @@ def compute_policy_loss_clip_cov(
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl)
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", keys=("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"),
+                      summary="KL-Cov: a KL penalty on a fraction of high-covariance tokens")
 def compute_policy_loss_kl_cov(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -237,7 +266,8 @@ def compute_policy_loss_kl_cov(
     return pg_loss, _metrics(ppo_kl=ppo_kl_abs)
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high"),
+                      summary="GMPO: geometric mean of clipped token ratios")
 def compute_policy_loss_geo_mean(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -268,7 +298,8 @@ def compute_policy_loss_geo_mean(
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high"),
+                      summary="CISPO: clipped, stop-gradient importance weights times log p")
 def compute_policy_loss_cispo(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -285,7 +316,8 @@ def compute_policy_loss_cispo(
     return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=zero)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", keys=("tau_pos", "tau_neg"),
+                      summary="SAPO: soft, temperature-controlled gating of the ratio instead of a hard clip")
 def compute_policy_loss_sapo(
     old_log_prob,
     log_prob,

@@ -181,6 +181,7 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
         yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses to the same prompt, but "
                f"actor_rollout_ref.rollout.n={arr.rollout.n} gives groups of one; set rollout.n >= 2 "
                "or use reinforce_plus_plus / gae")
+    yield from _check_policy_loss_keys(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
     if arr.rollout.temperature == 0 and arr.rollout.do_sample:
@@ -190,6 +191,32 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
         derive_sizes(config)
     except SizeError as err:
         yield str(err)
+
+
+def _check_policy_loss_keys(config: PostTrainConfig) -> Iterable[str]:
+    """A registered policy loss declares the actor keys it reads; one this config lacks is refused
+    here instead of failing at the first update."""
+    from posttrain.algorithms import policy_loss_spec
+    from posttrain.config.docs import all_keys
+
+    mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    try:
+        spec = policy_loss_spec(mode)
+    except ValueError:
+        return  # the choices check names the valid modes
+    missing = [f"actor_rollout_ref.actor.{k}" for k in spec.keys if f"actor_rollout_ref.actor.{k}" not in all_keys()]
+    if missing:
+        yield (f"actor_rollout_ref.actor.policy_loss.loss_mode={mode} reads {', '.join(missing)}, which posttrain's "
+               "config does not have yet; pick another loss mode (" + ", ".join(
+                   m for m in _loss_modes_with_keys()) + ")")
+
+
+def _loss_modes_with_keys() -> list[str]:
+    from posttrain.algorithms import policy_loss_spec, registered_policy_losses
+    from posttrain.config.docs import all_keys
+
+    return [m for m in registered_policy_losses()
+            if all(f"actor_rollout_ref.actor.{k}" in all_keys() for k in policy_loss_spec(m).keys)]
 
 
 def find_warnings(config: PostTrainConfig) -> list[str]:

@@ -274,6 +274,7 @@ def test_masked_positions_never_change_policy_losses(name, mode):
 
 def test_policy_loss_registry_rules(monkeypatch):
     monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
+    monkeypatch.setattr(pl_mod, "_LOSS_SPECS", dict(pl_mod._LOSS_SPECS))
 
     def mine(*args, **kwargs):
         return torch.tensor(0.0), {}
@@ -311,3 +312,29 @@ def test_entropy_loss_aggregates_token_entropy():
     mask = torch.ones(1, 2)
     torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([[math.log(2), 0.0]]), **TOL)
     assert compute_entropy_loss(logits, mask).item() == pytest.approx(math.log(2) / 2, abs=1e-6)
+
+
+def test_a_policy_loss_declares_the_keys_it_reads(monkeypatch):
+    """The keys a loss reads are declared with its registration: validation refuses a loss whose keys
+    the config lacks (sapo's tau_pos/tau_neg) before any model loads, and `posttrain diff` describes it."""
+    from posttrain.algorithms import policy_loss_spec
+    from posttrain.config import ConfigError, load_config
+    from posttrain.diff import consequences
+
+    monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
+    monkeypatch.setattr(pl_mod, "_LOSS_SPECS", dict(pl_mod._LOSS_SPECS))
+    builtin = "posttrain/config/builtin.yaml"
+    assert policy_loss_spec("sapo").keys == ("tau_pos", "tau_neg")
+    with pytest.raises(ConfigError, match=r"loss_mode=sapo reads actor_rollout_ref.actor.tau_pos"):
+        load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"])
+
+    @register_policy_loss("mine_with_key", keys=("policy_loss.no_such_key",), summary="my loss")
+    def mine(*args, **kwargs):
+        return torch.tensor(0.0), {}
+
+    with pytest.raises(ConfigError, match="reads actor_rollout_ref.actor.policy_loss.no_such_key"):
+        load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=mine_with_key"])
+    a = load_config(base=builtin)
+    b = load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+    assert any("policy loss: A uses vanilla, PPO clipped surrogate" in c and "B uses gspo, GSPO" in c
+               for c in consequences(a, b))
