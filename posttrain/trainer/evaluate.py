@@ -93,6 +93,13 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     from posttrain.trainer.setup import build_reward_fn, data_files, resolve_device
     from posttrain.trainer.validation import run_validation
 
+    from posttrain.config import ConfigError
+    from posttrain.trainer.preflight import model_path_problem
+
+    for flag, value in (("--model", model), ("--tokenizer", tokenizer)):
+        problem = None if value is None or _is_checkpoint(value) else model_path_problem(value)
+        if problem is not None:
+            raise ConfigError(f"{flag} {value}: {problem}")
     with resolve_model(model) as path:
         config = _config(path, data, max_response_length, batch_size, list(overrides))
         m = config.actor_rollout_ref.model

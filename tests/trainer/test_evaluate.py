@@ -164,3 +164,9 @@ def test_eval_a_checkpoint_equals_its_model(tmp_path, capsys):
 def test_eval_errors_are_reported(tmp_path, capsys):
     assert main(["--model", str(tiny_model_dir(tmp_path)), "--data", str(tmp_path / "missing.parquet")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_eval_a_model_path_that_does_not_exist_names_it(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --model {tmp_path / 'nope'}: {tmp_path / 'nope'} does not exist" in err and "Traceback" not in err
