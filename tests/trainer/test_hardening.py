@@ -168,3 +168,26 @@ def test_resume_names_changed_settings(tmp_path, capsys):
     assert "note: resuming with settings that differ from the run that saved the checkpoint" in out
     assert "actor_rollout_ref.actor.optim.lr: 0.001 -> 0.0005" in out
     assert "trainer.total_training_steps: 1 -> 2" in out
+
+
+def test_nan_reward_is_reported_at_its_step_with_the_row(tmp_path):
+    import torch
+
+    from posttrain.rewards import RewardError
+
+    trainer = RLTrainer(_config(tmp_path, ["trainer.total_training_steps=2"]))
+    calls = []
+
+    def reward(batch):
+        calls.append(1)
+        scores = torch.ones(len(batch))
+        if len(calls) == 2:
+            scores[3] = float("nan")
+        return scores
+
+    trainer.reward_fn = reward
+    with pytest.raises(RewardError, match=r"step 2: batch reward function reward returned a non-finite reward on 1 "
+                                          r"of 8 rows: row 3 \(data_source='posttrain/arithmetic', "
+                                          r"extra_info.index=\d+\) = nan"):
+        trainer.fit()
+    assert [row["step"] for row in trainer.history] == [1]
