@@ -118,7 +118,8 @@ def prepare_folder(trainer_config: Any, manager: CheckpointManager) -> None:
     - ``trainer.start_over=True``: its checkpoints (and tracker, ``hf_model/``) move to
       ``previous_run_<time>/`` inside it, and this run starts at step 0;
     - ``resume_mode=disable``: refused (this run's steps would mix with the other run's, and pruning
-      or a later resume would pick the wrong ones);
+      or a later resume would pick the wrong ones); the same for ``resume_mode=resume_path`` from a
+      checkpoint outside the folder;
     - ``resume_mode=auto`` and no checkpoint is complete: refused, listing what is wrong with each;
     - otherwise resume as ``resume_mode`` says.
     """
@@ -136,6 +137,12 @@ def prepare_folder(trainer_config: Any, manager: CheckpointManager) -> None:
     if trainer.resume_mode == "disable":
         raise ResumeError(f"trainer.resume_mode=disable, but trainer.default_local_dir={root} holds another run's "
                           f"checkpoints ({listed}); starting over there would mix the two runs: {fixes}")
+    if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
+        source = Path(trainer.resume_from_path).expanduser().absolute()
+        if source.parent.resolve() != root.resolve():
+            raise ResumeError(f"trainer.resume_from_path={trainer.resume_from_path} is outside "
+                              f"trainer.default_local_dir={root}, which holds another run's checkpoints ({listed}); "
+                              f"this run's steps would mix with them: {fixes.replace('resume it (trainer.resume_mode=auto), ', '')}")
     if trainer.resume_mode == "auto":
         problems = [checkpoint_problem(p) for p in steps]
         if all(problems):

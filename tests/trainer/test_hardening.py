@@ -191,3 +191,11 @@ def test_nan_reward_is_reported_at_its_step_with_the_row(tmp_path):
                                           r"extra_info.index=\d+\) = nan"):
         trainer.fit()
     assert [row["step"] for row in trainer.history] == [1]
+
+
+def test_resume_path_from_elsewhere_into_a_folder_with_other_checkpoints_is_refused(tmp_path, no_models):
+    _fake_checkpoint(tmp_path / "ckpt", 6)
+    other = _fake_checkpoint(tmp_path / "elsewhere", 2)
+    with pytest.raises(ConfigError, match=r"trainer.resume_from_path=.*elsewhere/global_step_2 is outside "
+                                          r"trainer.default_local_dir=.*ckpt, which holds another run's checkpoints"):
+        RLTrainer(_config(tmp_path, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={other}"]))
