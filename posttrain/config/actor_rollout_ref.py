@@ -19,7 +19,8 @@ def _cfg(**kwargs):
 @_cfg()
 class MixedPrecisionConfig:
     param_dtype: str = "bf16"
-    """Compute dtype for forward/backward: bf16 (autocast; AMX on CPU, tensor cores on GPU) or fp32."""
+    """Compute dtype for forward/backward: bf16 (autocast; AMX on CPU, tensor cores on GPU), fp32, or auto
+    (posttrain: bf16 on CUDA; on CPU the faster of the two for this model, measured once and cached)."""
     reduce_dtype: str = "fp32"
     """Dtype of gradient reduction across ranks."""
     buffer_dtype: str = "fp32"

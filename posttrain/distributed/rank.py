@@ -17,6 +17,7 @@ ever holds a second full copy next to the engine's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,16 @@ import torch
 
 from posttrain.batch import Batch
 
-__all__ = ["RankWorker"]
+__all__ = ["RankWorker", "with_param_dtype"]
+
+
+def with_param_dtype(section: Any, dtype: str) -> Any:
+    """``section`` (a role's config holding ``fsdp_config``) with ``param_dtype: auto`` replaced by ``dtype``."""
+    if section.fsdp_config.mixed_precision.param_dtype != "auto":
+        return section
+    section = copy.deepcopy(section)
+    section.fsdp_config.mixed_precision.param_dtype = dtype
+    return section
 
 
 class RankWorker:
@@ -58,9 +68,22 @@ class RankWorker:
         m = arr.model
         module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
                                 dtype=arr.actor.fsdp_config.model_dtype, device="cpu")
-        module = shard_model(module, mesh, arr.actor.fsdp_config,
+        actor_cfg = with_param_dtype(arr.actor, self._agreed_param_dtype(arr.actor.fsdp_config, module))
+        module = shard_model(module, mesh, actor_cfg.fsdp_config,
                              gradient_checkpointing=bool(m.enable_gradient_checkpointing))
-        return ActorWorker(m, arr.actor, arr.rollout, device=self.device, module=module, tokenizer=tokenizer, seed=seed)
+        return ActorWorker(m, actor_cfg, arr.rollout, device=self.device, module=module, tokenizer=tokenizer, seed=seed)
+
+    def _agreed_param_dtype(self, fsdp_config: Any, module: torch.nn.Module) -> str:
+        """``param_dtype``, with ``auto`` decided on rank 0 (timed on its unsharded model) for every rank:
+        ranks computing in different precisions would not be one data-parallel model."""
+        from posttrain.models.compute_dtype import resolve_param_dtype
+
+        requested = fsdp_config.mixed_precision.param_dtype
+        if requested != "auto":
+            return requested
+        choice = [resolve_param_dtype(requested, module, self.device) if self.rank == 0 else None]
+        torch.distributed.broadcast_object_list(choice, src=0)
+        return choice[0]
 
     def _build_ref(self, config: Any, mesh: Any):
         from posttrain.distributed.fsdp import shard_model
@@ -71,8 +94,9 @@ class RankWorker:
         m = arr.model
         module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
                                 dtype=arr.ref.fsdp_config.model_dtype, device="cpu")
-        module = shard_model(module, mesh, arr.ref.fsdp_config, forward_only=True)
-        return RefWorker(module, arr.ref, arr.rollout, device=self.device, remove_padding=bool(m.use_remove_padding))
+        ref_cfg = with_param_dtype(arr.ref, self.actor.param_dtype)
+        module = shard_model(module, mesh, ref_cfg.fsdp_config, forward_only=True)
+        return RefWorker(module, ref_cfg, arr.rollout, device=self.device, remove_padding=bool(m.use_remove_padding))
 
     def _build_critic(self, config: Any, mesh: Any, seed: int):
         from posttrain.distributed.fsdp import shard_model
@@ -82,8 +106,11 @@ class RankWorker:
         c = config.critic.model
         module = load_value_model(c.path, trust_remote_code=c.trust_remote_code, override_config=c.override_config,
                                   dtype=c.fsdp_config.model_dtype, device="cpu")
-        module = shard_model(module, mesh, c.fsdp_config, gradient_checkpointing=bool(c.enable_gradient_checkpointing))
-        return CriticWorker(config.critic, device=self.device, module=module, seed=seed)
+        critic_cfg = copy.deepcopy(config.critic)
+        critic_cfg.model = with_param_dtype(c, self.actor.param_dtype)
+        module = shard_model(module, mesh, critic_cfg.model.fsdp_config,
+                             gradient_checkpointing=bool(c.enable_gradient_checkpointing))
+        return CriticWorker(critic_cfg, device=self.device, module=module, seed=seed)
 
     # ------------------------------------------------------------------ the group's calls
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:

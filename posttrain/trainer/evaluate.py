@@ -89,6 +89,7 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
 
     from posttrain.data import RLHFDataset, build_val_loader
     from posttrain.models import autocast_context, load_causal_lm, load_tokenizer
+    from posttrain.models.compute_dtype import resolve_param_dtype
     from posttrain.rollout import SamplingParams, get_rollout_engine
     from posttrain.trainer.setup import build_reward_fn, data_files, resolve_device
     from posttrain.trainer.validation import run_validation
@@ -115,9 +116,9 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     if n is not None:
         dataset.rows, dataset.input_ids = dataset.rows[:n], dataset.input_ids[:n]
     loader = build_val_loader(dataset, config.data)
+    param_dtype = resolve_param_dtype(actor.fsdp_config.mixed_precision.param_dtype, module, device)
     engine = get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
-                                autocast=functools.partial(autocast_context, device,
-                                                           actor.fsdp_config.mixed_precision.param_dtype))
+                                autocast=functools.partial(autocast_context, device, param_dtype))
     length = int(config.data.max_response_length)
     sampling = SamplingParams(n=1, temperature=0.0, do_sample=False, response_length=length,
                               calculate_log_probs=False)

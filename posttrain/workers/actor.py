@@ -28,6 +28,7 @@ from posttrain.models import (
     load_tokenizer,
     response_logprobs,
 )
+from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
@@ -86,8 +87,9 @@ class ActorWorker:
             tokenizer = load_tokenizer(model_config.path, trust_remote_code=model_config.trust_remote_code,
                                        custom_chat_template=model_config.custom_chat_template)
         self.tokenizer = tokenizer
-        self.autocast = functools.partial(autocast_context, self.device,
-                                          actor_config.fsdp_config.mixed_precision.param_dtype)
+        self.param_dtype = resolve_param_dtype(actor_config.fsdp_config.mixed_precision.param_dtype, self.module,
+                                               self.device)  # "auto": the faster of bf16 / fp32 here
+        self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
         self.optimizer = build_optimizer(self.module.parameters(), actor_config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
         self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
@@ -229,23 +231,28 @@ class RefWorker:
     """
 
     def __init__(self, module: nn.Module, ref_config: Any, rollout_config: Any = None, *,
-                 device: str | torch.device | None = None, remove_padding: bool = False):
+                 device: str | torch.device | None = None, remove_padding: bool = False,
+                 param_dtype: str | None = None):
         self.config, self.rollout_config = ref_config, rollout_config
         self.remove_padding = remove_padding
         self.device = torch.device(device) if device is not None else default_device()
-        self.module = module.to(self.device).eval().requires_grad_(False)
-        self.autocast = functools.partial(autocast_context, self.device,
-                                          ref_config.fsdp_config.mixed_precision.param_dtype)
+        module = module.to(self.device)
+        # the actor's precision when given (log-probs comparable with the old ones), else the config's
+        self.param_dtype = param_dtype or resolve_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
+                                                              module, self.device)
+        self.module = module.eval().requires_grad_(False)
+        self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
 
     @classmethod
     def from_config(cls, model_config: Any, ref_config: Any, rollout_config: Any = None, *,
-                    device: str | torch.device | None = None) -> "RefWorker":
+                    device: str | torch.device | None = None, param_dtype: str | None = None) -> "RefWorker":
         """Load ``model_config.path`` (no gradient checkpointing: the reference never trains)."""
         dev = torch.device(device) if device is not None else default_device()
         module = load_causal_lm(model_config.path, trust_remote_code=model_config.trust_remote_code,
                                 override_config=model_config.override_config,
                                 dtype=ref_config.fsdp_config.model_dtype, device=dev)
-        return cls(module, ref_config, rollout_config, device=dev, remove_padding=bool(model_config.use_remove_padding))
+        return cls(module, ref_config, rollout_config, device=dev, remove_padding=bool(model_config.use_remove_padding),
+                   param_dtype=param_dtype)
 
     def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
         """``ref_log_prob`` ``[N, R]`` of ``batch['responses']``."""

@@ -24,6 +24,7 @@ from posttrain.models import (
     response_hidden_states,
     split_for_padding,
 )
+from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.microbatch import equal_micro_batch_count
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
@@ -59,7 +60,7 @@ class CriticWorker:
     """
 
     def __init__(self, config: Any, *, device: str | torch.device | None = None,
-                 module: ValueModel | None = None, seed: int = 0):
+                 module: ValueModel | None = None, seed: int = 0, param_dtype: str | None = None):
         self.config = config
         self.device = torch.device(device) if device is not None else default_device()
         mcfg = config.model
@@ -71,7 +72,10 @@ class CriticWorker:
         elif mcfg.enable_gradient_checkpointing:
             enable_activation_checkpointing(module.backbone)
         self.module = module.to(self.device)
-        self.autocast = functools.partial(autocast_context, self.device, mcfg.fsdp_config.mixed_precision.param_dtype)
+        # the actor's precision when given, else the config's ("auto": timed on the backbone)
+        self.param_dtype = param_dtype or resolve_param_dtype(mcfg.fsdp_config.mixed_precision.param_dtype,
+                                                              self.module.backbone, self.device)
+        self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
         self.optimizer = build_optimizer(self.module.parameters(), config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.generator = torch.Generator().manual_seed(seed)

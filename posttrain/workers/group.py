@@ -99,6 +99,11 @@ class LocalWorkerGroup:
         """Nothing to stop in one process."""
 
 
+def follow_actor(fsdp_config: Any, actor_dtype: str) -> str | None:
+    """A role whose ``param_dtype`` is ``auto`` computes in the precision chosen for the actor."""
+    return actor_dtype if fsdp_config.mixed_precision.param_dtype == "auto" else None
+
+
 def build_local_group(config: Any, device: torch.device, seed: int, actor_module: Any = None,
                       critic_module: Any = None, tokenizer: Any = None) -> LocalWorkerGroup:
     """Actor (+ hybrid rollout), reference when KL is used, critic for GAE, in this process.
@@ -111,14 +116,18 @@ def build_local_group(config: Any, device: torch.device, seed: int, actor_module
     from posttrain.workers import ActorWorker, CriticWorker, RefWorker
 
     arr = config.actor_rollout_ref
-    ref = None
-    if uses_reference(config):
-        if actor_module is None:
-            ref = RefWorker.from_config(arr.model, arr.ref, arr.rollout, device=device)
-        else:
-            ref = RefWorker(copy.deepcopy(actor_module), arr.ref, arr.rollout, device=device,
-                            remove_padding=bool(arr.model.use_remove_padding))
+    initial = copy.deepcopy(actor_module) if actor_module is not None and uses_reference(config) else None
     actor = ActorWorker(arr.model, arr.actor, arr.rollout, device=device, module=actor_module,
                         tokenizer=tokenizer, seed=seed)
-    critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed) if uses_critic(config) else None
+    ref = critic = None
+    if uses_reference(config):
+        dtype = follow_actor(arr.ref.fsdp_config, actor.param_dtype)
+        if initial is None:
+            ref = RefWorker.from_config(arr.model, arr.ref, arr.rollout, device=device, param_dtype=dtype)
+        else:
+            ref = RefWorker(initial, arr.ref, arr.rollout, device=device, param_dtype=dtype,
+                            remove_padding=bool(arr.model.use_remove_padding))
+    if uses_critic(config):
+        critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed,
+                              param_dtype=follow_actor(config.critic.model.fsdp_config, actor.param_dtype))
     return LocalWorkerGroup(actor, ref, critic)

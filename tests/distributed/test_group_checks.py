@@ -29,3 +29,30 @@ def test_one_rank_trains_without_ray(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     history = tiny_trainer(tmp_path, ["trainer.total_training_steps=1"]).fit()
     assert [row["step"] for row in history] == [1]
+
+
+def _agreed_dtype_on_rank(rank, world, cache_dir):
+    """Rank 0 times its model (each rank's own timing could differ); every rank gets rank 0's answer."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from helpers.tiny_models import tiny_llama
+    from helpers.tokenizer import build_tiny_tokenizer
+    from posttrain.distributed.rank import RankWorker
+
+    os.environ["POSTTRAIN_CACHE_DIR"] = f"{cache_dir}/rank{rank}"  # no shared cache: rank 0 really measures
+    me = SimpleNamespace(rank=rank, device=torch.device("cpu"))
+    fsdp = SimpleNamespace(mixed_precision=SimpleNamespace(param_dtype="auto"))
+    choice = RankWorker._agreed_param_dtype(me, fsdp, tiny_llama(build_tiny_tokenizer()))
+    measured = os.path.exists(f"{cache_dir}/rank{rank}/precision.json")
+    return {"choice": choice, "measured": measured}
+
+
+def test_ranks_agree_on_rank_zeros_auto_precision(tmp_path):
+    from posttrain.distributed.fsdp import run_local_ranks
+
+    results = run_local_ranks(_agreed_dtype_on_rank, 2, str(tmp_path))
+    assert results[0]["choice"] == results[1]["choice"] in ("bf16", "fp32")
+    assert [r["measured"] for r in results] == [True, False]
