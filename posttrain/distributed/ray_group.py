@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from posttrain.errors import PosttrainError
 from posttrain.distributed.cluster import (ClusterResourceError, bundle_for, check_resources, describe_nodes,
                                            free_resources_per_node, ip_sort_key)
 
@@ -43,8 +44,10 @@ __all__ = ["RankInfo", "RayWorkerGroup", "WorkerGroupError", "assign_ranks", "no
 _POLL_S = 1.0  # how often a waiting driver wakes to check the overall call timeout
 
 
-class WorkerGroupError(RuntimeError):
-    """A rank failed; ``rank``, ``host``, ``ip``, ``method`` and ``detail`` say where and how."""
+class WorkerGroupError(PosttrainError, RuntimeError):
+    """A rank failed; ``rank``, ``host``, ``ip``, ``method`` and ``detail`` say where and how. The
+    command line prints the message as one ``error:`` line (it already names the rank's error and the
+    file and line that raised it; ``--debug`` adds the driver's traceback) and exits with 1."""
 
     def __init__(self, message: str, *, rank: int | None = None, host: str = "?", ip: str = "?",
                  method: str = "?", detail: str = ""):
