@@ -77,7 +77,12 @@ class RLTrainer:
             from posttrain.models import load_tokenizer
 
             m = config.actor_rollout_ref.model
-            tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code, custom_chat_template=m.custom_chat_template)
+            try:
+                tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code,
+                                           custom_chat_template=m.custom_chat_template)
+            except (OSError, ValueError) as err:  # not on the hub, offline and not cached, no tokenizer files
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise ConfigError(f"actor_rollout_ref.model.path={m.path}: cannot load its tokenizer ({reason})") from err
         self.tokenizer = tokenizer
         self.data = setup.build_data(config, tokenizer)
         self.reward_fn = setup.build_reward_fn(config, tokenizer)

@@ -199,3 +199,11 @@ def test_resume_path_from_elsewhere_into_a_folder_with_other_checkpoints_is_refu
     with pytest.raises(ConfigError, match=r"trainer.resume_from_path=.*elsewhere/global_step_2 is outside "
                                           r"trainer.default_local_dir=.*ckpt, which holds another run's checkpoints"):
         RLTrainer(_config(tmp_path, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={other}"]))
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_clear_error(tmp_path, no_models):
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=rf"actor_rollout_ref.model.path={folder}: cannot load its tokenizer"):
+        RLTrainer(_config(tmp_path, [f"actor_rollout_ref.model.path={folder}"]))
