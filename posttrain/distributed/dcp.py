@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from posttrain.checkpoint import CheckpointError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -62,8 +64,9 @@ _METADATA_CLASSES = {
 }
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file asked to load something other than plain checkpoint data; nothing was executed."""
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint file asked to load something other than plain checkpoint data; nothing was executed
+    (a `CheckpointError`: the command line prints it as one line)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
