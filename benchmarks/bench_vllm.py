@@ -99,6 +99,9 @@ def bench_generation(args, hf_trainer, batches: list, log=print) -> dict[str, An
     for dtype in [d for d in args.vllm_dtypes.split(",") if d]:
         cfg = copy.copy(actor.rollout_config)
         cfg.dtype, cfg.enforce_eager = dtype, not args.compile
+        if args.vllm_kwargs:
+            cfg.engine_kwargs = copy.copy(cfg.engine_kwargs)
+            cfg.engine_kwargs.vllm = {**cfg.engine_kwargs.vllm, **_parse_kwargs(args.vllm_kwargs)}
         start = time.perf_counter()
         engine = VLLMRolloutEngine(actor.module, actor.tokenizer, config=cfg, seed=0)
         startup = time.perf_counter() - start
@@ -115,6 +118,13 @@ def bench_generation(args, hf_trainer, batches: list, log=print) -> dict[str, An
         log(f"  vllm ({dtype}): {r['tokens_per_s']:.1f} tokens/s = {r['tokens_per_s'] / results['hf']['tokens_per_s']:.2f}x hf"
             f" (start-up {startup:.1f} s, weight push {r['push_s']:.2f} s)")
     return results
+
+
+def _parse_kwargs(items: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs for ``engine_kwargs.vllm`` (values parsed as YAML scalars)."""
+    import yaml
+
+    return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in items)}
 
 
 def bench_step(args, trainer, batches: list, log=print) -> dict[str, Any]:
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batches", type=int, default=2, help="distinct prompt batches in each timed pass")
     p.add_argument("--repeats", type=int, default=2, help="timed passes over the batches")
     p.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM engines for the generation comparison")
+    p.add_argument("--vllm-kwargs", nargs="*", default=[], help="engine_kwargs.vllm entries (key=value) for the generation engines")
     p.add_argument("--step-vllm-dtype", default="float32", help="rollout.dtype of the vllm trainer's GRPO step")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per engine (the first is not counted)")
     p.add_argument("--compile", action="store_true", help="leave enforce_eager off (CPU: ~50 s of compilation)")

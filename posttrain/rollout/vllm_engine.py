@@ -113,8 +113,15 @@ def import_vllm():
     return vllm
 
 
+CPU_BLOCK_SIZE = 32
+"""KV block size on CPU (vLLM's CPU default is 128): the n samples of a prompt share its KV blocks
+through the prefix cache, and only whole blocks are shared, so a smaller block leaves less of each
+prompt to prefill again per sample. Measured on the built-in prompts (~200 tokens, n=4): bf16
+generation 1.98x the hf engine's tokens/s with 32 against 1.63x with 128 (contended machine)."""
+
+
 def cpu_kv_cache_bytes(hf_config: Any, max_model_len: int, max_num_seqs: int, dtype: str,
-                       cap: int = CPU_KV_CACHE_CAP) -> int:
+                       cap: int = CPU_KV_CACHE_CAP, block: int = CPU_BLOCK_SIZE) -> int:
     """KV-cache bytes for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most ``cap`` but
     at least two sequences' worth (vLLM's CPU build otherwise takes a share of the node's RAM)."""
     text = getattr(hf_config, "text_config", None) or hf_config
@@ -122,7 +129,6 @@ def cpu_kv_cache_bytes(hf_config: Any, max_model_len: int, max_num_seqs: int, dt
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-    block = 128  # vLLM's CPU block size
     one_seq = -(-max_model_len // block) * block * per_token
     return int(max(min(one_seq * max_num_seqs, cap), 2 * one_seq))
 
@@ -193,10 +199,11 @@ class VLLMRolloutEngine:
                 kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0), int(max_len))
         extra = dict(_get(_get(c, "engine_kwargs", None), "vllm", None) or {})
         if self.on_cpu:
+            kwargs["block_size"] = int(extra.get("block_size", CPU_BLOCK_SIZE))
             if "kv_cache_memory_bytes" not in extra and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                     hf_config, int(max_len or getattr(hf_config, "max_position_embeddings", 2048)),
-                    int(kwargs.get("max_num_seqs", 256)), dtype)
+                    int(kwargs.get("max_num_seqs", 256)), dtype, block=kwargs["block_size"])
         else:
             kwargs["gpu_memory_utilization"] = float(_get(c, "gpu_memory_utilization", 0.5))
             kwargs["enable_sleep_mode"] = self.sleeps

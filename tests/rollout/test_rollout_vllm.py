@@ -73,8 +73,9 @@ def test_cpu_kv_cache_size_hand_case():
 
     cfg = SimpleNamespace(num_attention_heads=9, hidden_size=576, num_key_value_heads=3, num_hidden_layers=30)
     # SmolLM2-135M: 2 (K, V) x 30 layers x 3 heads x 64 x 4 bytes = 46,080 bytes per token (fp32);
-    # 280 tokens round up to 3 blocks of 128 = 384 tokens per sequence
-    one = 384 * 46080
+    # 280 tokens round up to 9 blocks of 32 = 288 tokens per sequence (3 blocks of 128 = 384)
+    assert cpu_kv_cache_bytes(cfg, 280, 16, "float32", block=128) == 16 * 384 * 46080
+    one = 288 * 46080
     assert cpu_kv_cache_bytes(cfg, 280, 16, "float32") == 16 * one
     assert cpu_kv_cache_bytes(cfg, 280, 1024, "float32") == 1 << 30  # capped
     assert cpu_kv_cache_bytes(cfg, 280, 1, "bfloat16") == 2 * one // 2  # floor: two sequences
@@ -130,8 +131,8 @@ def test_sampled_log_probs_are_the_actors_at_the_temperature(engine, tok):
 
 @vllm_only
 def test_push_resets_the_prefix_cache(engine, tok):
-    """Prompts sharing 256 tokens (two CPU cache blocks): after a push, the cached keys/values of the
-    old weights must not be reused, so the output is the new model's."""
+    """Prompts sharing 260 tokens (eight cache blocks of 32): after a push, the cached keys/values of
+    the old weights must not be reused, so the output is the new model's."""
     shared = "abcdefghij" * 26
     prompts = tiny_prompt_batch(tok, [shared + "1+1=", shared + "2+2="])
     old, new = vllm_llama(tok, seed=3), vllm_llama(tok, seed=4)
