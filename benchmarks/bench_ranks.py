@@ -4,7 +4,7 @@
     python benchmarks/bench_ranks.py --steps 2 --json out.json
 
 The work is the built-in run (`posttrain/config/builtin.yaml`: SmolLM2-135M-Instruct, GRPO, 8 prompts
-x 4 samples, up to 24 new tokens, fp32) with validation and checkpoints off. Both layouts use the same
+x 4 samples, up to 24 new tokens), computed in fp32 with validation and checkpoints off. Both layouts use the same
 2 cores: the one-process run gives torch 2 threads; the 2-rank run gives each rank (a Ray actor with an
 FSDP2-sharded actor and reference, gloo) 1 thread and half the batch.
 
@@ -28,7 +28,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py: spinni
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[file]",
-         "trainer.resume_mode=disable", "trainer.device=cpu"]
+         "trainer.resume_mode=disable", "trainer.device=cpu", "trainer.start_over=True",
+         # fp32 in both layouts (the README's figures): bf16 over gloo is less certain than fp32
+         "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+         "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32"]
 
 
 def run(ranks: int, steps: int, workdir: Path) -> dict:
