@@ -2,8 +2,14 @@
 them and, on a busy 2-core machine, its barriers make each small matmul far slower, so every test
 runs torch on one thread (tests that measure threading can raise it themselves)."""
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# `param_dtype=auto` caches its measurement per machine; tests keep theirs out of ~/.cache
+os.environ.setdefault("POSTTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="posttrain-test-cache-"))
 
 
 @pytest.fixture(autouse=True)

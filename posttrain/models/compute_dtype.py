@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,8 +31,12 @@ PROBE_ROWS, PROBE_TOKENS, PROBE_RESPONSE = 4, 128, 32
 """The timed batch: 4 rows of 128 tokens, the last 32 scored (well under a second for a 135M model)."""
 
 
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)  # a diagnostic: stdout may carry a result (eval --json)
+
+
 def resolve_param_dtype(requested: str, module: nn.Module, device: torch.device,
-                        log: Callable[[str], None] = print) -> str:
+                        log: Callable[[str], None] = _to_stderr) -> str:
     """``requested`` unless it is ``auto``; then the measured (or cached) faster of bf16 and fp32."""
     if requested != "auto":
         return requested
