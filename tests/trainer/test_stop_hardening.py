@@ -34,6 +34,18 @@ def _wait_for(path: Path, proc, timeout=180):
         time.sleep(0.05)
 
 
+def _signal_when(marker: Path, overrides, sig) -> tuple[int, str]:
+    """Start a run, send ``sig`` once it creates ``marker``; (exit code, its output)."""
+    proc = _start(overrides)
+    try:
+        _wait_for(marker, proc)
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, out
+
+
 def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path):
     marker = tmp_path / "hanging"
     reward = tmp_path / "reward.py"
@@ -51,14 +63,8 @@ def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path
     """))
     overrides = tiny_overrides(tmp_path, ["trainer.total_training_steps=5", f"custom_reward_function.path={reward}",
                                           "reward.timeout_s=600"])
-    proc = _start(overrides)
-    try:
-        _wait_for(marker, proc)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    returncode, out = _signal_when(marker, overrides, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "received SIGTERM: stopping the reward computation of step 2 now" in out
     assert "stopped by SIGTERM after step 1; checkpoint saved to" in out
     manager = CheckpointManager(tmp_path / "ckpt")
@@ -70,14 +76,9 @@ def test_ctrl_c_during_start_up_says_nothing_is_saved(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(f"import time\nopen({str(marker)!r}, 'w').close()\ntime.sleep(600)\n"
                       "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    proc = _start(tiny_overrides(tmp_path, [f"custom_reward_function.path={reward}"]))
-    try:
-        _wait_for(marker, proc)
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out[-3000:]
+    overrides = tiny_overrides(tmp_path, [f"custom_reward_function.path={reward}"])
+    returncode, out = _signal_when(marker, overrides, signal.SIGINT)
+    assert returncode == 130, out[-3000:]
     assert "received SIGINT during start-up: nothing has been trained yet, so there is nothing to save" in out
     assert "Traceback" not in out
     assert CheckpointManager(tmp_path / "ckpt").step_dirs() == []  # nothing saved (the folder was only claimed)
@@ -93,15 +94,10 @@ def test_ctrl_c_during_the_first_validation_says_what_it_does(tmp_path):
             open({str(marker)!r}, "w").close()
             time.sleep(600)
     """))
-    proc = _start(tiny_overrides(tmp_path, [f"custom_reward_function.path={reward}", "trainer.val_before_train=True",
-                                            "reward.timeout_s=600"]))
-    try:
-        _wait_for(marker, proc)
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out[-3000:]
+    overrides = tiny_overrides(tmp_path, [f"custom_reward_function.path={reward}", "trainer.val_before_train=True",
+                                          "reward.timeout_s=600"])
+    returncode, out = _signal_when(marker, overrides, signal.SIGINT)
+    assert returncode == 130, out[-3000:]
     assert "received SIGINT: stopping the validation before training; nothing is trained yet" in out
     assert "stopped by SIGINT before the first step: nothing was trained, so nothing was saved" in out
     assert CheckpointManager(tmp_path / "ckpt").step_dirs() == []
