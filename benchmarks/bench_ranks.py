@@ -26,7 +26,6 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py: spinning threads on a busy machine
 
-ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[file]",
          "trainer.resume_mode=disable", "trainer.device=cpu", "trainer.start_over=True",
          # fp32 in both layouts (the README's figures): bf16 over gloo is less certain than fp32
@@ -37,7 +36,7 @@ QUIET = ["trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save
 def run(ranks: int, steps: int, workdir: Path) -> dict:
     import torch
 
-    from posttrain.config import load_config
+    from posttrain.config import BUILTIN_CONFIG, load_config
     from posttrain.trainer.trainer import RLTrainer
 
     torch.set_num_threads(2 if ranks == 1 else 1)
@@ -45,7 +44,7 @@ def run(ranks: int, steps: int, workdir: Path) -> dict:
     micro = [] if ranks == 1 else ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
     overrides = QUIET + micro + [f"trainer.n_gpus_per_node={ranks}", f"trainer.total_training_steps={steps + 1}",
                          f"trainer.run_dir={workdir / f'run{ranks}'}", f"trainer.default_local_dir={workdir / 'ckpt'}"]
-    config = load_config(overrides=overrides, base=ROOT / "posttrain" / "config" / "builtin.yaml")
+    config = load_config(overrides=overrides, base=BUILTIN_CONFIG)
     start = time.perf_counter()
     trainer = RLTrainer(config)
     built = time.perf_counter() - start

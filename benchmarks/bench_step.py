@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-BUILTIN_YAML = ROOT / "posttrain" / "config" / "builtin.yaml"
+BUILTIN_YAML = ROOT / "posttrain" / "config" / "builtin.yaml"  # read without importing posttrain
 
 # The built-in run's model and task, for when builtin.yaml is absent.
 FALLBACK_BUILTIN = [

@@ -40,7 +40,7 @@ if "--omp-wait-policy" not in " ".join(sys.argv):
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-BUILTIN_YAML = ROOT / "posttrain" / "config" / "builtin.yaml"
+BUILTIN_YAML = ROOT / "posttrain" / "config" / "builtin.yaml"  # read without importing posttrain
 BUILTIN_STEPS = 15
 
 

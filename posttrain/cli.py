@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-BUILTIN_CONFIG = Path(__file__).parent / "config" / "builtin.yaml"
+from posttrain.config import BUILTIN_CONFIG
 
 
 def _config_cmd(argv: list[str]) -> int:

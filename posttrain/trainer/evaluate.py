@@ -31,9 +31,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["evaluate", "main", "resolve_model"]
+from posttrain.config import BUILTIN_CONFIG
 
-BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "builtin.yaml"
+__all__ = ["evaluate", "main", "resolve_model"]
 
 
 def _is_checkpoint(path: str) -> bool:

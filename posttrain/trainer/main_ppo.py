@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from posttrain.config import load_config
-
-BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "config" / "builtin.yaml"
+from posttrain.config import BUILTIN_CONFIG, load_config
 
 
 def run(config) -> int:
