@@ -4,13 +4,17 @@
 compared exactly with the ground truth. ``flexible``: the last integer anywhere in the reply.
 A reply with an extractable but wrong answer gets ``format_score`` (0 by default: no credit for
 format alone); one with no answer gets 0.
+
+`score_both` is what training and validation use for ``data_source="posttrain/arithmetic"``: the
+strict score as the reward, and both accuracies beside it, so a run shows whether it learned the
+answers (``flexible_acc``) or only the ``#### N`` format (``acc`` rising while ``flexible_acc`` stays).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["extract_answer", "compute_score"]
+__all__ = ["extract_answer", "compute_score", "score_both"]
 
 _STRICT = re.compile(r"####\s*(-?\d[\d,]*)")
 _ANY_INT = re.compile(r"-?\d[\d,]*")
@@ -34,3 +38,9 @@ def compute_score(
     if answer is None:
         return 0.0
     return float(score) if answer == int(str(ground_truth).replace(",", "").strip()) else float(format_score)
+
+
+def score_both(solution_str: str, ground_truth: str | int) -> dict[str, float]:
+    """``{"score": strict, "acc": strict, "flexible_acc": flexible}`` (1.0 right, 0.0 wrong)."""
+    strict = compute_score(solution_str, ground_truth, method="strict")
+    return {"score": strict, "acc": strict, "flexible_acc": compute_score(solution_str, ground_truth, method="flexible")}

@@ -37,7 +37,7 @@ def default_compute_score(
     elif data_source in _ARITHMETIC:
         from posttrain.rewards import arithmetic
 
-        res = arithmetic.compute_score(solution_str, ground_truth)
+        res = arithmetic.score_both(solution_str, ground_truth)  # strict reward, flexible beside it
     else:
         raise UnknownDataSourceError(
             f"no built-in reward for data_source={data_source!r}; known: {list(KNOWN_DATA_SOURCES)}. "

@@ -125,7 +125,7 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     reward_fn = build_reward_fn(config, tok)
     key = config.data.reward_fn_key
     with torch.no_grad():
-        _, samples = run_validation(list(loader), lambda p: engine.generate(p, sampling), reward_fn, 1, key)
+        metrics, samples = run_validation(list(loader), lambda p: engine.generate(p, sampling), reward_fn, 1, key)
     rows = []
     for sample in samples:
         out = sample["batch"]
@@ -146,19 +146,27 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
         "model": model,
         "data": files if isinstance(files, list) else [files],
         "max_response_length": length,
-        "per_source": {s: {"n": len(v), "accuracy": sum(v) / len(v)} for s, v in sorted(per.items())},
+        "per_source": {s: {"n": len(v), "accuracy": sum(v) / len(v), **_flexible(metrics, s)}
+                       for s, v in sorted(per.items())},
         "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan")},
         "rows": rows,
     }
+
+
+def _flexible(metrics: dict[str, float], source: str) -> dict[str, float]:
+    """The scorer's flexible accuracy (last number in the reply) where it reports one."""
+    value = metrics.get(f"val-aux/{source}/flexible_acc/mean@1")
+    return {} if value is None else {"flexible_accuracy": value}
 
 
 def format_result(res: dict[str, Any], show: int = 0) -> str:
     width = max([len("data_source"), len("overall")] + [len(s) for s in res["per_source"]])
     lines = [f"model: {res['model']}", f"data: {', '.join(map(str, res['data']))}",
              f"greedy, at most {res['max_response_length']} new tokens",
-             f"{'data_source':<{width}}  {'n':>6}  {'accuracy':>8}"]
+             f"{'data_source':<{width}}  {'n':>6}  {'accuracy':>8}  {'flexible':>8}"]
     for source, v in res["per_source"].items():
-        lines.append(f"{source:<{width}}  {v['n']:>6}  {v['accuracy']:>8.4f}")
+        flexible = f"{v['flexible_accuracy']:>8.4f}" if "flexible_accuracy" in v else f"{'-':>8}"
+        lines.append(f"{source:<{width}}  {v['n']:>6}  {v['accuracy']:>8.4f}  {flexible}")
     lines.append(f"{'overall':<{width}}  {res['overall']['n']:>6}  {res['overall']['accuracy']:>8.4f}")
     for r in res["rows"][:show]:
         lines.append(f"--- score {r['score']:g} (ground truth {r['ground_truth']}): {r['response']!r}")

@@ -12,7 +12,7 @@ def _val_points(history: list[dict]) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for row in history:
         for key, value in row.items():
-            if key.startswith("val-core/"):
+            if key.startswith("val-core/") or (key.startswith("val-aux/") and "acc/" in key):
                 out.setdefault(key, []).append((row["step"], value))
     return out
 
@@ -46,7 +46,7 @@ def plot_curves(history: list[dict], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, scores, label="train reward (mean score)")
     for key, points in _val_points(history).items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key.replace("val-core/", "val "))
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key.replace("val-core/", "val ").replace("val-aux/", "val "))
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)

@@ -57,10 +57,22 @@ def test_dispatch():
     assert default_compute_score("openai/gsm8k", "72", "72") == 0.0
     for src in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
         assert default_compute_score(src, "\\boxed{\\frac{2}{4}}", "\\frac{1}{2}") == 1.0
-    assert default_compute_score("posttrain/arithmetic", "#### 9", "9", extra_info={"index": 0}) == 1.0
+    both = {"score": 1.0, "acc": 1.0, "flexible_acc": 1.0}
+    assert default_compute_score("posttrain/arithmetic", "#### 9", "9", extra_info={"index": 0}) == both
     assert isinstance(default_compute_score("openai/gsm8k", "#### 7", "72"), float)
     with pytest.raises(UnknownDataSourceError, match=r"data_source='my/data'; known: \['openai/gsm8k'") as e:
         default_compute_score("my/data", "x", "y")
     assert "custom_reward_function.path" in str(e.value)
     assert isinstance(e.value, NotImplementedError)
     assert "posttrain/arithmetic" in KNOWN_DATA_SOURCES
+
+
+@pytest.mark.parametrize("reply,strict,flexible", [
+    ("4 + 5 = 9\n#### 9", 1.0, 1.0),
+    ("4 + 5 = 9", 0.0, 1.0),             # right answer, no format: only the flexible reading credits it
+    ("#### 9 but really 8", 1.0, 0.0),    # strict reads after ####, flexible the last number
+    ("4 + 5 = 8\n#### 8", 0.0, 0.0),
+    ("no number", 0.0, 0.0),
+])
+def test_builtin_task_reports_strict_and_flexible(reply, strict, flexible):
+    assert arithmetic.score_both(reply, "9") == {"score": strict, "acc": strict, "flexible_acc": flexible}

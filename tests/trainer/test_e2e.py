@@ -60,3 +60,30 @@ def test_validation_metric_per_data_source(tmp_path):
     assert history[0]["step"] == 0
     assert "val-core/posttrain/arithmetic/reward/mean@1" in history[0]
     assert "val-core/posttrain/arithmetic/reward/mean@1" in history[1]
+    strict, flexible = (history[0][f"val-aux/posttrain/arithmetic/{k}/mean@1"] for k in ("acc", "flexible_acc"))
+    assert strict == history[0]["val-core/posttrain/arithmetic/reward/mean@1"] and flexible >= strict
+
+
+def test_validation_reports_the_scorers_numbers_per_data_source():
+    """`val-aux/<source>/<name>/mean@n` is the mean of what the scorer returned beside its score, per
+    data source (hand-computed); the manager's error count is not among them."""
+    import numpy as np
+    import torch
+
+    from posttrain.batch import Batch
+    from posttrain.trainer.validation import run_validation
+
+    sources = np.array(["a", "b", "a", "a"], dtype=object)
+    prompts = Batch.from_single_dict({"input_ids": torch.zeros(4, 2, dtype=torch.long), "data_source": sources})
+
+    def score(out):
+        extra = {"acc": np.array([1.0, 0.0, 0.0, 1.0]), "flexible_acc": np.array([1.0, 1.0, 1.0, 0.0]),
+                 "reward/errors": np.array([0.0, 0.0, 0.0, 1.0]), "note": np.array(["x"] * 4, dtype=object)}
+        return torch.tensor([[1.0], [0.0], [0.0], [1.0]]), extra
+
+    metrics, _ = run_validation([prompts], lambda p: p, score, 1)
+    assert metrics == {
+        "val-core/a/reward/mean@1": pytest.approx(2 / 3), "val-core/b/reward/mean@1": 0.0,
+        "val-aux/a/acc/mean@1": pytest.approx(2 / 3), "val-aux/b/acc/mean@1": 0.0,
+        "val-aux/a/flexible_acc/mean@1": pytest.approx(2 / 3), "val-aux/b/flexible_acc/mean@1": 1.0,
+    }

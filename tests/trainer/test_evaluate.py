@@ -92,11 +92,11 @@ def independent(model, tok, files, score_fn) -> dict[str, tuple[int, float]]:
 
 
 def _printed(out: str) -> dict[str, tuple[int, float]]:
-    """The table rows `source  n  accuracy` of the plain output."""
+    """The table rows `source  n  accuracy [flexible]` of the plain output."""
     rows = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[1].isdigit():
+        if len(parts) in (3, 4) and parts[1].isdigit():
             rows[parts[0]] = (int(parts[1]), float(parts[2]))
     return rows
 
@@ -138,6 +138,8 @@ def test_eval_default_scorer_and_builtin_style_data(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["overall"]["n"] == 6 and res["overall"]["accuracy"] == pytest.approx(want["overall"][1])
     assert res["per_source"]["posttrain/arithmetic"]["accuracy"] == pytest.approx(want["posttrain/arithmetic"][1])
+    flexible = independent(model, tok, [test], lambda s, gt: arithmetic.compute_score(s, gt, method="flexible"))
+    assert res["per_source"]["posttrain/arithmetic"]["flexible_accuracy"] == pytest.approx(flexible["overall"][1])
 
 
 def test_eval_a_checkpoint_equals_its_model(tmp_path, capsys):
