@@ -97,6 +97,7 @@ class RLTrainer:
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
         self.use_critic = uses_critic(config)
+        self.old_log_probs_from = old_log_probs_source(config, self.sizes)
         self.global_step = 0
         self.history: list[dict[str, float]] = []
         self._saved_step: int | None = None  # the step this process last saved
@@ -140,9 +141,9 @@ class RLTrainer:
             with timer("reward"):
                 batch["token_level_scores"], extra = self.reward_fn(batch)
                 metrics.update(_extra_metrics(extra))
-            if uses_bypass_mode(correction):  # the engine's log-probs are the old ones: no recompute
+            if self.old_log_probs_from == "rollout":  # bypass_mode: the engine's log-probs, no recompute
                 batch["old_log_probs"] = batch["rollout_log_probs"]
-            else:
+            elif self.old_log_probs_from == "recompute":
                 with timer("old_log_prob"):
                     batch["old_log_probs"], entropy = w.compute_log_prob(batch)
                     metrics.update(mean_entropy(entropy, batch["response_mask"]))
@@ -153,7 +154,7 @@ class RLTrainer:
             if self.use_critic:
                 with timer("values"):
                     batch["values"] = w.compute_values(batch)
-            if "rollout_log_probs" in batch.batch.keys() and not uses_bypass_mode(correction):
+            if "rollout_log_probs" in batch.batch.keys() and self.old_log_probs_from == "recompute":
                 weights, batch["response_mask"], corr_metrics = apply_rollout_correction(
                     batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction)
                 if weights is not None:
@@ -348,6 +349,26 @@ class RLTrainer:
 GRPOTrainer = RLTrainer
 PPOTrainer = RLTrainer
 RayPPOTrainer = RLTrainer
+
+
+def old_log_probs_source(config: PostTrainConfig, sizes: Any) -> str:
+    """Where a step's old log-probs come from: ``rollout`` (``rollout_correction.bypass_mode``),
+    ``update`` or ``recompute`` (a separate no-grad pass of the actor, verl's ``compute_log_prob``).
+
+    ``update``: when the actor's update is one epoch of one mini-batch, the policy cannot move
+    before it is evaluated, so the update's own first forward, detached, is exactly what the extra
+    pass would compute (verl's ``on_policy`` branch of ``update_policy``). The pass is skipped
+    unless something else reads the old log-probs first: KL in the reward, or a rollout
+    correction that weighs or rejects tokens. The actor then reports the entropy and the
+    rollout/actor log-prob gap from that forward instead."""
+    correction = config.algorithm.rollout_correction
+    if uses_bypass_mode(correction):
+        return "rollout"
+    actor = config.actor_rollout_ref.actor
+    on_policy = actor.ppo_epochs == 1 and sizes.actor.mini_batches_per_step == 1
+    read_before_update = (config.algorithm.use_kl_in_reward or correction.rollout_is is not None
+                          or correction.rollout_rs is not None)
+    return "update" if on_policy and not read_before_update else "recompute"
 
 
 def seed_everything(seed: int) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+from posttrain.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
 from posttrain.models import (
     autocast_context,
     compute_response_logprobs,
@@ -155,6 +155,9 @@ class ActorWorker:
         share = float(mask.sum()) / max(info["batch_num_tokens"], 1.0)  # token share of the mini-batch
         meter.add("actor/pg_loss", pg_loss)
         meter.add("actor/entropy", entropy_agg)
+        if "old_log_probs" not in mb and "rollout_log_probs" in mb:  # on-policy: no separate pass measured the gap
+            gap = (mb["rollout_log_probs"].exp() - log_prob.detach().float().exp()).abs()
+            meter.add("training/rollout_actor_probs_diff_mean", masked_mean(gap, mask.float()), share)
         for name, value in pg_metrics.items():
             meter.add(name, value, share)
         return loss.detach()
@@ -181,6 +184,7 @@ class ActorWorker:
         keys = [*_LOGPROB_KEYS, "advantages"] + (["old_log_probs"] if "old_log_probs" in batch else [])
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         keys += [k for k in ("response_mask", "rollout_is_weights") if k in batch]
+        keys += ["rollout_log_probs"] if "rollout_log_probs" in batch and "old_log_probs" not in batch else []
         data = {k: batch[k] for k in keys}
         data["response_mask"] = response_mask_of(data)
         temperature = _temperature(batch, self.rollout_config)
