@@ -326,13 +326,15 @@ class ActorModelConfig:
     use_remove_padding: bool = False
     """Drop padding tokens before the forward pass (packed sequences)."""
     lora_rank: int = 0
-    """LoRA rank (0: full fine-tuning; LoRA not supported yet)."""
+    """LoRA rank (0: full fine-tuning); > 0 trains peft LoRA adapters on a frozen base, and the reference policy is the actor with its adapters disabled (no second model)."""
     lora_alpha: int = 16
-    """LoRA alpha."""
+    """LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank."""
     target_modules: Any = "all-linear"
-    """LoRA target modules."""
-    exclude_modules: Optional[str] = None
-    """LoRA modules to skip."""
+    """Layers given adapters: all-linear (every nn.Linear but lm_head), a list of module names (q_proj, v_proj, ...), or a regex on full module names."""
+    exclude_modules: Any = None
+    """Modules kept without adapters: a list of module names or a regex on full module names."""
+    lora_adapter_path: Optional[str] = None
+    """A peft LoRA adapter folder (save_pretrained) to start from; its own rank, alpha and target modules apply."""
     use_liger: bool = False
     """Use Liger kernels."""
     use_fused_kernels: bool = False

@@ -328,14 +328,26 @@ def _clean(name: str) -> str:
 
 
 def _named_params(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF names of every parameter, tied twins under each of their names."""
-    for name, p in module.named_parameters(remove_duplicate=False):
+    """HF names of every parameter, tied twins under each of their names; a LoRA model's base
+    parameters under the base model's names (its adapter matrices have no place in the engine)."""
+    from posttrain.models.lora import has_lora, unmerged_base_names
+
+    named = unmerged_base_names(module) if has_lora(module) else module.named_parameters(remove_duplicate=False)
+    for name, p in named:
         yield _clean(name), p
 
 
 def _named_tensors(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """One full tensor at a time, in the engine's dtype: an FSDP2 shard is all-gathered (a collective)
-    only when reached, and each tensor can be freed as soon as the engine has copied it."""
+    only when reached, and each tensor can be freed as soon as the engine has copied it. A LoRA
+    model's adapters are merged into the weights they adapt (``W + scaling * B @ A``), pushed under
+    the base names, as verl does when vLLM's own LoRA mode is off."""
+    from posttrain.models.lora import has_lora, merged_named_tensors
+
+    if has_lora(module):
+        for name, full in merged_named_tensors(module, dtype):
+            yield _clean(name), full
+        return
     for name, p in _named_params(module):
         full = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
         yield name, full if dtype is None or not full.is_floating_point() else full.to(dtype)

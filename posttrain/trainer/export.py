@@ -5,6 +5,13 @@ latest complete checkpoint). The model is rebuilt from ``actor/huggingface/confi
 ``quantization_config`` (GGUF-loaded models carry one and transformers refuses to save them), the
 weights are loaded strictly from ``model.safetensors`` (or gathered from the ranks' ``dcp/`` shards), and the folder is written with safetensors
 plus the tokenizer, ready for ``AutoModelForCausalLM.from_pretrained(DIR)``.
+
+A LoRA checkpoint holds the adapters alone (``actor/lora_adapter/``, a peft folder, and
+``actor/lora_base.json``, the base model's path, dtype and weight digest): the base is loaded from
+that path (refused when its weights are not the ones the adapters were trained on), the adapters
+are merged into it (``W + alpha / r * B @ A``, peft's ``merge_and_unload``) and DIR gets the merged
+model, plus ``DIR/lora_adapter/``, the adapter folder itself (``PeftModel.from_pretrained(base,
+DIR/lora_adapter)``).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import inspect
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +33,7 @@ from posttrain.checkpoint import (
     CheckpointManager,
     verify_checkpoint,
 )
+from posttrain.models.lora import ADAPTER_DIR
 from posttrain.workers.role_state import DCP_DIR, read_full_weights
 
 __all__ = ["export_actor", "main", "resolve_checkpoint"]
@@ -66,7 +75,10 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    if (actor / DCP_DIR).is_dir():  # saved by FSDP2 ranks: DCP gathers the shards into the full model
+    adapter = actor / ADAPTER_DIR
+    if (adapter / "adapter_config.json").exists():  # LoRA: base model + adapters, merged
+        model = merged_lora_model(actor)
+    elif (actor / DCP_DIR).is_dir():  # saved by FSDP2 ranks: DCP gathers the shards into the full model
         model = AutoModelForCausalLM.from_config(config)
         read_full_weights(actor, model)
     else:
@@ -80,6 +92,8 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
         # transformers 4 needs safe_serialization=True; 5 dropped the argument and always writes safetensors.
         takes_flag = "safe_serialization" in inspect.signature(model.save_pretrained).parameters
         model.save_pretrained(folder, **({"safe_serialization": True} if takes_flag else {}))
+        if (adapter / "adapter_config.json").exists():
+            shutil.copytree(adapter, folder / ADAPTER_DIR)
         if (hf_dir / "tokenizer_config.json").exists():
             AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False).save_pretrained(folder)
         else:
@@ -87,6 +101,32 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
 
     _write_atomically(out, write)
     return out
+
+
+def merged_lora_model(role_dir: Path) -> torch.nn.Module:
+    """The base model named by ``role_dir/lora_base.json`` with ``role_dir/lora_adapter/`` merged in."""
+    import warnings
+
+    from peft import PeftModel
+
+    from posttrain.models import load_causal_lm
+    from posttrain.models.lora import base_digest, read_base_record, same_digest
+
+    record = read_base_record(role_dir)
+    path, dtype = record.get("model_path"), record.get("model_dtype", "fp32")
+    try:
+        base = load_causal_lm(path, dtype=dtype, device="cpu")
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"the LoRA checkpoint {role_dir} was trained on the base model {path} "
+                              f"({role_dir / 'lora_base.json'}), which cannot be loaded here: "
+                              f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+    if not same_digest(base_digest(base), record.get("digest", {})):
+        raise CheckpointError(f"the base model at {path} is not the one the LoRA adapters of {role_dir} were trained "
+                              "on (its weights differ): merging them would give a different model")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        peft_model = PeftModel.from_pretrained(base, str(role_dir / ADAPTER_DIR))
+    return peft_model.merge_and_unload()
 
 
 def _check_output(out: Path, step_dir: Path) -> Path:
@@ -116,9 +156,10 @@ def _write_atomically(out: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         write(tmp)
-        for name in os.listdir(tmp):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
+        for dirpath, _, names in os.walk(tmp):  # the files of lora_adapter/ too
+            for name in names:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    os.fsync(f.fileno())
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)

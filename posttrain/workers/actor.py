@@ -29,13 +29,14 @@ from posttrain.models import (
     response_logprobs,
 )
 from posttrain.models.compute_dtype import resolve_param_dtype
+from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
-from posttrain.workers.role_state import load_role_state, save_role_state
+from posttrain.workers.role_state import load_role_state, save_role_state, trainable_parameters
 from posttrain.workers.update import ppo_update
 
-__all__ = ["ActorWorker", "RefWorker"]
+__all__ = ["ActorWorker", "LoraReference", "RefWorker"]
 
 _LOGPROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -71,17 +72,26 @@ class ActorWorker:
         device: defaults to cuda when present, else cpu.
         module, tokenizer: use these instead of loading ``model_config.path`` (tests, sharing).
         seed: seeds the mini-batch shuffle generator.
+        lora: the adapters already injected into ``module`` (a sharded rank applies them before
+            sharding); by default they are added here when ``model_config`` asks for LoRA
+            (``lora_rank > 0`` or ``lora_adapter_path``). With LoRA only the adapters train (the
+            optimizer holds nothing else) and `compute_ref_log_prob` is the reference policy.
     """
 
     def __init__(self, model_config: Any, actor_config: Any, rollout_config: Any = None, *,
                  device: str | torch.device | None = None, module: nn.Module | None = None,
-                 tokenizer: Any = None, seed: int = 0):
+                 tokenizer: Any = None, seed: int = 0, lora: LoraAdapter | None = None):
         self.config, self.rollout_config = actor_config, rollout_config
         self.device = torch.device(device) if device is not None else default_device()
         if module is None:
             module = _load_policy(model_config, actor_config.fsdp_config, self.device)
         elif model_config is not None and model_config.enable_gradient_checkpointing:
             enable_activation_checkpointing(module)
+        settings = lora_settings(model_config, "actor_rollout_ref.model") if model_config is not None else None
+        if lora is None and settings is not None:
+            lora = apply_lora(module, settings, model_path=model_config.path,
+                              model_dtype=actor_config.fsdp_config.model_dtype)
+        self.lora = lora
         self.module = module.to(self.device)
         if tokenizer is None and model_config is not None:
             tokenizer = load_tokenizer(model_config.path, trust_remote_code=model_config.trust_remote_code,
@@ -90,7 +100,8 @@ class ActorWorker:
         self.param_dtype = resolve_param_dtype(actor_config.fsdp_config.mixed_precision.param_dtype, self.module,
                                                self.device)  # "auto": the faster of bf16 / fp32 here
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
-        self.optimizer = build_optimizer(self.module.parameters(), actor_config.optim)
+        # frozen parameters (a LoRA base) stay out of the optimizer: no state, no weight decay
+        self.optimizer = build_optimizer(trainable_parameters(self.module), actor_config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
         self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
         self.generator = torch.Generator().manual_seed(seed)
@@ -130,6 +141,23 @@ class ActorWorker:
             max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
             remove_padding=bool(self.config.use_remove_padding),
         )
+
+    def compute_ref_log_prob(self, batch: Any, ref_config: Any) -> torch.Tensor:
+        """``ref_log_prob`` ``[N, R]``: the LoRA actor with its adapters disabled is the frozen initial
+        policy (verl's "ref in actor": no second model), in ``ref_config``'s micro-batches
+        (``actor_rollout_ref.ref.log_prob_*``), no entropy (as verl's ref pass)."""
+        if self.lora is None:
+            raise RuntimeError("compute_ref_log_prob on the actor needs LoRA (lora_rank > 0); full fine-tuning "
+                               "keeps a separate RefWorker")
+        self.module.eval()
+        with self.lora.disabled():
+            log_probs, _ = compute_response_logprobs(
+                self.module, batch, ref_config.log_prob_micro_batch_size_per_gpu,
+                _temperature(batch, self.rollout_config), False,
+                use_dynamic_bsz=bool(ref_config.log_prob_use_dynamic_bsz),
+                max_token_len=ref_config.log_prob_max_token_len_per_gpu, autocast=self.autocast,
+                remove_padding=bool(self.config.use_remove_padding))
+        return log_probs
 
     # ------------------------------------------------------------------ update
     def _micro_step(self, mb: dict, info: dict, meter: MetricMeter, *, temperature: float) -> torch.Tensor:
@@ -201,13 +229,21 @@ class ActorWorker:
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config and
         tokenizer for export) into
-        the new folder ``folder``; sharded models: every rank calls it (see ``role_state``)."""
+        the new folder ``folder``; sharded models: every rank calls it (see ``role_state``).
+        With LoRA the weights are the adapters alone (the base reloads from ``model.path``), plus
+        ``lora_adapter/`` (a peft folder) and ``lora_base.json`` (which base they belong to)."""
         save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
-                        hf_config=self.module.config, tokenizer=self.tokenizer)
+                        hf_config=self.module.config, tokenizer=self.tokenizer, trainable_only=self.lora is not None)
+        if self.lora is not None:
+            self.lora.write(folder, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""
-        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator)
+        """Restore what `save_checkpoint` wrote, at this or another world size (never executes code).
+        LoRA: refused when the adapters were trained on other base weights."""
+        if self.lora is not None:
+            self.lora.check_base(folder)
+        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
+                        trainable_only=self.lora is not None)
         self.weights_version += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -268,3 +304,27 @@ class RefWorker:
             remove_padding=self.remove_padding,
         )
         return log_probs
+
+
+class LoraReference:
+    """The reference policy of a LoRA actor: the actor's own module with its adapters disabled
+    (verl's ``ref_in_actor``), so no second copy of the model is loaded. Same call as `RefWorker`.
+
+    Args:
+        actor: the `ActorWorker` (with ``lora``).
+        ref_config: ``actor_rollout_ref.ref`` (log-prob micro-batch keys).
+    """
+
+    def __init__(self, actor: ActorWorker, ref_config: Any):
+        if actor.lora is None:
+            raise ValueError("LoraReference needs an actor with LoRA adapters")
+        self.actor, self.config = actor, ref_config
+
+    @property
+    def module(self) -> nn.Module:
+        """The actor's module (a sharded rank moves it on and off the device for this phase)."""
+        return self.actor.module
+
+    def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
+        """``ref_log_prob`` ``[N, R]`` of ``batch['responses']`` under the base model."""
+        return self.actor.compute_ref_log_prob(batch, self.config)

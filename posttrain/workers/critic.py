@@ -25,10 +25,11 @@ from posttrain.models import (
     split_for_padding,
 )
 from posttrain.models.compute_dtype import resolve_param_dtype
+from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.microbatch import equal_micro_batch_count
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
-from posttrain.workers.role_state import load_role_state, save_role_state
+from posttrain.workers.role_state import load_role_state, save_role_state, trainable_parameters
 from posttrain.workers.update import ppo_update
 
 __all__ = ["CriticWorker", "response_values"]
@@ -57,10 +58,15 @@ class CriticWorker:
         device: defaults to cuda when present, else cpu.
         module: a :class:`ValueModel` to use instead of loading ``config.model.path``.
         seed: seeds the mini-batch shuffle generator.
+        lora: LoRA adapters already injected into ``module.backbone`` (a sharded rank applies them
+            before sharding); by default added here when ``critic.model.lora_rank > 0``. The value
+            head stays trainable beside them (verl's LoRA critic keeps its score head in peft's
+            ``modules_to_save``).
     """
 
     def __init__(self, config: Any, *, device: str | torch.device | None = None,
-                 module: ValueModel | None = None, seed: int = 0, param_dtype: str | None = None):
+                 module: ValueModel | None = None, seed: int = 0, param_dtype: str | None = None,
+                 lora: LoraAdapter | None = None):
         self.config = config
         self.device = torch.device(device) if device is not None else default_device()
         mcfg = config.model
@@ -71,12 +77,17 @@ class CriticWorker:
                 dtype=mcfg.fsdp_config.model_dtype, device=self.device)
         elif mcfg.enable_gradient_checkpointing:
             enable_activation_checkpointing(module.backbone)
+        settings = lora_settings(mcfg, "critic.model")
+        if lora is None and settings is not None:
+            lora = apply_lora(module.backbone, settings, model_path=mcfg.path,
+                              model_dtype=mcfg.fsdp_config.model_dtype, causal_lm=False)
+        self.lora = lora
         self.module = module.to(self.device)
         # the actor's precision when given, else the config's ("auto": timed on the backbone)
         self.param_dtype = param_dtype or resolve_param_dtype(mcfg.fsdp_config.mixed_precision.param_dtype,
                                                               self.module.backbone, self.device)
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
-        self.optimizer = build_optimizer(self.module.parameters(), config.optim)
+        self.optimizer = build_optimizer(trainable_parameters(self.module), config.optim)  # LoRA: adapters + head
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.generator = torch.Generator().manual_seed(seed)
         self.remove_padding = bool(mcfg.use_remove_padding)
@@ -130,11 +141,16 @@ class CriticWorker:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config) into
         the new folder ``folder``; sharded models: every rank calls it (see ``role_state``)."""
         save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
-                        hf_config=self.module.config)
+                        hf_config=self.module.config, trainable_only=self.lora is not None)
+        if self.lora is not None:  # which base the adapters belong to (the adapter folder is the actor's export)
+            self.lora.write_base_record(folder, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""
-        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator)
+        if self.lora is not None:
+            self.lora.check_base(folder)
+        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
+                        trainable_only=self.lora is not None)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, lr scheduler and shuffle-generator state."""

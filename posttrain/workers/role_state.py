@@ -6,7 +6,10 @@ Two layouts of a role folder, both loadable at any world size:
 - FSDP2 ranks: ``dcp/`` (`torch.distributed.checkpoint`: every rank writes its own shards, keyed
   by parameter name) + ``lr_scheduler.pt`` / ``generator.pt`` from rank 0.
 
-Both carry ``huggingface/`` (config, tokenizer) for export. A sharded role loads a one-process
+Both carry ``huggingface/`` (config, tokenizer) for export. With ``trainable_only`` (LoRA) the weights
+and optimizer state are those of the trainable parameters alone (adapters, a critic's value head):
+the frozen base is reloaded from the model path, and `posttrain.models.lora` records which base it
+was. A sharded role loads a one-process
 folder by reading the full tensors on every rank and letting FSDP keep its shard; a one-process
 role loads a ``dcp/`` folder through DCP's resharding (no process group needed). Nothing here
 executes code from a checkpoint: safetensors, ``torch.load(weights_only=True)`` and DCP behind a
@@ -25,7 +28,7 @@ from torch import nn
 from posttrain.checkpoint import (GENERATOR_FILE, HF_DIR, MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, CheckpointError,
                                   RoleState, load_role, safe_torch_load, write_role)
 
-__all__ = ["DCP_DIR", "is_sharded", "load_role_state", "read_full_weights", "save_role_state"]
+__all__ = ["DCP_DIR", "is_sharded", "load_role_state", "read_full_weights", "save_role_state", "trainable_parameters"]
 
 DCP_DIR = "dcp"
 
@@ -41,12 +44,24 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer updates: those with ``requires_grad`` (all, in full fine-tuning)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
+
+
 def save_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                    generator: torch.Generator, hf_config: Any = None, tokenizer: Any = None) -> None:
-    """Write one role into the new ``folder``; under FSDP every rank calls this with the same folder."""
+                    generator: torch.Generator, hf_config: Any = None, tokenizer: Any = None,
+                    trainable_only: bool = False) -> None:
+    """Write one role into the new ``folder``; under FSDP every rank calls this with the same folder.
+    ``trainable_only``: weights of the trainable parameters alone (LoRA adapters, a value head)."""
     folder = Path(folder)
     if not is_sharded(module):
-        write_role(folder, RoleState(model=module.state_dict(), optimizer=optimizer.state_dict(),
+        weights = _trainable_state(module) if trainable_only else module.state_dict()
+        write_role(folder, RoleState(model=weights, optimizer=optimizer.state_dict(),
                                      scheduler=lr_scheduler.state_dict(), generator=generator.get_state(),
                                      hf_config=hf_config, tokenizer=tokenizer))
         return
@@ -55,7 +70,10 @@ def save_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
     if _rank() == 0:
         folder.mkdir()
     dist.barrier()
-    save_sharded(folder / DCP_DIR, module, optimizer)
+    if trainable_only:
+        _save_trainable_sharded(folder / DCP_DIR, module, optimizer)
+    else:
+        save_sharded(folder / DCP_DIR, module, optimizer)
     if _rank() == 0:
         torch.save(lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         torch.save(generator.get_state(), folder / GENERATOR_FILE)
@@ -67,13 +85,17 @@ def save_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
 
 
 def load_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                    generator: torch.Generator) -> None:
-    """Restore a role from either layout, whatever the world size that wrote it."""
+                    generator: torch.Generator, trainable_only: bool = False) -> None:
+    """Restore a role from either layout, whatever the world size that wrote it. ``trainable_only``:
+    the folder holds the trainable parameters' weights alone (the frozen ones keep their values)."""
     folder = Path(folder)
     if (folder / DCP_DIR).is_dir():
         from posttrain.distributed.dcp import load_sharded
 
-        load_sharded(folder / DCP_DIR, module, optimizer)
+        if trainable_only:
+            _load_trainable_sharded(folder / DCP_DIR, module, optimizer)
+        else:
+            load_sharded(folder / DCP_DIR, module, optimizer)
         lr_scheduler.load_state_dict(safe_torch_load(folder / SCHEDULER_FILE))
         if (folder / GENERATOR_FILE).exists():
             generator.set_state(safe_torch_load(folder / GENERATOR_FILE))
@@ -81,25 +103,38 @@ def load_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
     if not (folder / MODEL_FILE).exists():
         raise CheckpointError(f"{folder} holds neither {MODEL_FILE} nor {DCP_DIR}/: not a role folder")
     state = load_role(folder)
+    if trainable_only:
+        _check_trainable_keys(folder, module, state.model)
     if is_sharded(module):
-        _load_full_into_sharded(module, optimizer, state)
+        _load_full_into_sharded(module, optimizer, state, trainable_only)
     else:
-        module.load_state_dict(state.model)
+        module.load_state_dict(state.model, strict=not trainable_only)
         optimizer.load_state_dict(state.optimizer)
     lr_scheduler.load_state_dict(state.scheduler)
     if state.generator is not None:
         generator.set_state(state.generator)
 
 
-def _load_full_into_sharded(module: nn.Module, optimizer: torch.optim.Optimizer, state: RoleState) -> None:
+def _check_trainable_keys(folder: Path, module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """A trainable-only folder must hold exactly this module's trainable parameters (same adapters)."""
+    wanted = set(_trainable_state(module))
+    missing, unexpected = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder / MODEL_FILE} does not hold this model's trainable parameters (LoRA adapters): "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}; was it saved with other LoRA "
+                              "settings, or by a full fine-tuning run?")
+
+
+def _load_full_into_sharded(module: nn.Module, optimizer: torch.optim.Optimizer, state: RoleState,
+                            trainable_only: bool = False) -> None:
     """A one-process checkpoint into FSDP2 units: every rank reads the full tensors and keeps its shard.
 
-    ``optimizer.pt`` keys parameters by position; the sharded module registers the same parameters
-    in the same order, so position ``i`` is the ``i``-th name of ``named_parameters()``.
+    ``optimizer.pt`` keys parameters by position: the ``i``-th parameter the optimizer holds, which
+    is the ``i``-th (trainable) name of ``named_parameters()`` in the sharded module too.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    names = [name for name, _ in module.named_parameters()]
+    names = [name for name, p in module.named_parameters() if p.requires_grad or not trainable_only]
     saved = state.optimizer
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError("the checkpoint's optimizer has a different number of parameter groups")
@@ -108,7 +143,49 @@ def _load_full_into_sharded(module: nn.Module, optimizer: torch.optim.Optimizer,
         "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
     }
     set_state_dict(module, (optimizer,), model_state_dict=state.model, optim_state_dict=optim_state,
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=True, strict=not trainable_only))
+
+
+def _trainable_dcp_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Any]:
+    """(state, options) of the trainable parameters and their optimizer state, keyed by parameter names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(module, (optimizer,), options=options)
+    return {"model": model_sd, "optimizer": optim_sd}, options
+
+
+def _save_trainable_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`posttrain.distributed.dcp.save_sharded` for the trainable parameters alone (frozen ones left out)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state, _ = _trainable_dcp_state(module, optimizer)
+    dcp.save(state, storage_writer=FileSystemWriter(str(path)))
+
+
+def _load_trainable_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what `_save_trainable_sharded` wrote, at any world size (one plain process too), through the
+    same code-free reader as `posttrain.distributed.dcp.load_sharded`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from posttrain.distributed.dcp import (SafeFileSystemReader, WeightsOnlyLoadPlanner, _distributed,
+                                           _refusals_unwrapped, _single_process_is_intended)
+
+    reader = SafeFileSystemReader(str(path))
+    reader.read_metadata()  # refused here, on every rank, if it asks for anything but checkpoint data
+    state, options = _trainable_dcp_state(module, optimizer)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    wanted = {f"model.{name}" for name in state["model"]}
+    if not wanted <= saved:
+        raise CheckpointError(f"{path} does not hold this model's trainable parameters (LoRA adapters), e.g. "
+                              f"{sorted(wanted - saved)[:2]}; was it saved with other LoRA settings?")
+    with _single_process_is_intended(), _refusals_unwrapped():
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(source=str(path)),
+                 no_dist=not _distributed())
+    set_state_dict(module, (optimizer,), model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
 
 
 def read_full_weights(folder: Path, module: nn.Module) -> dict[str, torch.Tensor]:
