@@ -53,6 +53,9 @@ class DerivedSizes:
     """Responses per old-log-prob pass on one rank."""
     ref_log_prob_micro_batch: Optional[int]
     """Responses per reference pass on one rank."""
+    old_log_probs_from: str = "recompute"
+    """Where the old log-probs come from: recompute (a no-grad actor pass), update (the on-policy
+    update's own forward; the pass is skipped) or rollout (bypass_mode). See `old_log_probs_source`."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -176,7 +179,27 @@ def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
     if uses_reference(config):
         ref_micro = _log_prob_micro("actor_rollout_ref.ref", ref.log_prob_micro_batch_size,
                                     ref.log_prob_micro_batch_size_per_gpu, dp, ref.log_prob_use_dynamic_bsz, True)
-    return DerivedSizes(world, dp, tbs, responses, per_rank, actor_sizes, critic_sizes, rollout_micro, ref_micro)
+    return DerivedSizes(world, dp, tbs, responses, per_rank, actor_sizes, critic_sizes, rollout_micro, ref_micro,
+                        old_log_probs_source(config, actor_sizes))
+
+
+def old_log_probs_source(config: PostTrainConfig, actor_sizes: RoleSizes) -> str:
+    """Where a step's old log-probs come from: ``rollout`` (``rollout_correction.bypass_mode``),
+    ``update`` or ``recompute`` (a separate no-grad pass of the actor, verl's ``compute_log_prob``).
+
+    ``update``: when the actor's update is one epoch of one mini-batch, the policy cannot move
+    before it is evaluated, so the update's own first forward, detached, is exactly what the extra
+    pass would compute (verl's ``on_policy`` branch of ``update_policy``). The pass is skipped
+    unless something reads the old log-probs before the update: KL in the reward, or a rollout
+    correction that weighs or rejects tokens. The actor then reports the entropy and the
+    rollout/actor log-prob gap from that forward instead."""
+    correction = config.algorithm.rollout_correction
+    if correction.bypass_mode:
+        return "rollout"
+    on_policy = config.actor_rollout_ref.actor.ppo_epochs == 1 and actor_sizes.mini_batches_per_step == 1
+    read_before_update = (config.algorithm.use_kl_in_reward or correction.rollout_is is not None
+                          or correction.rollout_rs is not None)
+    return "update" if on_policy and not read_before_update else "recompute"
 
 
 def worker_config(config: PostTrainConfig, sizes: DerivedSizes) -> PostTrainConfig:
@@ -197,6 +220,14 @@ def worker_config(config: PostTrainConfig, sizes: DerivedSizes) -> PostTrainConf
     return out
 
 
+def _describe_old_log_probs(sizes: DerivedSizes) -> str:
+    if sizes.old_log_probs_from == "update":
+        return "old log-prob: no separate pass (the on-policy update's own forward gives them)"
+    if sizes.old_log_probs_from == "rollout":
+        return "old log-prob: the rollout engine's (algorithm.rollout_correction.bypass_mode)"
+    return f"old log-prob: micro-batches of {sizes.rollout_log_prob_micro_batch} responses per rank"
+
+
 def describe_sizes(sizes: DerivedSizes) -> str:
     """Human-readable derived sizes (printed at start-up and by `posttrain config`)."""
     a = sizes.actor
@@ -205,7 +236,7 @@ def describe_sizes(sizes: DerivedSizes) -> str:
         f"{sizes.responses_per_step} responses per step; / {sizes.world_size} ranks = {sizes.responses_per_rank} per rank",
         f"actor: {_mini_batches(a, ' (gradient accumulation)')}; {a.optimizer_steps_per_step} optimizer steps per "
         "training step",
-        f"old log-prob: micro-batches of {sizes.rollout_log_prob_micro_batch} responses per rank",
+        _describe_old_log_probs(sizes),
     ]
     if sizes.ref_log_prob_micro_batch is not None:
         lines.append(f"reference: micro-batches of {sizes.ref_log_prob_micro_batch} responses per rank")

@@ -8,7 +8,7 @@ a user asks next: how many rollout workers, how many forward rounds, how many st
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,7 +33,7 @@ class ForwardPass:
     micro_batch: Optional[int]
     """Responses per forward on one rank (None: packed by tokens)."""
     rounds: Optional[int]
-    """Forward passes per rank per training step."""
+    """Forward passes per rank per training step (0: skipped, see `DerivedSizes.old_log_probs_from`)."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,10 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
     except SizeError as err:
         size_error = str(err)
     else:
-        passes.append(_forward("old log-prob (actor)", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                               sizes.rollout_log_prob_micro_batch, per_rank))
+        old = _forward("old log-prob (actor)", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                       sizes.rollout_log_prob_micro_batch, per_rank)
+        # skipped (0 rounds) when the on-policy update or the rollout engine supplies them
+        passes.append(old if sizes.old_log_probs_from == "recompute" else replace(old, rounds=0))
         if uses_reference(config):
             passes.append(_forward("reference log-prob", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                    sizes.ref_log_prob_micro_batch, per_rank))

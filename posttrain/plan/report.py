@@ -58,7 +58,10 @@ def render_flow(f: Flow) -> list[str]:
     if f.size_error:
         out.append(_row("per-rank sizes", f"not derivable: {f.size_error}"))
     for p in f.forward_passes:
-        if p.micro_batch is None:
+        if p.rounds == 0:
+            out.append(_row(p.name, "skipped: the old log-probs come from the on-policy update's own forward "
+                            "(or the engine, with rollout_correction.bypass_mode)"))
+        elif p.micro_batch is None:
             out.append(_row(p.name, "micro-batches packed by tokens (dynamic batch size)"))
         else:
             out.append(_row(p.name, f"{_plural(p.rounds, 'round')} of {p.micro_batch} responses per rank "

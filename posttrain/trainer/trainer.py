@@ -26,7 +26,6 @@ import torch
 
 from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
                                   kl_penalty, masked_mean)
-from posttrain.algorithms.rollout_correction import uses_bypass_mode
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
@@ -97,7 +96,7 @@ class RLTrainer:
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
         self.use_critic = uses_critic(config)
-        self.old_log_probs_from = old_log_probs_source(config, self.sizes)
+        self.old_log_probs_from = self.sizes.old_log_probs_from  # recompute, update (on-policy) or rollout
         self.global_step = 0
         self.history: list[dict[str, float]] = []
         self._saved_step: int | None = None  # the step this process last saved
@@ -349,26 +348,6 @@ class RLTrainer:
 GRPOTrainer = RLTrainer
 PPOTrainer = RLTrainer
 RayPPOTrainer = RLTrainer
-
-
-def old_log_probs_source(config: PostTrainConfig, sizes: Any) -> str:
-    """Where a step's old log-probs come from: ``rollout`` (``rollout_correction.bypass_mode``),
-    ``update`` or ``recompute`` (a separate no-grad pass of the actor, verl's ``compute_log_prob``).
-
-    ``update``: when the actor's update is one epoch of one mini-batch, the policy cannot move
-    before it is evaluated, so the update's own first forward, detached, is exactly what the extra
-    pass would compute (verl's ``on_policy`` branch of ``update_policy``). The pass is skipped
-    unless something else reads the old log-probs first: KL in the reward, or a rollout
-    correction that weighs or rejects tokens. The actor then reports the entropy and the
-    rollout/actor log-prob gap from that forward instead."""
-    correction = config.algorithm.rollout_correction
-    if uses_bypass_mode(correction):
-        return "rollout"
-    actor = config.actor_rollout_ref.actor
-    on_policy = actor.ppo_epochs == 1 and sizes.actor.mini_batches_per_step == 1
-    read_before_update = (config.algorithm.use_kl_in_reward or correction.rollout_is is not None
-                          or correction.rollout_rs is not None)
-    return "update" if on_policy and not read_before_update else "recompute"
 
 
 def seed_everything(seed: int) -> None:

@@ -12,7 +12,6 @@ import torch
 
 from helpers.tiny_run import one_thread, tiny_config, tiny_trainer
 from posttrain.config import derive_sizes
-from posttrain.trainer.trainer import old_log_probs_source
 
 ON_POLICY = ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]  # the whole batch of 4 prompts: one optimizer step
 
@@ -27,7 +26,7 @@ ON_POLICY = ["actor_rollout_ref.actor.ppo_mini_batch_size=4"]  # the whole batch
 ])
 def test_source_of_old_log_probs(tmp_path, extra, expected):
     config = tiny_config(tmp_path, extra)
-    assert old_log_probs_source(config, derive_sizes(config)) == expected
+    assert derive_sizes(config).old_log_probs_from == expected
 
 
 def _run(tmp_path, force_recompute: bool):
