@@ -123,6 +123,18 @@ class SandboxFusionConfig:
 
 
 @_cfg()
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO overlong reward shaping (needs reward_manager=dapo): a response longer than data.max_response_length - len tokens loses up to penalty_factor."""
+    len: int = 0
+    """Buffer length in tokens at the end of data.max_response_length where the penalty grows linearly from 0 to penalty_factor."""
+    penalty_factor: float = 0.0
+    """Penalty of a response that fills data.max_response_length."""
+    log: bool = False
+    """Record each response's penalty (reward/overlong_reward/mean, reward/overlong/mean: the fraction penalised)."""
+
+
+@_cfg()
 class RewardModelConfig:
     enable: bool = False
     """Score with a learned reward model (not supported yet; rule-based rewards are)."""
@@ -141,7 +153,9 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]
     """Token budget per pass when dynamic."""
     reward_manager: str = "naive"
-    """Reward manager: naive (one score per response; the one posttrain implements)."""
+    """Reward manager: naive (one score per response), or dapo (also records a plain-number score as acc, and applies overlong_buffer)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO overlong reward shaping (verl's DAPO recipe keys)."""
     launch_reward_fn_async: bool = False
     """Score in the background while the actor computes log-probs."""
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)

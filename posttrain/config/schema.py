@@ -58,6 +58,8 @@ class DataConfig:
     """Most tokens generated per response."""
     train_batch_size: int = 1024
     """Prompts per training step."""
+    gen_batch_size: int = "${data.train_batch_size}"  # type: ignore[assignment]
+    """Prompts drawn per generation round with algorithm.filter_groups.enable (verl's DAPO); otherwise it must equal train_batch_size."""
     val_batch_size: Optional[int] = None
     """Prompts per validation batch (null: the whole validation set at once)."""
     return_raw_input_ids: bool = False
@@ -147,6 +149,16 @@ class RolloutCorrectionConfig:
 
 
 @_cfg()
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose responses all score the same and generate more prompt batches until data.train_batch_size groups remain."""
+    metric: Optional[str] = None
+    """Per-response value compared within a group (required when enabled): acc or score (fields the reward manager records), seq_reward or seq_final_reward (the response's summed score)."""
+    max_num_gen_batches: int = 0
+    """Most generation rounds per training step before the run stops with an error (0: no limit)."""
+
+
+@_cfg()
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus)."""
@@ -168,6 +180,8 @@ class AlgorithmConfig:
     """Its settings."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Correction for the rollout engine's policy differing from the trainer's (importance weights, rejection, bypass)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling (group filtering)."""
 
 
 @_cfg()

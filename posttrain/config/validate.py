@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
@@ -43,7 +44,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "critic.optim.lr_scheduler_type": SCHEDULERS,
         "data.truncation": TRUNCATIONS,
         "reward.on_error": ("raise", "zero"),
-        "reward_model.reward_manager": ("naive",),
+        "reward_model.reward_manager": ("naive", "dapo"),
         "trainer.resume_mode": RESUME_MODES,
         "trainer.device": DEVICES,
     }
@@ -84,6 +85,8 @@ def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
         ("data.max_prompt_length", config.data.max_prompt_length >= 1, "must be >= 1"),
         ("data.max_response_length", config.data.max_response_length >= 1, "must be >= 1"),
         ("trainer.total_epochs", config.trainer.total_epochs >= 1, "must be >= 1"),
+        ("algorithm.filter_groups.max_num_gen_batches", config.algorithm.filter_groups.max_num_gen_batches >= 0,
+         "must be >= 0 (0: no limit on generation rounds per step)"),
     ]
     for key, ok, rule in checks:
         if not ok:
@@ -246,11 +249,11 @@ def find_warnings(config: PostTrainConfig) -> list[str]:
 def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a loaded config."""
     errors: list[str] = []
-    for check in (_check_choices, _check_ranges, _check_unsupported):
+    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems):
         errors.extend(check(config))
     if not errors:  # size arithmetic is only meaningful once values are individually valid
         errors.extend(_check_conflicts(config))
-    return errors, find_warnings(config)
+    return errors, find_warnings(config) + dapo_warnings(config)
 
 
 def validate_config(config: PostTrainConfig) -> None:

@@ -4,6 +4,11 @@ Like verl's ``NaiveRewardManager``, with three differences: it returns ``(token_
 extra)`` instead of a bare tensor; a failing scorer either raises an error naming the row and
 data_source (``on_error="raise"``) or scores 0 and is counted (``on_error="zero"``); and
 ``num_workers > 0`` scores rows in a process pool with results identical to the serial path.
+
+With ``reward_model.reward_manager=dapo`` it does what verl's ``DAPORewardManager`` adds: a
+plain-number score is also recorded as ``acc`` (DAPO's dynamic sampling compares it), and the
+overlong buffer (:class:`OverlongBuffer`) lowers the score of responses that run into the last
+tokens of ``data.max_response_length``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import multiprocessing
 import numbers
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -22,8 +28,8 @@ from posttrain.errors import PosttrainError
 from posttrain.rewards._worker import die_with_parent, is_finite_number, score_chunk, score_row
 from posttrain.rewards.dispatch import default_compute_score
 
-__all__ = ["RewardManager", "BatchRewardFn", "RewardError", "RewardInterrupted", "place_on_last_token",
-           "response_mask_of", "scoring_in_progress"]
+__all__ = ["RewardManager", "BatchRewardFn", "OverlongBuffer", "RewardError", "RewardInterrupted",
+           "overlong_penalty", "place_on_last_token", "response_mask_of", "scoring_in_progress"]
 
 ERRORS_KEY = "reward/errors"
 
@@ -97,6 +103,38 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     return out
 
 
+@dataclass(frozen=True)
+class OverlongBuffer:
+    """DAPO's overlong reward shaping (``reward_model.overlong_buffer``), with the response limit it
+    is measured against (``data.max_response_length``)."""
+
+    length: int
+    """Tokens at the end of the limit where the penalty grows (``overlong_buffer.len``)."""
+    penalty_factor: float
+    """Penalty of a response as long as the limit."""
+    max_response_length: int
+    log: bool = False
+    """Record ``overlong_reward`` and ``overlong`` (1.0 where penalised) per row in ``extra``."""
+
+    def __post_init__(self):
+        if not 0 < self.length <= self.max_response_length:
+            raise ValueError(f"the overlong buffer length must be in 1..{self.max_response_length} "
+                             f"(max_response_length), got {self.length}")
+
+
+def overlong_penalty(valid_length: torch.Tensor, buffer: OverlongBuffer) -> torch.Tensor:
+    """``[N]`` penalties (<= 0, float64) for responses of ``valid_length [N]`` tokens, EOS included.
+
+    verl's ``DAPORewardManager``: ``min(-(L - (max_len - len)) / len * penalty_factor, 0)``, with ``L``
+    the response's valid tokens (its attention mask over the response, so an EOS counts). A response
+    of exactly ``max_len - len`` tokens is not penalised; each token beyond costs
+    ``penalty_factor / len``; one that fills ``max_len`` loses ``penalty_factor``.
+    """
+    expected = buffer.max_response_length - buffer.length
+    exceed = valid_length.to(torch.float64) - expected
+    return (-exceed / buffer.length * buffer.penalty_factor).clamp(max=0.0)
+
+
 def _stack_extra(values: list[dict], n: int) -> dict[str, np.ndarray]:
     keys = list(dict.fromkeys(k for v in values for k in v))
     out = {}
@@ -123,6 +161,9 @@ class RewardManager:
         num_workers: 0 scores in this process; ``k > 0`` uses a pool of ``k`` spawned processes.
         on_error: ``"raise"`` re-raises a scorer failure as :class:`RewardError` naming the row and
             data_source; ``"zero"`` scores the row 0 and marks it in ``extra["reward/errors"]``.
+        record_acc: also record a plain-number score as ``extra["acc"]`` (before any overlong
+            penalty), as verl's DAPO reward manager does; a failed row records 0.
+        overlong: add :func:`overlong_penalty` to every row's score (None: off).
 
     ``__call__(batch)`` reads ``responses [N, R]``, ``response_mask [N, R]`` (or the response part
     of ``attention_mask``), ``reward_model[i]["ground_truth"]``, ``batch[reward_fn_key]`` and
@@ -140,6 +181,8 @@ class RewardManager:
         on_error: str = "raise",
         mp_context: str = "spawn",
         timeout_s: float | None = 60.0,
+        record_acc: bool = False,
+        overlong: OverlongBuffer | None = None,
     ):
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
@@ -152,6 +195,8 @@ class RewardManager:
         self.on_error = on_error
         self.mp_context = mp_context
         self.timeout_s = float(timeout_s) if timeout_s else None
+        self.record_acc = record_acc
+        self.overlong = overlong
         self._pool: ProcessPoolExecutor | None = None
 
     # ---------------------------------------------------------------- inputs
@@ -230,6 +275,8 @@ class RewardManager:
                         f"{_where(res[2])}; reward.on_error=zero scores such rows 0 and counts them"
                     )
                 errors[i] = 1.0
+                if self.record_acc:
+                    dict_rows[i] = {"acc": 0.0}  # its score; a nan here would read as a non-finite step
                 continue
             value = res[1]
             if isinstance(value, dict):
@@ -247,9 +294,21 @@ class RewardManager:
                     "expected a float or a dict with 'score'"
                 )
             scores[i] = float(value)
+            if self.record_acc and not dict_rows[i]:
+                dict_rows[i] = {"acc": scores[i].item()}
         extra = _stack_extra(dict_rows, n)
         extra[ERRORS_KEY] = errors
+        if self.overlong is not None:
+            scores += self._overlong_penalties(mask, extra)
         return place_on_last_token(scores, mask), extra
+
+    def _overlong_penalties(self, mask: torch.Tensor, extra: dict[str, np.ndarray]) -> torch.Tensor:
+        """The overlong penalties ``[N]``; with ``overlong.log`` also recorded in ``extra``."""
+        penalty = overlong_penalty(mask.sum(-1).cpu(), self.overlong)
+        if self.overlong.log:
+            extra["overlong_reward"] = penalty.numpy().copy()
+            extra["overlong"] = (penalty < 0).to(torch.float64).numpy()
+        return penalty
 
     def close(self, kill: bool = False) -> None:
         """Shut down the worker pool (if any); ``kill`` ends its processes at once (a stuck scorer)."""

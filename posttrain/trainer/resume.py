@@ -47,6 +47,9 @@ SETTING_KEYS = (
     "actor_rollout_ref.rollout.temperature", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.kl_coef",
     "algorithm.norm_adv_by_std_in_grpo", "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
     "data.train_files", "trainer.total_training_steps", "trainer.total_epochs", "trainer.seed",
+    "data.gen_batch_size", "algorithm.filter_groups.enable", "algorithm.filter_groups.metric",
+    "algorithm.filter_groups.max_num_gen_batches", "reward_model.reward_manager", "reward_model.overlong_buffer.enable",
+    "reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor",
 )
 SETTINGS = "settings"
 
@@ -231,7 +234,8 @@ def _restore(trainer_config, workers, train_loader, kl_ctrl, fingerprint) -> Run
     try:
         train_loader.load_state_dict(saved.extra["train_loader"])
     except ValueError as err:
-        raise ResumeError(f"{path}: {err} (data.train_batch_size or data.train_files changed?)") from err
+        raise ResumeError(f"{path}: {err} (data.train_batch_size, data.gen_batch_size or data.train_files "
+                          "changed?)") from err
     workers.load_checkpoint(path)
     if kl_ctrl is not None and saved.extra.get("kl_ctrl"):
         kl_ctrl.load_state_dict(saved.extra["kl_ctrl"])

@@ -7,7 +7,7 @@ a custom reward) without touching the others.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,12 +103,16 @@ def build_data(config: PostTrainConfig, tokenizer) -> Data:
     train_files, val_files = data_files(config)
     train = RLHFDataset(train_files, tokenizer, config.data)
     val = RLHFDataset(val_files, tokenizer, config.data)
-    if len(train) < config.data.train_batch_size:
-        raise ConfigError(
-            f"data.train_batch_size={config.data.train_batch_size} is larger than the {len(train)} usable training "
-            f"prompts in {train_files}; lower data.train_batch_size"
-        )
-    return Data(train, val, build_train_loader(train, config.data), build_val_loader(val, config.data))
+    # The loader yields one generation round's prompts: data.gen_batch_size (verl's DAPO trainer), which
+    # equals data.train_batch_size unless algorithm.filter_groups is on.
+    key, drawn = ("data.gen_batch_size", config.data.gen_batch_size) if config.algorithm.filter_groups.enable else (
+        "data.train_batch_size", config.data.train_batch_size)
+    if len(train) < drawn:
+        raise ConfigError(f"{key}={drawn} is larger than the {len(train)} usable training prompts in {train_files}; "
+                          f"lower {key}")
+    loader = build_train_loader(train, replace(config.data, train_batch_size=drawn))
+    return Data(train, val, loader, build_val_loader(val, config.data))
+
 
 
 def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
@@ -118,7 +122,22 @@ def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
     compute_score = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
     return RewardManager(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
                          num_workers=config.reward.num_workers, on_error=config.reward.on_error,
-                         timeout_s=config.reward.timeout_s)
+                         timeout_s=config.reward.timeout_s, **dapo_reward_options(config))
+
+
+def dapo_reward_options(config: PostTrainConfig) -> dict[str, Any]:
+    """What ``reward_model.reward_manager=dapo`` adds to the reward manager (verl's DAPORewardManager):
+    plain-number scores recorded as ``acc``, and the overlong buffer when enabled."""
+    from posttrain.rewards.manager import OverlongBuffer
+
+    rm = config.reward_model
+    if rm.reward_manager != "dapo":
+        return {}
+    buf = rm.overlong_buffer
+    overlong = (OverlongBuffer(buf.len, buf.penalty_factor, config.data.max_response_length, buf.log)
+                if buf.enable else None)
+    return {"record_acc": True, "overlong": overlong}
+
 
 
 def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, device: torch.device, seed: int,
