@@ -96,6 +96,8 @@ class Flow:
     total_steps_note: str
     size_error: Optional[str]
     """Why the per-rank sizes could not be derived (the config's error), else None."""
+    dynamic_sampling: Optional[str] = None
+    """How a step draws its prompts with algorithm.filter_groups.enable (DAPO), else None."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -188,13 +190,32 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
     steps_per_epoch = None if size is None else size // prompts  # drop_last, as verl's train loader
     total = None if steps_per_epoch is None else steps_per_epoch * trainer.total_epochs
     total_note = f"{trainer.total_epochs} epochs x steps per epoch"
+    sampling = None
+    if config.algorithm.filter_groups.enable:
+        steps_per_epoch, note, total, total_note, sampling = _dynamic_sampling(config, size, note)
     if trainer.total_training_steps is not None:
         total, total_note = trainer.total_training_steps, "trainer.total_training_steps"
     return Flow(
         trainer.nnodes, trainer.n_gpus_per_node, world, sp, dp, prompts, n, responses, per_rank, p_len, r_len,
         responses * (p_len + r_len), arr.rollout.name, tp, workers, responses // workers, prompts // workers,
         tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
+        sampling,
     )
+
+
+def _dynamic_sampling(config: PostTrainConfig, size: Optional[int], note: str) -> tuple:
+    """(steps per epoch, dataset note, total steps, its note, description) with DAPO's dynamic sampling: a
+    step draws one or more batches of data.gen_batch_size prompts, so only upper bounds are known."""
+    fg, gen, epochs = config.algorithm.filter_groups, config.data.gen_batch_size, config.trainer.total_epochs
+    rounds = (f"at most {fg.max_num_gen_batches} rounds = {fg.max_num_gen_batches * gen} prompts per step, then an error"
+              if fg.max_num_gen_batches > 0 else "no limit on rounds (max_num_gen_batches=0)")
+    text = (f"dynamic sampling: rounds of data.gen_batch_size={gen} prompts x {config.actor_rollout_ref.rollout.n} "
+            f"until {config.data.train_batch_size} groups whose {fg.metric} differs are kept; {rounds}")
+    if size is None:
+        return None, note, None, "", text
+    bound = size // gen
+    note = f"at most {bound} = {size} prompts // data.gen_batch_size={gen} (a step draws one or more batches); {note}"
+    return None, note, bound * epochs, f"at most: {epochs} epochs x {bound} batches; the run ends when they are used up", text
 
 
 def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:

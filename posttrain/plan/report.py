@@ -55,6 +55,8 @@ def render_flow(f: Flow) -> list[str]:
                         f"({f.prompts_per_worker} prompts x {f.n})"))
     out.append(_more(f"up to {f.prompt_length + f.response_length} tokens per sequence ({f.prompt_length} prompt + "
                      f"{f.response_length} response); up to {f.max_tokens_per_step:,} tokens per step"))
+    if f.dynamic_sampling:
+        out.append(_more(f.dynamic_sampling))
     if f.size_error:
         out.append(_row("per-rank sizes", f"not derivable: {f.size_error}"))
     for p in f.forward_passes:

@@ -33,6 +33,7 @@ from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import RewardError, RewardInterrupted, RewardManager, scoring_in_progress
 from posttrain.trainer import preflight, resume, setup
+from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.validation import run_validation
 
@@ -121,7 +122,8 @@ class RLTrainer:
             self._reward_fn = fn
         elif "solution_str" in inspect.signature(fn).parameters:
             self._reward_fn = RewardManager(self.tokenizer, compute_score=fn, reward_fn_key=self.config.data.reward_fn_key,
-                                            on_error=self.config.reward.on_error, timeout_s=self.config.reward.timeout_s)
+                                            on_error=self.config.reward.on_error, timeout_s=self.config.reward.timeout_s,
+                                            **setup.dapo_reward_options(self.config))
         else:
             self._reward_fn = BatchRewardFn(fn)
 
@@ -130,16 +132,7 @@ class RLTrainer:
         cfg, w, timer, metrics = self.config, self.workers, StageTimer(), {}
         correction = cfg.algorithm.rollout_correction
         with timer("step"):
-            prompts.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-            prompts.non_tensor_batch["uid"] = np.array(
-                [f"s{self.global_step}-p{i}" for i in range(len(prompts))], dtype=object)
-            with timer("gen"):
-                batch = w.generate_sequences(prompts)
-                if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
-                    baseline = self._greedy_baseline(prompts)
-            with timer("reward"):
-                batch["token_level_scores"], extra = self.reward_fn(batch)
-                metrics.update(_extra_metrics(extra))
+            batch = self._rollout(prompts, timer, metrics)
             if self.old_log_probs_from == "rollout":  # bypass_mode: the engine's log-probs, no recompute
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif self.old_log_probs_from == "recompute":
@@ -164,7 +157,7 @@ class RLTrainer:
                 batch["advantages"], batch["returns"] = self.adv_fn(
                     token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
                     index=batch.non_tensor_batch["uid"], values=batch["values"] if self.use_critic else None,
-                    reward_baselines=baseline if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS else None,
+                    reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
                     gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, config=cfg.algorithm)
             if self.use_critic:
@@ -179,6 +172,47 @@ class RLTrainer:
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.data.train_loader.epoch})
         self.last_batch = batch
         return metrics
+
+    def _rollout(self, prompts: Batch, timer: StageTimer, metrics: dict) -> Batch:
+        """Generate n responses per prompt and score them. With algorithm.filter_groups.enable (DAPO's
+        dynamic sampling) groups whose responses all score the same are dropped, and more prompt
+        batches are drawn from the train loader until data.train_batch_size groups are kept."""
+        fg = self.config.algorithm.filter_groups
+        if not fg.enable:
+            batch, extra = self._generate_and_score(prompts, timer)
+        else:
+            sampling = DynamicSampling(fg.metric, self.config.data.train_batch_size,
+                                       self.config.actor_rollout_ref.rollout.n, fg.max_num_gen_batches,
+                                       self.data.train.pad_token_id)
+            batch, extra, counts = sampling.collect(prompts, self._draw_prompts,
+                                                    lambda p, first_uid: self._generate_and_score(p, timer, first_uid))
+            metrics.update(counts)
+        metrics.update(_extra_metrics(extra))
+        return batch
+
+    def _generate_and_score(self, prompts: Batch, timer: StageTimer, first_uid: int = 0) -> tuple[Batch, dict]:
+        """One generation round: responses with their ``token_level_scores``, and the reward's extra output."""
+        cfg, w = self.config, self.workers
+        prompts.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
+        prompts.non_tensor_batch["uid"] = np.array(
+            [f"s{self.global_step}-p{first_uid + i}" for i in range(len(prompts))], dtype=object)
+        with timer("gen"):
+            batch = w.generate_sequences(prompts)
+            if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
+                batch["reward_baselines"] = self._greedy_baseline(prompts)
+        with timer("reward"):
+            batch["token_level_scores"], extra = self.reward_fn(batch)
+        return batch, extra
+
+    def _draw_prompts(self) -> Batch:
+        """The train loader's next prompt batch. When dynamic sampling (several batches a step) has used up
+        trainer.total_epochs passes and trainer.total_training_steps is not set, the run ends instead,
+        as verl's DAPO loop ends with its data loader."""
+        loader = self.data.train_loader
+        if (self.config.algorithm.filter_groups.enable and self.config.trainer.total_training_steps is None
+                and loader.epoch >= self.config.trainer.total_epochs):
+            raise EpochsExhausted
+        return loader.next_batch()
 
     def _greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax: score of a greedy response per prompt, repeated for its n samples -> `[N]`."""
@@ -263,11 +297,13 @@ class RLTrainer:
             epoch = loader.epoch  # of the batch drawn next (the loader then moves on)
             before = (loader.state_dict(), capture_rng())
             try:
-                metrics = self.train_step(loader.next_batch())
-            except RewardInterrupted:  # stopped while scoring: this step changed no weights yet
+                metrics = self.train_step(self._draw_prompts())
+            except (RewardInterrupted, EpochsExhausted) as stop:  # this step changed no weights yet
                 self.global_step -= 1
                 loader.load_state_dict(before[0])
                 restore_rng(before[1])
+                if isinstance(stop, EpochsExhausted):
+                    self._end_with_the_data()
                 break
             except RewardError as err:
                 raise RewardError(f"step {self.global_step}: {err}") from err
@@ -286,6 +322,15 @@ class RLTrainer:
         if self._stop_signal is not None:
             self.stopped_by = self._stop_signal
             self._save_on_signal(self._stop_signal)
+
+    def _end_with_the_data(self) -> None:
+        """Dynamic sampling used up trainer.total_epochs before trainer.total_training_steps: the last
+        finished step is the run's last (saved, when trainer.save_freq saves, and exported)."""
+        print(f"dynamic sampling used up the {self.config.trainer.total_epochs} epochs of prompts "
+              f"(trainer.total_epochs) after step {self.global_step}; the run ends there", flush=True)
+        self.total_steps = self.global_step
+        if self.config.trainer.save_freq > 0 and self.global_step > 0 and self._saved_step != self.global_step:
+            self.save_checkpoint()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
