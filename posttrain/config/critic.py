@@ -95,21 +95,23 @@ class CriticConfig:
 @_cfg()
 class RewardModelSubConfig:
     input_tokenizer: Optional[str] = "${actor_rollout_ref.model.path}"
-    """Tokenizer the policy's text is decoded with before the reward model re-encodes it."""
+    """Tokenizer that decodes the policy's responses (verl: the actor's). Set: each prompt's chat messages plus the decoded response (eos removed) are rendered with the reward model's own chat template and re-tokenized; null: the reward model reads the actor's token ids as they are (same vocabulary needed)."""
     path: str = "~/models/FsfairX-LLaMA3-RM-v0.1"
-    """Reward model checkpoint."""
+    """Reward model checkpoint: a ...ForSequenceClassification folder or hub id with one label (num_labels=1); its tokenizer loads from the same path."""
     external_lib: Optional[str] = "${actor_rollout_ref.model.external_lib}"
-    """Module to import before loading."""
+    """Python module imported before the reward model loads (one that registers its model class)."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint folder to run."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Entries that override the reward model's HF config."""
     use_shm: bool = False
-    """Copy the model to shared memory before loading."""
+    """Copy the model to shared memory before loading (accepted; posttrain loads from the path)."""
     use_remove_padding: bool = False
-    """Drop padding tokens before the forward pass."""
+    """Drop padding tokens before the forward pass (accepted; the reward model runs padded, same scores)."""
     use_fused_kernels: bool = False
-    """Use fused kernels."""
+    """Use fused kernels (accepted; no effect on the reward model)."""
     fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
-    """FSDP settings of the reward model (same fields as the reference's)."""
+    """FSDP settings of the reward model (the reference's fields: param_offload, model_dtype; mixed_precision.param_dtype bf16 as verl computes it, auto: the actor's)."""
 
 
 @_cfg()
@@ -137,17 +139,19 @@ class OverlongBufferConfig:
 @_cfg()
 class RewardModelConfig:
     enable: bool = False
-    """Score with a learned reward model (not supported yet; rule-based rewards are)."""
+    """Score responses with a learned reward model (reward_model.model.path). As in verl its score replaces the rule-based or custom reward in training (see combine); validation scores with the rule-based reward and is skipped for rows whose reward_model.style is model."""
+    combine: str = "replace"
+    """(posttrain) How the reward model's score meets the rule-based reward: replace (verl: the reward model's score is the reward, the reward function is not called) or sum (rule-based score + reward-model score)."""
     strategy: str = "fsdp"
     """Backend of the reward model."""
     model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
     """The reward model."""
     micro_batch_size: Optional[int] = None
-    """Deprecated global micro-batch size."""
+    """Deprecated global micro-batch size (divided by the ranks); use micro_batch_size_per_gpu."""
     micro_batch_size_per_gpu: Optional[int] = None
-    """Responses per reward-model forward pass on one rank."""
+    """Responses per reward-model forward pass on one rank (needed unless use_dynamic_bsz)."""
     max_length: Optional[int] = None
-    """Longest input the reward model sees."""
+    """Longest re-templated input in tokens; a longer one is cut from the right, as in verl (null: the actor's prompt + response width)."""
     use_dynamic_bsz: bool = "${critic.use_dynamic_bsz}"  # type: ignore[assignment]
     """Pack reward-model passes by tokens."""
     forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]

@@ -37,6 +37,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": (*DTYPES, "auto"),
         "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype": (*DTYPES, "auto"),
         "critic.model.fsdp_config.mixed_precision.param_dtype": (*DTYPES, "auto"),
+        "reward_model.model.fsdp_config.mixed_precision.param_dtype": (*DTYPES, "auto"),
+        "reward_model.combine": ("replace", "sum"),
         "actor_rollout_ref.actor.fsdp_config.model_dtype": DTYPES,
         "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
         "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES,
@@ -151,13 +153,13 @@ def _check_generic_ranges(config: PostTrainConfig, explicit: set[str]) -> Iterab
 
 
 ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-                "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size",
+                "reward_model.ulysses_sequence_parallel_size")
 
 
 def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     """Settings verl accepts that posttrain does not implement yet: refused, never ignored."""
     unsupported = [
-        ("reward_model.enable", True, "learned reward models are not supported yet; use rule-based rewards"),
         ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollout is not supported yet"),
         ("algorithm.use_pf_ppo", True, "PF-PPO reweighting is not supported yet"),
         ("actor_rollout_ref.actor.checkpoint.async_save", True, "asynchronous checkpoint saving is not supported yet"),
@@ -187,6 +189,7 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
                f"actor_rollout_ref.rollout.n={arr.rollout.n} gives groups of one; set rollout.n >= 2 "
                "or use reinforce_plus_plus / gae")
     yield from _check_policy_loss_keys(config)
+    yield from _check_reward_model_sizes(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
     if arr.rollout.temperature == 0 and arr.rollout.do_sample:
@@ -196,6 +199,22 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
         derive_sizes(config)
     except SizeError as err:
         yield str(err)
+
+
+def _check_reward_model_sizes(config: PostTrainConfig) -> Iterable[str]:
+    """verl's rule for the reward model's micro-batch: exactly one of the two keys unless dynamic."""
+    rm = config.reward_model
+    if not rm.enable:
+        return
+    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    if rm.micro_batch_size is not None and rm.micro_batch_size_per_gpu is not None:
+        yield (f"reward_model.micro_batch_size={rm.micro_batch_size} and reward_model.micro_batch_size_per_gpu="
+               f"{rm.micro_batch_size_per_gpu} are both set; set only micro_batch_size_per_gpu (the other is deprecated)")
+    elif rm.micro_batch_size is not None and rm.micro_batch_size // world == 0:
+        yield f"reward_model.micro_batch_size={rm.micro_batch_size} / {world} ranks = 0 per rank; raise it to at least {world}"
+    elif rm.micro_batch_size is None and rm.micro_batch_size_per_gpu is None and not rm.use_dynamic_bsz:
+        yield ("reward_model.enable=True needs reward_model.micro_batch_size_per_gpu (responses per reward-model forward "
+               "pass on one rank), or reward_model.use_dynamic_bsz=True")
 
 
 def _check_policy_loss_keys(config: PostTrainConfig) -> Iterable[str]:

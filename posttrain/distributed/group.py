@@ -49,6 +49,7 @@ class RankWorkerGroup:
                                      placement_timeout_s=t.ray_wait_register_center_timeout)
         self.world_size = self._ranks.world_size
         self.has_ref, self.has_critic = uses_reference(config), uses_critic(config)
+        self.has_rm = bool(config.reward_model.enable)
         self.balance = bool(t.balance_batch)
         if t.save_freq > 0 or t.resume_mode != "disable":
             self.check_shared_folder(Path(t.default_local_dir).expanduser(), "trainer.default_local_dir")
@@ -108,6 +109,9 @@ class RankWorkerGroup:
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         return self._per_row("compute_values", batch)
+
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_rm_score", batch)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return self._update("update_actor", batch)

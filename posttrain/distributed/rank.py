@@ -1,5 +1,5 @@
-"""`RankWorker`: everything one rank holds — the actor with its hybrid rollout, the reference and
-the critic, each an FSDP2-sharded model — and the calls a `RankWorkerGroup` makes on it.
+"""`RankWorker`: everything one rank holds — the actor with its hybrid rollout, the reference, the
+critic and the reward model, each an FSDP2-sharded model — and the calls a `RankWorkerGroup` makes on it.
 
 One process per device (a Ray actor). The constructor joins the default process group from the
 environment the group set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), loads each
@@ -57,6 +57,7 @@ class RankWorker:
         self.actor = self._build_actor(config, mesh, seed, tokenizer)
         self.ref = self._build_ref(config, mesh) if uses_reference(config) else None
         self.critic = self._build_critic(config, mesh, seed) if uses_critic(config) else None
+        self.rm = self._build_reward_model(config, mesh, tokenizer, world) if config.reward_model.enable else None
 
     # ------------------------------------------------------------------ building the roles
     def _build_actor(self, config: Any, mesh: Any, seed: int, tokenizer: Any):
@@ -112,6 +113,23 @@ class RankWorker:
                              gradient_checkpointing=bool(c.enable_gradient_checkpointing))
         return CriticWorker(critic_cfg, device=self.device, module=module, seed=seed)
 
+    def _build_reward_model(self, config: Any, mesh: Any, tokenizer: Any, world: int):
+        """Frozen and sharded like the reference: each rank scores its own rows (data parallel)."""
+        from posttrain.distributed.fsdp import shard_model
+        from posttrain.models.reward_model import import_external_lib, load_reward_model
+        from posttrain.workers.reward_model import RewardModelWorker
+
+        rm = config.reward_model
+        m = rm.model
+        import_external_lib(m.external_lib)
+        module = load_reward_model(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
+                                   dtype=m.fsdp_config.model_dtype, device="cpu")
+        rm_model = with_param_dtype(m, self.actor.param_dtype)
+        module = shard_model(module, mesh, rm_model.fsdp_config, forward_only=True)
+        return RewardModelWorker.from_config(rm, tokenizer, config.actor_rollout_ref.model.path, device=self.device,
+                                             param_dtype=rm_model.fsdp_config.mixed_precision.param_dtype,
+                                             world_size=world, module=module)
+
     # ------------------------------------------------------------------ the group's calls
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
         """The hf engine decodes with the actor's module, gathered whole for the call; an engine with its
@@ -134,6 +152,10 @@ class RankWorker:
     def compute_values(self, batch: Batch) -> torch.Tensor:
         with self._resident(self.critic):
             return self.critic.compute_values(batch)
+
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+        with self._resident(self.rm):
+            return self.rm.compute_rm_score(batch)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         with self._resident(self.actor, with_optimizer=True):

@@ -150,6 +150,16 @@ def _forward(name: str, key: str, micro: Optional[int], per_rank: int) -> Forwar
     return ForwardPass(name, key, micro, None if not micro else _ceil_div(per_rank, micro))
 
 
+REWARD_MODEL_PASS = "reward model score"
+
+
+def _reward_model_micro(rm: Any, dp: int) -> Optional[int]:
+    """Rows per reward-model forward on one rank (verl divides the deprecated global size by the ranks)."""
+    if rm.use_dynamic_bsz:
+        return None
+    return max(1, rm.micro_batch_size // dp) if rm.micro_batch_size is not None else rm.micro_batch_size_per_gpu
+
+
 def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flow:
     """All numbers of one training step; per-rank sizes are None-free only when the config is consistent."""
     arr, trainer = config.actor_rollout_ref, config.trainer
@@ -185,6 +195,9 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
             fwd = c.forward_micro_batch_size_per_gpu or sizes.critic.micro_batch
             passes.append(_forward("critic values", "critic.forward_micro_batch_size_per_gpu", fwd, per_rank))
             critic = _role_update("critic", c.ppo_mini_batch_size, n, dp, sizes.critic, per_rank, c.ppo_epochs)
+        if config.reward_model.enable:
+            passes.append(_forward(REWARD_MODEL_PASS, "reward_model.micro_batch_size_per_gpu",
+                                   _reward_model_micro(config.reward_model, dp), per_rank))
 
     size, note = dataset_size(config, train_size)
     steps_per_epoch = None if size is None else size // prompts  # drop_last, as verl's train loader
@@ -218,6 +231,15 @@ def _dynamic_sampling(config: PostTrainConfig, size: Optional[int], note: str) -
     return None, note, bound * epochs, f"at most: {epochs} epochs x {bound} batches; the run ends when they are used up", text
 
 
+def _reward_model_why(config: PostTrainConfig) -> str:
+    rm = config.reward_model
+    use = ("its score replaces the rule-based reward (verl)" if rm.combine == "replace"
+           else "its score is added to the rule-based reward (combine=sum)")
+    reads = ("re-renders each chat with its own template" if rm.model.input_tokenizer is not None
+             else "reads the actor's tokens (input_tokenizer=null)")
+    return f"because reward_model.enable=True: frozen, scores every response; {use}; {reads}; validation is rule-based"
+
+
 def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
     """Which models are loaded, and why (or why not)."""
     arr, algo = config.actor_rollout_ref, config.algorithm
@@ -243,7 +265,7 @@ def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
         why = f"algorithm.adv_estimator={algo.adv_estimator} is critic-free"
     out.append({"role": "critic", "loaded": uses_critic(config), "model": config.critic.model.path, "why": why})
     if config.reward_model.enable:
-        rm = {"loaded": True, "model": config.reward_model.model.path, "why": "because reward_model.enable=True"}
+        rm = {"loaded": True, "model": config.reward_model.model.path, "why": _reward_model_why(config)}
     else:
         scorer = config.custom_reward_function.path or f"built-in scorers chosen by data.{config.data.reward_fn_key}"
         rm = {"loaded": False, "model": None, "why": f"rule-based reward: {scorer}"}

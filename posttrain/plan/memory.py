@@ -15,6 +15,9 @@ The model, stated so a reader can check it (bytes per parameter P, per token T, 
   layer's input (2 h B per token per layer) plus one layer recomputed during backward. A forward
   pass without gradients (log-probs, values) holds one layer's live tensors: (4 h + 4 i) B per token.
 - Logits: a bf16 [T, vocab] tensor, and its bf16 gradient when training (log-softmax in chunks).
+- Reward model (`reward_model.enable`): frozen like the reference (parameters in `model_dtype`,
+  sharded, `param_offload` honoured), a forward without gradients and no logits (one score per
+  row); its shape from its own config.json when at hand, tokens per sequence up to `max_length`.
 - Rollout engine (vllm, sglang): takes `gpu_memory_utilization` x GPU memory; of that, bf16 weights
   P x 2 / tensor_parallel and the rest KV cache (the engine's own activation reserve is ignored).
   KV per token: 2 (K and V) x layers x kv_heads x head_dim x 2 B, split across tensor-parallel ranks.
@@ -33,7 +36,7 @@ from typing import Any, Optional
 
 from posttrain.config.derived import uses_critic, uses_reference
 from posttrain.config.schema import PostTrainConfig
-from posttrain.plan.flow import Flow
+from posttrain.plan.flow import REWARD_MODEL_PASS, Flow
 from posttrain.plan.model_dims import ModelDims
 
 GiB = 1024**3
@@ -238,6 +241,38 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
     return out
 
 
+def _reward_model_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
+    """Frozen like the reference, sharded over all ranks; one score per row instead of logits."""
+    fsdp = ctx.config.reward_model.model.fsdp_config
+    ranks = ctx.flow.world_size
+    out: dict[str, Any] = {
+        "fsdp_ranks": ranks,
+        "params": ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
+        "params_offloaded": fsdp.param_offload,
+        "forward_tokens": tokens,
+    }
+    if ctx.shaped:
+        out["gathered_unit"] = gathered_unit_bytes(ctx.dims)
+        if tokens is not None:
+            out["forward_activations"] = forward_activation_bytes_per_token(ctx.dims) * tokens
+    return out
+
+
+def _reward_model_dims(config: PostTrainConfig, actor_dims: ModelDims) -> tuple[ModelDims, Optional[str]]:
+    """The reward model's shape from its config.json (a scalar head in place of the LM head), else the
+    actor's, with a note saying so."""
+    from posttrain.plan.model_dims import find_model_config, read_model_config, value_model_dims
+
+    path = config.reward_model.model.path
+    found = find_model_config(path)
+    if found is not None:
+        try:
+            return value_model_dims(read_model_config(found)), None
+        except (OSError, ValueError):
+            pass
+    return value_model_dims(actor_dims), f"reward model {path}: config.json not at hand, the actor's shape assumed"
+
+
 def _rollout_role(ctx: _Ctx) -> dict[str, Any]:
     r, f, d = ctx.config.actor_rollout_ref.rollout, ctx.flow, ctx.dims
     seq = ctx.tokens
@@ -293,7 +328,8 @@ def _phases(roles: dict[str, dict[str, Any]]) -> list[Phase]:
         engine = [Term(f"rollout engine ({ro['engine']}: gpu_memory_utilization x GPU)", ro["engine_budget"],
                        f"weights {fmt_bytes(ro['weights'])} + KV cache {fmt_bytes(ro['kv_cache'])}")]
     phases = [Phase("rollout", tuple(_state(roles) + engine))]
-    for phase, name in (("old log-prob", "actor"), ("reference log-prob", "reference"), ("critic values", "critic")):
+    for phase, name in (("reward model score", "reward model"), ("old log-prob", "actor"),
+                        ("reference log-prob", "reference"), ("critic values", "critic")):
         if name in roles:
             role = roles[name]
             terms = _state(roles, active=name) + [
@@ -398,8 +434,17 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
             _tokens(cctx, flow.critic.micro_batch if flow.critic else None, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
             _tokens(cctx, _forward_micro(flow, "critic values"), c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
             c.model.enable_gradient_checkpointing, has_lm_head=False)
+    rm_note = None
+    if config.reward_model.enable:
+        rm = config.reward_model
+        rm_dims, rm_note = _reward_model_dims(config, dims)
+        rm_tokens = rm.max_length if rm.max_length and not mean_tokens else tokens  # its inputs are cut there
+        rctx = _Ctx(config, flow, rm_dims, rm_tokens, gpu_memory)
+        roles["reward model"] = _reward_model_role(rctx, _tokens(rctx, _forward_micro(flow, REWARD_MODEL_PASS),
+                                                                 rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu))
     phases = _phases(roles)
     peak = max(phases, key=lambda p: p.total)
     level, verdict, notes = _verdict(ctx, phases, roles, worst_case=mean_tokens is None)
+    notes += [rm_note] if rm_note else []
     return MemoryEstimate(gpu_memory, tokens, note, dims.as_dict(), roles, tuple(phases), peak.name, peak.total,
                           peak.largest.name, level, verdict, tuple(notes))

@@ -1,6 +1,8 @@
 """Checks a run makes before it loads any model, so that a mistake costs seconds, not a training run.
 
 - every model path exists (a local folder or ``.gguf`` file), or is a hub id or the smollm2 alias;
+- with ``reward_model.enable``: the reward model's config names a sequence-classification head with
+  one label, its tokenizer (and ``input_tokenizer``) load, and ``external_lib`` imports;
 - every data file exists and is a ``.parquet`` / ``.jsonl`` / ``.json`` file (rows are read and
   checked when the datasets are built, still before the models);
 - the checkpoint folder can be created and written, no other run writes to it (a lock naming the
@@ -21,7 +23,8 @@ from typing import Any
 from posttrain.config import ConfigError, PostTrainConfig, uses_critic
 from posttrain.checkpoint import CheckpointManager
 
-__all__ = ["check_data_files", "check_model_paths", "claim_checkpoint_folder", "model_path_problem", "preflight"]
+__all__ = ["check_data_files", "check_model_paths", "check_reward_model", "claim_checkpoint_folder",
+           "model_path_problem", "preflight"]
 
 # owner/name (or a bare legacy name such as gpt2): what the hub accepts as a repository id.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -75,6 +78,86 @@ def check_model_paths(config: PostTrainConfig, actor_module: Any = None, critic_
     return problems
 
 
+def check_reward_model(config: PostTrainConfig, tokenizer: Any = None) -> list[str]:
+    """``reward_model.*`` when enabled: the checkpoint is a one-label sequence classifier (read from its
+    config.json, before any weights load), and the tokenizers the scoring needs load."""
+    rm = config.reward_model
+    if not rm.enable:
+        return []
+    m = rm.model
+    try:
+        from posttrain.models.reward_model import import_external_lib
+
+        import_external_lib(m.external_lib)
+    except ImportError as err:
+        return [f"reward_model.model.external_lib={m.external_lib}: cannot import it ({err})"]
+    problem = model_path_problem(m.path)
+    if problem is not None:
+        return [f"reward_model.model.path={m.path}: {problem}"]
+    problem = _reward_model_head_problem(m)
+    if problem is not None:
+        return [f"reward_model.model.path={m.path}: {problem}"]
+    rm_tokenizer, problem = _load_tokenizer_problem("reward_model.model.path", m.path, m.trust_remote_code)
+    if problem is not None:
+        return [problem]
+    if m.input_tokenizer is None:
+        return _same_vocabulary_problems(config, rm_tokenizer, tokenizer)
+    problems = []
+    if not getattr(rm_tokenizer, "chat_template", None):
+        problems.append(f"reward_model.model.path={m.path}: its tokenizer has no chat template, which re-templating "
+                        "needs (reward_model.model.input_tokenizer is set); set reward_model.model.input_tokenizer=null "
+                        "to score the actor's tokens as they are")
+    if str(m.input_tokenizer) != str(config.actor_rollout_ref.model.path):
+        problem = model_path_problem(m.input_tokenizer)
+        if problem is None:
+            _, problem = _load_tokenizer_problem("reward_model.model.input_tokenizer", m.input_tokenizer,
+                                                 m.trust_remote_code)
+        else:
+            problem = f"reward_model.model.input_tokenizer={m.input_tokenizer}: {problem}"
+        problems += [problem] if problem else []
+    return problems
+
+
+def _reward_model_head_problem(m: Any) -> str | None:
+    from posttrain.models.loading import load_config
+    from posttrain.models.reward_model import head_problem
+
+    try:
+        hf_config = load_config(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config)
+    except (OSError, ValueError, KeyError) as err:  # unreadable config.json, unknown model type, offline hub id
+        return f"cannot read its config ({_first_line(err)})"
+    return head_problem(hf_config)
+
+
+def _load_tokenizer_problem(key: str, path: str, trust_remote_code: bool) -> tuple[Any, str | None]:
+    from posttrain.models import load_tokenizer
+
+    try:
+        return load_tokenizer(path, trust_remote_code=trust_remote_code), None
+    except (OSError, ValueError, KeyError, TypeError) as err:  # no tokenizer files, offline hub id
+        return None, f"{key}={path}: cannot load its tokenizer ({_first_line(err)})"
+
+
+def _same_vocabulary_problems(config: PostTrainConfig, rm_tokenizer: Any, tokenizer: Any) -> list[str]:
+    """``input_tokenizer=null`` feeds the actor's token ids to the reward model: their vocabularies must match."""
+    if tokenizer is None:
+        m = config.actor_rollout_ref.model
+        tokenizer, problem = _load_tokenizer_problem("actor_rollout_ref.model.path", m.path, m.trust_remote_code)
+        if problem is not None:
+            return [problem]
+    if rm_tokenizer.get_vocab() == tokenizer.get_vocab():
+        return []
+    return [f"reward_model.model.input_tokenizer=null feeds the actor's token ids to the reward model, but the "
+            f"tokenizer of reward_model.model.path={config.reward_model.model.path} has another vocabulary than the "
+            f"actor's; set reward_model.model.input_tokenizer={config.actor_rollout_ref.model.path} to re-render "
+            "each chat with the reward model's template"]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def check_data_files(config: PostTrainConfig) -> list[str]:
     from posttrain.data.schema import SUPPORTED_SUFFIXES
     from posttrain.trainer.setup import data_files
@@ -119,7 +202,8 @@ def claim_checkpoint_folder(config: PostTrainConfig, manager: CheckpointManager)
 def preflight(config: PostTrainConfig, actor_module: Any = None, critic_module: Any = None,
               tokenizer: Any = None) -> None:
     """Model paths and data files: one `ConfigError` listing every problem."""
-    problems = check_model_paths(config, actor_module, critic_module, tokenizer) + check_data_files(config)
+    problems = (check_model_paths(config, actor_module, critic_module, tokenizer) + check_data_files(config)
+                + check_reward_model(config, tokenizer))
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

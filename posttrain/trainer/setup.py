@@ -101,7 +101,9 @@ class Data:
 
 def build_data(config: PostTrainConfig, tokenizer) -> Data:
     train_files, val_files = data_files(config)
-    train = RLHFDataset(train_files, tokenizer, config.data)
+    rm = config.reward_model
+    keep_chat = rm.enable and rm.model.input_tokenizer is not None  # the reward model re-renders each prompt's chat
+    train = RLHFDataset(train_files, tokenizer, replace(config.data, return_raw_chat=True) if keep_chat else config.data)
     val = RLHFDataset(val_files, tokenizer, config.data)
     # The loader yields one generation round's prompts: data.gen_batch_size (verl's DAPO trainer), which
     # equals data.train_batch_size unless algorithm.filter_groups is on.

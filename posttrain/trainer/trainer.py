@@ -32,6 +32,7 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import RewardError, RewardInterrupted, RewardManager, scoring_in_progress
+from posttrain.rewards.reward_model import score_responses, validation_skip_reason
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -201,7 +202,7 @@ class RLTrainer:
             if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
                 batch["reward_baselines"] = self._greedy_baseline(prompts)
         with timer("reward"):
-            batch["token_level_scores"], extra = self.reward_fn(batch)
+            batch["token_level_scores"], extra = self._score(batch)
         return batch, extra
 
     def _draw_prompts(self) -> Batch:
@@ -217,8 +218,14 @@ class RLTrainer:
     def _greedy_baseline(self, prompts: Batch) -> torch.Tensor:
         """ReMax: score of a greedy response per prompt, repeated for its n samples -> `[N]`."""
         greedy = self.workers.generate_sequences(prompts, validate=True)
-        scores, _ = self.reward_fn(greedy)
+        scores, _ = self._score(greedy)
         return scores.sum(-1).repeat_interleave(self.config.actor_rollout_ref.rollout.n)
+
+    def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """token_level_scores ``[N, R]`` and the reward's extra output: the reward model's score when
+        reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum),
+        else the reward function's (`posttrain.rewards.reward_model.score_responses`)."""
+        return score_responses(batch, self.reward_fn, self.workers, self.config.reward_model.combine)
 
     def _rewards_with_kl(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """token_level_scores - beta * KL(old || ref) when algorithm.use_kl_in_reward (verl's apply_kl_penalty)."""
@@ -238,6 +245,10 @@ class RLTrainer:
         start = time.perf_counter()
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         batches = [b for b in _iterate_once(self.data.val_loader)]
+        skipped = validation_skip_reason(self.config.reward_model.enable, batches)  # verl: rule-scored rows only
+        if skipped:
+            print(skipped, flush=True)
+            return {}
         metrics, _ = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
                                     self.reward_fn, n, self.config.data.reward_fn_key)
         metrics["timing_s/testing"] = time.perf_counter() - start

@@ -10,6 +10,7 @@ across the data-parallel ranks and gathering the results back in order.
     compute_log_prob(batch) -> (old_log_probs, entropy)     actor, no grad      [N, R] each
     compute_ref_log_prob(batch) -> ref_log_prob             reference policy    [N, R]
     compute_values(batch) -> values                         critic              [N, R]
+    compute_rm_score(batch) -> rm_scores                    reward model        [N, R] (score on the last token)
     update_actor(batch) -> metrics                          PPO epochs on the actor
     update_critic(batch) -> metrics                         PPO epochs on the critic
     save_checkpoint(folder) -> role names                   each role writes folder/<role>/
@@ -37,6 +38,7 @@ class WorkerGroup(Protocol):
     world_size: int
     has_ref: bool
     has_critic: bool
+    has_rm: bool
 
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch: ...
 
@@ -45,6 +47,8 @@ class WorkerGroup(Protocol):
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor: ...
 
     def compute_values(self, batch: Batch) -> torch.Tensor: ...
+
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor: ...
 
     def update_actor(self, batch: Batch) -> dict[str, float]: ...
 
@@ -58,13 +62,13 @@ class WorkerGroup(Protocol):
 
 
 class LocalWorkerGroup:
-    """The roles in this process: actor (with its hybrid rollout), optional reference and critic."""
+    """The roles in this process: actor (with its hybrid rollout), optional reference, critic and reward model."""
 
     world_size = 1
 
-    def __init__(self, actor: Any, ref: Any = None, critic: Any = None):
-        self.actor, self.ref, self.critic = actor, ref, critic
-        self.has_ref, self.has_critic = ref is not None, critic is not None
+    def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None):
+        self.actor, self.ref, self.critic, self.rm = actor, ref, critic, rm
+        self.has_ref, self.has_critic, self.has_rm = ref is not None, critic is not None, rm is not None
 
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
         return self.actor.generate_sequences(prompts, validate=validate)
@@ -77,6 +81,9 @@ class LocalWorkerGroup:
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         return self.critic.compute_values(batch)
+
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+        return self.rm.compute_rm_score(batch)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return self.actor.update_policy(batch)
@@ -106,7 +113,8 @@ def follow_actor(fsdp_config: Any, actor_dtype: str) -> str | None:
 
 def build_local_group(config: Any, device: torch.device, seed: int, actor_module: Any = None,
                       critic_module: Any = None, tokenizer: Any = None) -> LocalWorkerGroup:
-    """Actor (+ hybrid rollout), reference when KL is used, critic for GAE, in this process.
+    """Actor (+ hybrid rollout), reference when KL is used, critic for GAE, reward model when
+    ``reward_model.enable``, in this process.
 
     `config` holds per-rank batch sizes (`posttrain.config.worker_config`). The reference is loaded
     from ``actor_rollout_ref.model.path`` like the actor; only when the caller hands in an in-memory
@@ -130,4 +138,11 @@ def build_local_group(config: Any, device: torch.device, seed: int, actor_module
     if uses_critic(config):
         critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed,
                               param_dtype=follow_actor(config.critic.model.fsdp_config, actor.param_dtype))
-    return LocalWorkerGroup(actor, ref, critic)
+    rm = None
+    if config.reward_model.enable:  # frozen, scored right after generation (posttrain.workers.reward_model)
+        from posttrain.workers.reward_model import RewardModelWorker
+
+        rm = RewardModelWorker.from_config(config.reward_model, actor.tokenizer, arr.model.path, device=device,
+                                           param_dtype=follow_actor(config.reward_model.model.fsdp_config,
+                                                                    actor.param_dtype))
+    return LocalWorkerGroup(actor, ref, critic, rm)

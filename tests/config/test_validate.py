@@ -42,7 +42,7 @@ def test_base_is_valid():
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"], ["ppo_micro_batch_size_per_gpu is not set"]),
         (["actor_rollout_ref.actor.ppo_micro_batch_size=4"], ["are both set", "deprecated"]),
         (["trainer.resume_mode=resume_path"], ["needs trainer.resume_from_path"]),
-        (["reward_model.enable=True"], ["reward_model.enable=True", "not supported yet"]),
+        (["reward_model.enable=True"], ["reward_model.enable=True", "needs reward_model.micro_batch_size_per_gpu"]),
         (["actor_rollout_ref.actor.clip_ratio_c=0.5"], ["clip_ratio_c=0.5 must be > 1"]),
     ],
 )
