@@ -41,11 +41,11 @@ class CriticModelConfig:
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP and precision settings of the critic."""
     lora_rank: int = 0
-    """LoRA rank (0: full fine-tuning)."""
+    """LoRA rank (0: full fine-tuning); > 0 trains LoRA adapters on a frozen backbone, with the value head fully trained."""
     lora_alpha: int = 16
-    """LoRA alpha."""
+    """LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank."""
     target_modules: Any = "all-linear"
-    """LoRA target modules."""
+    """Backbone layers given adapters: all-linear, a list of module names, or a regex on full module names."""
 
 
 @_cfg()

@@ -167,8 +167,6 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     for key, bad, why in unsupported:
         if get_key(config, key) == bad:
             yield f"{key}={bad}: {why}; set it to {not bad}"
-    if config.actor_rollout_ref.model.lora_rank:
-        yield f"actor_rollout_ref.model.lora_rank={config.actor_rollout_ref.model.lora_rank}: LoRA is not supported yet; set it to 0"
     for key in ULYSSES_KEYS:
         sp = get_key(config, key)
         follows_actor = key.startswith("actor_rollout_ref.ref.") and sp == get_key(config, ULYSSES_KEYS[0])
@@ -265,10 +263,36 @@ def find_warnings(config: PostTrainConfig) -> list[str]:
     return warnings
 
 
+def _check_lora(config: PostTrainConfig) -> Iterable[str]:
+    """LoRA keys (verl's): alpha > 0 when a role uses LoRA, module names as strings, an adapter folder
+    that peft wrote. Names that match no module are checked against the model when it loads."""
+    for section in ("actor_rollout_ref.model", "critic.model"):
+        model = get_key(config, section)
+        path = getattr(model, "lora_adapter_path", None)
+        if model.lora_rank <= 0 and not path:
+            continue
+        if not model.lora_alpha > 0:
+            yield f"{section}.lora_alpha={model.lora_alpha!r} must be > 0 (the adapter is scaled by lora_alpha / lora_rank)"
+        for key in ("target_modules", "exclude_modules"):
+            value = getattr(model, key, None)
+            names = [value] if isinstance(value, str) else value
+            if (value is None and key == "exclude_modules") or (
+                    isinstance(names, (list, tuple)) and names and all(isinstance(n, str) and n for n in names)):
+                continue
+            yield (f"{section}.{key}={value!r} must be all-linear, a list of module names such as [q_proj, v_proj], "
+                   "or a regex on full module names")
+        if path:
+            from posttrain.models.lora import adapter_folder_problem
+
+            problem = adapter_folder_problem(path)
+            if problem:
+                yield f"{section}.lora_adapter_path={path}: {problem}"
+
+
 def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a loaded config."""
     errors: list[str] = []
-    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems):
+    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems, _check_lora):
         errors.extend(check(config))
     if not errors:  # size arithmetic is only meaningful once values are individually valid
         errors.extend(_check_conflicts(config))

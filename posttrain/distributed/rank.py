@@ -59,6 +59,20 @@ class RankWorker:
         self.critic = self._build_critic(config, mesh, seed) if uses_critic(config) else None
         self.rm = self._build_reward_model(config, mesh, tokenizer, world) if config.reward_model.enable else None
 
+    @staticmethod
+    def _lora(module: torch.nn.Module, model_config: Any, section: str, model_dtype: str, seed: int,
+              causal_lm: bool = True):
+        """LoRA adapters injected into the full model, before sharding (as verl: ``get_peft_model``, then
+        FSDP; FSDP2 shards frozen base and trainable adapter parameters alike), drawn from the run's
+        seed so every rank builds the same ones; None without LoRA."""
+        from posttrain.models.lora import apply_lora, lora_settings
+
+        settings = lora_settings(model_config, section)
+        if settings is None:
+            return None
+        return apply_lora(module, settings, model_path=model_config.path, model_dtype=model_dtype, causal_lm=causal_lm,
+                          seed=seed)
+
     # ------------------------------------------------------------------ building the roles
     def _build_actor(self, config: Any, mesh: Any, seed: int, tokenizer: Any):
         from posttrain.distributed.fsdp import shard_model
@@ -69,10 +83,12 @@ class RankWorker:
         m = arr.model
         module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
                                 dtype=arr.actor.fsdp_config.model_dtype, device="cpu")
+        lora = self._lora(module, m, "actor_rollout_ref.model", arr.actor.fsdp_config.model_dtype, seed)
         actor_cfg = with_param_dtype(arr.actor, self._agreed_param_dtype(arr.actor.fsdp_config, module))
         module = shard_model(module, mesh, actor_cfg.fsdp_config,
                              gradient_checkpointing=bool(m.enable_gradient_checkpointing))
-        return ActorWorker(m, actor_cfg, arr.rollout, device=self.device, module=module, tokenizer=tokenizer, seed=seed)
+        return ActorWorker(m, actor_cfg, arr.rollout, device=self.device, module=module, tokenizer=tokenizer, seed=seed,
+                           lora=lora)
 
     def _agreed_param_dtype(self, fsdp_config: Any, module: torch.nn.Module) -> str:
         """``param_dtype``, with ``auto`` decided on rank 0 (timed on its unsharded model) for every rank:
@@ -90,8 +106,11 @@ class RankWorker:
         from posttrain.distributed.fsdp import shard_model
         from posttrain.models import load_causal_lm
         from posttrain.workers import RefWorker
+        from posttrain.workers.actor import LoraReference
 
         arr = config.actor_rollout_ref
+        if self.actor.lora is not None:  # verl's ref in actor: the adapters disabled, no second model
+            return LoraReference(self.actor, arr.ref)
         m = arr.model
         module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
                                 dtype=arr.ref.fsdp_config.model_dtype, device="cpu")
@@ -107,11 +126,12 @@ class RankWorker:
         c = config.critic.model
         module = load_value_model(c.path, trust_remote_code=c.trust_remote_code, override_config=c.override_config,
                                   dtype=c.fsdp_config.model_dtype, device="cpu")
+        lora = self._lora(module.backbone, c, "critic.model", c.fsdp_config.model_dtype, seed, causal_lm=False)
         critic_cfg = copy.deepcopy(config.critic)
         critic_cfg.model = with_param_dtype(c, self.actor.param_dtype)
         module = shard_model(module, mesh, critic_cfg.model.fsdp_config,
                              gradient_checkpointing=bool(c.enable_gradient_checkpointing))
-        return CriticWorker(critic_cfg, device=self.device, module=module, seed=seed)
+        return CriticWorker(critic_cfg, device=self.device, module=module, seed=seed, lora=lora)
 
     def _build_reward_model(self, config: Any, mesh: Any, tokenizer: Any, world: int):
         """Frozen and sharded like the reference: each rank scores its own rows (data parallel)."""

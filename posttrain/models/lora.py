@@ -244,17 +244,24 @@ def same_digest(a: dict[str, float], b: dict[str, float]) -> bool:
 
 # --------------------------------------------------------------------------- applying adapters
 def apply_lora(model: nn.Module, settings: LoraSettings, *, model_path: str | None = None,
-               model_dtype: str = "fp32", causal_lm: bool = True) -> "LoraAdapter":
+               model_dtype: str = "fp32", causal_lm: bool = True, seed: int = 0) -> "LoraAdapter":
     """Inject LoRA adapters into ``model`` in place (base frozen, adapters trainable); returns the
     `LoraAdapter` whose ``model`` is ``model`` itself. ``causal_lm``: ``model`` is a causal LM (the
     actor); else a backbone (the critic's, whose value head stays outside peft and trainable, as
-    verl's TOKEN_CLS critic keeps its score head in ``modules_to_save``)."""
+    verl's TOKEN_CLS critic keeps its score head in ``modules_to_save``).
+
+    ``seed``: the random ``lora_A`` matrices are drawn from it, not from the global RNG, so every
+    rank builds the same adapters (ranks seed their global RNGs differently, and FSDP assumes one
+    model) and a run's adapters do not depend on what drew random numbers before.
+    """
     from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
     head = model.get_output_embeddings() if causal_lm and hasattr(model, "get_output_embeddings") else None
     check_lora_targets(model, settings, head)
     digest = base_digest(model)
-    with warnings.catch_warnings():
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft asks transformers 5
         if settings.adapter_path:
             peft_model = _from_adapter_folder(model, settings)

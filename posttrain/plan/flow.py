@@ -255,7 +255,11 @@ def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
         why = "because " + " and ".join(reasons)
     else:
         why = "no KL term: actor.use_kl_loss=False and algorithm.use_kl_in_reward=False"
-    out.append({"role": "reference", "loaded": uses_reference(config), "model": arr.model.path, "why": why})
+    loaded = uses_reference(config)
+    if loaded and (arr.model.lora_rank > 0 or arr.model.lora_adapter_path):
+        loaded, why = False, ("LoRA: the reference is the actor with its adapters disabled (verl's ref in actor), "
+                              "no second copy; needed " + why)
+    out.append({"role": "reference", "loaded": loaded, "model": arr.model.path, "why": why})
     if uses_critic(config):
         why = ("because critic.enable=True" if config.critic.enable
                else f"because algorithm.adv_estimator={algo.adv_estimator} learns values (GAE needs a critic)")

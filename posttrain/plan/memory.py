@@ -26,6 +26,11 @@ The model, stated so a reader can check it (bytes per parameter P, per token T, 
   largest phase.
 - Tokens per sequence: max prompt + max response length (the worst case) unless `--mean-tokens`
   gives a typical length; with use_remove_padding, memory follows the real lengths.
+- LoRA (`model.lora_rank > 0`): the frozen base keeps its master weights, but gradients and AdamW
+  state exist for the adapters alone, r x (in + out) parameters per adapted Llama projection; no
+  reference model is loaded (the actor with its adapters disabled computes the reference
+  log-probs, verl's ref in actor), so the reference phase costs only its activations. Activations
+  are counted as in full fine-tuning (the adapters' own are small beside them).
 """
 
 from __future__ import annotations
@@ -164,6 +169,57 @@ def gathered_unit_bytes(dims: ModelDims) -> float:
     return COMPUTE_BYTES * max(dims.params_per_layer, dims.vocab * dims.hidden)
 
 
+# Llama-style projections LoRA can adapt: (block, name, input width, output width).
+def _projections(d: ModelDims) -> list[tuple[str, str, int, int]]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    return [("self_attn", "q_proj", d.hidden, q), ("self_attn", "k_proj", d.hidden, kv),
+            ("self_attn", "v_proj", d.hidden, kv), ("self_attn", "o_proj", q, d.hidden),
+            ("mlp", "gate_proj", d.hidden, d.intermediate), ("mlp", "up_proj", d.hidden, d.intermediate),
+            ("mlp", "down_proj", d.intermediate, d.hidden)]
+
+
+def _name_matches(pattern: Any, name: str) -> bool:
+    """peft's rule: a string is a regex on the full module name; a list entry equals it or its last parts."""
+    import re
+
+    if isinstance(pattern, str):
+        return re.fullmatch(pattern, name) is not None
+    return any(name == p or name.endswith("." + str(p)) for p in pattern)
+
+
+def lora_settings_of(model_config: Any) -> Optional[tuple[int, Any, Any]]:
+    """(rank, target_modules, exclude_modules) of a role's model section, or None without LoRA; with
+    ``lora_adapter_path`` the adapter folder's own ``adapter_config.json`` (when it is here)."""
+    import json
+    from pathlib import Path
+
+    path = getattr(model_config, "lora_adapter_path", None)
+    if path:
+        try:
+            saved = json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
+            return int(saved["r"]), saved.get("target_modules") or "all-linear", saved.get("exclude_modules")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    if model_config.lora_rank <= 0 and not path:
+        return None
+    return model_config.lora_rank, model_config.target_modules, getattr(model_config, "exclude_modules", None)
+
+
+def lora_param_count(dims: ModelDims, rank: int, target_modules: Any, exclude_modules: Any = None) -> Optional[float]:
+    """Adapter parameters: r x (in + out) for each adapted projection of each decoder layer (all-linear:
+    every projection; the LM head is never adapted by all-linear). None without the model's shape."""
+    if not dims.has_shape or rank <= 0:
+        return None
+    total = 0
+    for layer in range(dims.layers):
+        for block, proj, fan_in, fan_out in _projections(dims):
+            name = f"model.layers.{layer}.{block}.{proj}"
+            chosen = target_modules == "all-linear" or _name_matches(target_modules, name)
+            if chosen and not (exclude_modules is not None and _name_matches(exclude_modules, name)):
+                total += rank * (fan_in + fan_out)
+    return float(total)
+
+
 # ---- per-role and per-phase estimates ----
 
 @dataclass(frozen=True)
@@ -195,20 +251,25 @@ def _tokens(ctx: _Ctx, micro: Optional[int], dynamic: bool, budget: int) -> Opti
 
 
 def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional[float], checkpointing: bool,
-                  has_lm_head: bool) -> dict[str, Any]:
+                  has_lm_head: bool, lora: Optional[tuple[int, Any, Any]] = None) -> dict[str, Any]:
     ranks = _fsdp_ranks(fsdp.fsdp_size, ctx.flow.world_size)
     p = ctx.dims.params
+    adapters = lora_param_count(ctx.dims, *lora) if lora else None
+    # LoRA: unknown shape -> adapters not countable; the gradients and optimizer state are then left at 0
+    trained = p if lora is None else (adapters or 0.0)
     out: dict[str, Any] = {
         "fsdp_ranks": ranks,
-        "params": p * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
+        "params": (p + (adapters or 0.0)) * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
         "params_offloaded": fsdp.param_offload,
-        "grads": p * GRAD_BYTES / ranks,
-        "optimizer": p * ADAM_BYTES / ranks,
+        "grads": trained * GRAD_BYTES / ranks,
+        "optimizer": trained * ADAM_BYTES / ranks,
         "optimizer_offloaded": fsdp.optimizer_offload,
         "gradient_checkpointing": checkpointing,
         "micro_batch_tokens": tokens,
         "forward_tokens": fwd_tokens,
     }
+    if lora is not None:
+        out["lora_rank"], out["lora_params"] = lora[0], adapters
     if ctx.shaped:
         d = ctx.dims
         out["gathered_unit"] = gathered_unit_bytes(d)
@@ -223,15 +284,19 @@ def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional
     return out
 
 
-def _reference_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
+def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) -> dict[str, Any]:
+    """The reference's own copy of the model, or with ``in_actor`` (LoRA) none: the actor computes it."""
     fsdp = ctx.config.actor_rollout_ref.ref.fsdp_config
     ranks = ctx.flow.world_size
+    own = ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks
     out: dict[str, Any] = {
         "fsdp_ranks": ranks,
-        "params": ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
+        "params": 0.0 if in_actor else own,
         "params_offloaded": fsdp.param_offload,
         "forward_tokens": tokens,
     }
+    if in_actor:
+        out["in_actor"], out["params_saved"] = True, own
     if ctx.shaped:
         d = ctx.dims
         out["gathered_unit"] = gathered_unit_bytes(d)
@@ -302,7 +367,7 @@ def _state(roles: dict[str, dict[str, Any]], active: str = "", update: bool = Fa
     shards, plus the active role's offloaded ones (loaded for its phase) and its gradients."""
     terms = []
     for name, role in roles.items():
-        if name == "rollout":
+        if name == "rollout" or role.get("in_actor"):  # a LoRA reference has no weights of its own
             continue
         own = name == active
         if own or not role["params_offloaded"]:
@@ -398,6 +463,28 @@ def _verdict(ctx: _Ctx, phases: list[Phase], roles: dict[str, dict[str, Any]],
     return level, verdict, notes
 
 
+def _lora_notes(ctx: _Ctx, roles: dict[str, dict[str, Any]]) -> list[str]:
+    """What LoRA saves: the reference model not loaded, gradients and AdamW state of the adapters only."""
+    notes = []
+    ref = roles.get("reference", {})
+    if ref.get("in_actor"):
+        notes.append(f"LoRA: no reference model is loaded (the actor with its adapters disabled is the reference): "
+                     f"{fmt_bytes(ref['params_saved'])} per GPU saved")
+    for name in ("actor", "critic"):
+        role = roles.get(name, {})
+        if "lora_rank" not in role:
+            continue
+        if role["lora_params"] is None:
+            notes.append(f"LoRA {name}: adapter size unknown without the model's shape; its gradients and optimizer "
+                         "state are counted as 0")
+            continue
+        full = ctx.dims.params * (GRAD_BYTES + ADAM_BYTES) / role["fsdp_ranks"]
+        notes.append(f"LoRA {name} (rank {role['lora_rank']}): {role['lora_params']:,.0f} trainable parameters "
+                     f"({role['lora_params'] / ctx.dims.params:.2%} of the model); gradients + AdamW state "
+                     f"{fmt_bytes(role['grads'] + role['optimizer'])} instead of {fmt_bytes(full)} per GPU")
+    return notes
+
+
 def _forward_micro(flow: Flow, name: str) -> Optional[int]:
     return next((p.micro_batch for p in flow.forward_passes if p.name == name), None)
 
@@ -413,6 +500,7 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
     ctx = _Ctx(config, flow, dims, tokens, gpu_memory)
     arr = config.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+    actor_lora = lora_settings_of(arr.model)
     roles: dict[str, dict[str, Any]] = {
         "actor": _trained_role(
             ctx, actor.fsdp_config,
@@ -420,12 +508,13 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
                     actor.ppo_max_token_len_per_gpu),
             _tokens(ctx, _forward_micro(flow, "old log-prob (actor)"), rollout.log_prob_use_dynamic_bsz,
                     rollout.log_prob_max_token_len_per_gpu),
-            arr.model.enable_gradient_checkpointing, has_lm_head=True),
+            arr.model.enable_gradient_checkpointing, has_lm_head=True, lora=actor_lora),
         "rollout": _rollout_role(ctx),
     }
     if uses_reference(config):
         roles["reference"] = _reference_role(ctx, _tokens(ctx, _forward_micro(flow, "reference log-prob"),
-                                                          ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu))
+                                                          ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+                                             in_actor=actor_lora is not None)
     if uses_critic(config):
         c = config.critic
         cctx = _Ctx(config, flow, critic_dims or dims, tokens, gpu_memory)
@@ -433,7 +522,7 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
             cctx, c.model.fsdp_config,
             _tokens(cctx, flow.critic.micro_batch if flow.critic else None, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
             _tokens(cctx, _forward_micro(flow, "critic values"), c.use_dynamic_bsz, c.forward_max_token_len_per_gpu),
-            c.model.enable_gradient_checkpointing, has_lm_head=False)
+            c.model.enable_gradient_checkpointing, has_lm_head=False, lora=lora_settings_of(c.model))
     rm_note = None
     if config.reward_model.enable:
         rm = config.reward_model
@@ -445,6 +534,7 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
     phases = _phases(roles)
     peak = max(phases, key=lambda p: p.total)
     level, verdict, notes = _verdict(ctx, phases, roles, worst_case=mean_tokens is None)
+    notes = notes + _lora_notes(ctx, roles)
     notes += [rm_note] if rm_note else []
     return MemoryEstimate(gpu_memory, tokens, note, dims.as_dict(), roles, tuple(phases), peak.name, peak.total,
                           peak.largest.name, level, verdict, tuple(notes))

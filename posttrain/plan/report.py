@@ -112,6 +112,8 @@ def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
         return lines
     where = "CPU" if r["params_offloaded"] else "GPU"
     head = f"  {name:<13}params {fmt_bytes(r['params'])} ({where})"
+    if r.get("in_actor"):  # LoRA: the actor with its adapters disabled
+        return [f"  {name:<13}no weights of its own: the LoRA actor with its adapters disabled"]
     if "grads" in r:
         opt = "CPU" if r["optimizer_offloaded"] else "GPU"
         head += (f", grads {fmt_bytes(r['grads'])}, optimizer {fmt_bytes(r['optimizer'])} ({opt}); "

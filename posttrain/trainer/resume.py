@@ -33,6 +33,7 @@ _FINGERPRINT_NAMES = {
     "adv_estimator": "algorithm.adv_estimator",
     "critic": "critic.enable",  # resolved: null means "only for gae"
     "vocab_size": "model vocab_size",
+    "lora": "LoRA settings (lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path)",
 }
 
 # Settings that may change between a run and its resume, but change what the resumed run does: a
@@ -80,8 +81,21 @@ def config_fingerprint(config: Any, vocab_size: int | None = None) -> dict[str, 
 
     settings = {key: get_key(config, key) for key in SETTING_KEYS}
     return {"model_path": str(config.actor_rollout_ref.model.path), "adv_estimator": config.algorithm.adv_estimator,
-            "critic": uses_critic(config), "vocab_size": vocab_size,
+            "critic": uses_critic(config), "vocab_size": vocab_size, "lora": _lora_fingerprint(config),
             SETTINGS: json.loads(json.dumps(settings, default=str))}
+
+
+def _lora_fingerprint(config: Any) -> dict[str, Any] | None:
+    """Each role's LoRA settings (None: full fine-tuning). A checkpoint holds only the adapters, so they
+    must be the same adapters; the base weights themselves are checked by digest when a role loads."""
+    from posttrain.config import uses_critic
+    from posttrain.models.lora import lora_settings
+
+    actor = lora_settings(config.actor_rollout_ref.model, "actor_rollout_ref.model")
+    critic = lora_settings(config.critic.model, "critic.model") if uses_critic(config) else None
+    if actor is None and critic is None:
+        return None
+    return {"actor": actor.as_dict() if actor else None, "critic": critic.as_dict() if critic else None}
 
 
 def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str, Any]) -> None:

@@ -146,6 +146,9 @@ def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, devic
                   actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None):
     """The worker group: the roles in this process (`LocalWorkerGroup`) for one rank, else one Ray
     actor per device (`RankWorkerGroup`, FSDP2-sharded models).
+    from posttrain.models.lora import check_lora_config
+
+    check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
 
     `worker_config` holds per-rank batch sizes (`posttrain.config.worker_config`).
     """

@@ -90,7 +90,7 @@ class ActorWorker:
         settings = lora_settings(model_config, "actor_rollout_ref.model") if model_config is not None else None
         if lora is None and settings is not None:
             lora = apply_lora(module, settings, model_path=model_config.path,
-                              model_dtype=actor_config.fsdp_config.model_dtype)
+                              model_dtype=actor_config.fsdp_config.model_dtype, seed=seed)
         self.lora = lora
         self.module = module.to(self.device)
         if tokenizer is None and model_config is not None:

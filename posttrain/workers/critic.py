@@ -80,7 +80,7 @@ class CriticWorker:
         settings = lora_settings(mcfg, "critic.model")
         if lora is None and settings is not None:
             lora = apply_lora(module.backbone, settings, model_path=mcfg.path,
-                              model_dtype=mcfg.fsdp_config.model_dtype, causal_lm=False)
+                              model_dtype=mcfg.fsdp_config.model_dtype, causal_lm=False, seed=seed)
         self.lora = lora
         self.module = module.to(self.device)
         # the actor's precision when given, else the config's ("auto": timed on the backbone)

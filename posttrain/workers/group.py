@@ -119,16 +119,24 @@ def build_local_group(config: Any, device: torch.device, seed: int, actor_module
     `config` holds per-rank batch sizes (`posttrain.config.worker_config`). The reference is loaded
     from ``actor_rollout_ref.model.path`` like the actor; only when the caller hands in an in-memory
     ``actor_module`` (tests, notebooks) is the reference a copy of that module's initial weights.
+    With LoRA no reference model is loaded at all: the actor with its adapters disabled is the
+    reference (`LoraReference`, verl's "ref in actor").
     """
     from posttrain.config import uses_critic, uses_reference
+    from posttrain.models.lora import lora_settings
     from posttrain.workers import ActorWorker, CriticWorker, RefWorker
+    from posttrain.workers.actor import LoraReference
 
     arr = config.actor_rollout_ref
-    initial = copy.deepcopy(actor_module) if actor_module is not None and uses_reference(config) else None
+    ref_in_actor = lora_settings(arr.model, "actor_rollout_ref.model") is not None
+    copy_initial = actor_module is not None and uses_reference(config) and not ref_in_actor
+    initial = copy.deepcopy(actor_module) if copy_initial else None
     actor = ActorWorker(arr.model, arr.actor, arr.rollout, device=device, module=actor_module,
                         tokenizer=tokenizer, seed=seed)
     ref = critic = None
-    if uses_reference(config):
+    if uses_reference(config) and ref_in_actor:
+        ref = LoraReference(actor, arr.ref)
+    elif uses_reference(config):
         dtype = follow_actor(arr.ref.fsdp_config, actor.param_dtype)
         if initial is None:
             ref = RefWorker.from_config(arr.model, arr.ref, arr.rollout, device=device, param_dtype=dtype)

@@ -18,6 +18,7 @@ restricted metadata reader (`posttrain.distributed.dcp`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +185,9 @@ def _load_trainable_sharded(path: Path, module: nn.Module, optimizer: torch.opti
     with _single_process_is_intended(), _refusals_unwrapped():
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(source=str(path)),
                  no_dist=not _distributed())
+    # strict=False: the frozen parameters are absent on purpose (their presence was checked above)
     set_state_dict(module, (optimizer,), model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=options)
+                   options=dataclasses.replace(options, strict=False))
 
 
 def read_full_weights(folder: Path, module: nn.Module) -> dict[str, torch.Tensor]:
