@@ -140,8 +140,9 @@ class RewardModelWorker:
         cut = sum(len(r) > max_length for r in rows)
         if cut and not self._warned_cut:  # once per run: verl cuts silently, a note is enough
             self._warned_cut = True
-            print(f"note: {cut} of {len(rows)} reward-model inputs were longer than {max_length} tokens "
-                  "(reward_model.max_length) and were cut from the right; later cuts are not reported", flush=True)
+            print(f"note: {cut} of {len(rows)} reward-model inputs were longer than {max_length} tokens and were cut "
+                  "from the right (reward_model.max_length; when null, the actor's prompt + response width, as in "
+                  "verl); set reward_model.max_length to keep them whole. Later cuts are not reported", flush=True)
         rows = [r[:max_length] for r in rows]
         width = max(1, max(len(r) for r in rows))
         ids = torch.full((len(rows), width), self.rm_tokenizer.pad_token_id, dtype=torch.long)
