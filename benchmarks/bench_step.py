@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py                    # posttrain bf16 + fp32, then TRL fp32 + bf16
     python benchmarks/bench_step.py --steps 4 --skip-trl --json out.json
     python benchmarks/bench_step.py --precisions bf16 --skip-trl
+    python benchmarks/bench_step.py --lora 32 --skip-trl     # the same work with LoRA (rank 32, all-linear)
 
 The work (the issue's comparison size): the built-in config's model and task (SmolLM2-135M-Instruct,
 the arithmetic task), 8 prompts x 4 samples = 32 responses of up to 32 new tokens, GRPO with a KL
@@ -275,8 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
                    help="OpenMP wait policy (default passive; re-executes the script to apply it)")
     p.add_argument("--json", metavar="FILE", help="also write all numbers as JSON ('-' for stdout)")
+    p.add_argument("--lora", type=int, metavar="RANK", default=0,
+                   help="posttrain trains LoRA adapters of this rank (alpha = rank, all-linear; the reference is the "
+                        "actor with adapters disabled); TRL is then skipped (its runs are full fine-tuning). The "
+                        "FLOP rates still count a full backward")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for the posttrain runs")
     a = p.parse_args(argv)
+    if a.lora:
+        a.skip_trl = True
+        a.overrides = [f"actor_rollout_ref.model.lora_rank={a.lora}", f"actor_rollout_ref.model.lora_alpha={a.lora}",
+                       "actor_rollout_ref.model.target_modules=all-linear", *a.overrides]
 
     if a.omp_wait_policy and os.environ.get("OMP_WAIT_POLICY", "").lower() != a.omp_wait_policy:
         os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy.upper()
