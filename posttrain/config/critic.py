@@ -160,6 +160,8 @@ class RewardModelConfig:
     """Reward manager: naive (one score per response), or dapo (also records a plain-number score as acc, and applies overlong_buffer)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO overlong reward shaping (verl's DAPO recipe keys)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the reward manager, verl's main_ppo form of the overlong buffer: +reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log} and +reward_model.reward_kwargs.max_resp_len (use this or overlong_buffer)."""
     launch_reward_fn_async: bool = False
     """Score in the background while the actor computes log-probs."""
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)

@@ -1,19 +1,27 @@
-"""Start-up checks of DAPO's keys: dynamic sampling (`algorithm.filter_groups`, `data.gen_batch_size`)
-and overlong reward shaping (`reward_model.overlong_buffer` with `reward_model.reward_manager=dapo`).
+"""DAPO's keys: dynamic sampling (`algorithm.filter_groups`, `data.gen_batch_size`) and overlong reward
+shaping with `reward_model.reward_manager=dapo`, in either of verl's two spellings:
 
-Each message names the dotted key, its value and what would be valid (`validate.py` collects them).
+- `reward_model.overlong_buffer.{enable,len,penalty_factor,log}`, measured against
+  `data.max_response_length` (verl's DAPO recipe scripts, `recipe/dapo/*.sh`);
+- `+reward_model.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` with
+  `+reward_model.reward_kwargs.max_resp_len` (verl's `main_ppo` scripts, which pass reward_kwargs
+  to the DAPO reward manager).
+
+The start-up checks' messages name the dotted key, its value and what would be valid.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 from posttrain.config.derived import estimator_needs
 from posttrain.config.schema import PostTrainConfig
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-"""`algorithm.filter_groups.metric` values (verl's DAPO trainer): fields of the reward manager's extra
-output (acc, score), or the response's summed token-level score (seq_reward) / reward (seq_final_reward)."""
+"""`algorithm.filter_groups.metric` values (verl's DAPO trainer): fields of the reward's extra output
+(acc, score: a scorer's dict fields, and acc for a plain-number score under reward_manager=dapo), or
+the response's summed token-level score (seq_reward) / reward (seq_final_reward)."""
 
 
 def dapo_problems(config: PostTrainConfig) -> Iterable[str]:
@@ -38,26 +46,77 @@ def _filter_groups_problems(config: PostTrainConfig) -> Iterable[str]:
         yield ("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=True: groups are "
                "filtered before the reference log-probs that the KL penalty needs exist; use seq_reward (the same "
                "sum before the penalty) or acc")
-    builtin = not config.custom_reward_function.path
-    if builtin and fg.metric == "score":
-        yield ("algorithm.filter_groups.metric=score: the built-in scorers return plain numbers, so there is no "
-               "'score' field to compare; use acc (with reward_model.reward_manager=dapo) or seq_reward")
-    if builtin and fg.metric == "acc" and config.reward_model.reward_manager != "dapo":
-        yield ("algorithm.filter_groups.metric=acc needs reward_model.reward_manager=dapo with the built-in scorers "
-               "(it records their plain-number score as acc, as verl's DAPO manager does); or use seq_reward")
+    # Whether the reward has an acc / score field depends on the scorer (the built-in arithmetic one returns
+    # both, gsm8k a plain number, which reward_manager=dapo records as acc): the first step says so if not.
+
+
+@dataclass(frozen=True)
+class OverlongSettings:
+    """The overlong buffer as configured, in whichever spelling (see the module docstring)."""
+
+    enable: bool
+    length: Any
+    penalty_factor: Any
+    log: bool
+    max_len: Any
+    """The response limit the buffer is measured against."""
+    prefix: str
+    """Where the buffer's keys are, for messages."""
+    max_key: str
+
+
+_KWARGS = "reward_model.reward_kwargs"
+_BUFFER_FIELDS = ("enable", "len", "penalty_factor", "log")
+
+
+def overlong_settings(config: PostTrainConfig) -> OverlongSettings:
+    kwargs = config.reward_model.reward_kwargs
+    cfg = kwargs.get("overlong_buffer_cfg")
+    if not isinstance(cfg, dict):
+        buf = config.reward_model.overlong_buffer
+        return OverlongSettings(buf.enable, buf.len, buf.penalty_factor, buf.log, config.data.max_response_length,
+                                "reward_model.overlong_buffer", "data.max_response_length")
+    return OverlongSettings(bool(cfg.get("enable", False)), cfg.get("len", 0), cfg.get("penalty_factor", 0.0),
+                            bool(cfg.get("log", False)), kwargs.get("max_resp_len"), f"{_KWARGS}.overlong_buffer_cfg",
+                            f"{_KWARGS}.max_resp_len")
+
+
+def _reward_kwargs_problems(config: PostTrainConfig) -> Iterable[str]:
+    kwargs = config.reward_model.reward_kwargs
+    for name in sorted(set(kwargs) - {"overlong_buffer_cfg", "max_resp_len"}):
+        yield (f"{_KWARGS}.{name}: posttrain's reward manager takes only overlong_buffer_cfg and max_resp_len (the DAPO "
+               "manager's keyword arguments)")
+    cfg = kwargs.get("overlong_buffer_cfg")
+    if cfg is None:
+        return
+    if not isinstance(cfg, dict):
+        yield f"{_KWARGS}.overlong_buffer_cfg={cfg!r} must hold keys: {', '.join(_BUFFER_FIELDS)}"
+        return
+    for name in sorted(set(cfg) - set(_BUFFER_FIELDS)):
+        yield f"{_KWARGS}.overlong_buffer_cfg.{name} is not a key; valid: {', '.join(_BUFFER_FIELDS)}"
+    if config.reward_model.overlong_buffer.enable:
+        yield (f"the overlong buffer is set twice, in reward_model.overlong_buffer and {_KWARGS}.overlong_buffer_cfg; "
+               "keep one")
 
 
 def _overlong_problems(config: PostTrainConfig) -> Iterable[str]:
-    buf, rm = config.reward_model.overlong_buffer, config.reward_model
-    if not buf.enable:
+    yield from _reward_kwargs_problems(config)
+    s, rm = overlong_settings(config), config.reward_model
+    if not s.enable:
         return
-    max_len = config.data.max_response_length
-    if not 0 < buf.len <= max_len:
-        yield (f"reward_model.overlong_buffer.len={buf.len} must be in 1..{max_len} (data.max_response_length) "
-               "when reward_model.overlong_buffer.enable=True")
+    if not _is_int(s.max_len) or s.max_len < 1:
+        yield f"{s.max_key}={s.max_len!r} must be a number of tokens >= 1 when {s.prefix}.enable=True"
+    elif not _is_int(s.length) or not 0 < s.length <= s.max_len:
+        yield f"{s.prefix}.len={s.length!r} must be in 1..{s.max_len} ({s.max_key}) when {s.prefix}.enable=True"
+    if isinstance(s.penalty_factor, bool) or not isinstance(s.penalty_factor, (int, float)) or not s.penalty_factor >= 0:
+        yield f"{s.prefix}.penalty_factor={s.penalty_factor!r} must be >= 0"
     if rm.reward_manager != "dapo":
-        yield (f"reward_model.overlong_buffer.enable=True with reward_model.reward_manager={rm.reward_manager}: the "
-               "overlong penalty is part of the dapo reward manager (as in verl); set reward_model.reward_manager=dapo")
+        yield (f"{s.prefix}.enable=True with reward_model.reward_manager={rm.reward_manager}: the overlong penalty is "
+               "part of the dapo reward manager (as in verl); set reward_model.reward_manager=dapo")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def dapo_warnings(config: PostTrainConfig) -> list[str]:

@@ -130,14 +130,13 @@ def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
 def dapo_reward_options(config: PostTrainConfig) -> dict[str, Any]:
     """What ``reward_model.reward_manager=dapo`` adds to the reward manager (verl's DAPORewardManager):
     plain-number scores recorded as ``acc``, and the overlong buffer when enabled."""
+    from posttrain.config.dapo import overlong_settings
     from posttrain.rewards.manager import OverlongBuffer
 
-    rm = config.reward_model
-    if rm.reward_manager != "dapo":
+    if config.reward_model.reward_manager != "dapo":
         return {}
-    buf = rm.overlong_buffer
-    overlong = (OverlongBuffer(buf.len, buf.penalty_factor, config.data.max_response_length, buf.log)
-                if buf.enable else None)
+    s = overlong_settings(config)  # reward_model.overlong_buffer or reward_model.reward_kwargs.overlong_buffer_cfg
+    overlong = OverlongBuffer(s.length, float(s.penalty_factor), s.max_len, s.log) if s.enable else None
     return {"record_acc": True, "overlong": overlong}
 
 

@@ -148,3 +148,39 @@ def test_config_builds_the_manager(tok):
     naive = build_reward_fn(load_config(overrides=BASE + ["reward_model.reward_manager=naive"]), tok)
     assert not naive.record_acc and naive.overlong is None
     assert np.isclose(manager(_batch(tok, [20]))[0].sum().item(), -1.0 + 0.0)  # built-in scorer: no answer -> 0
+
+
+# ---------------------------------------------------------------------- verl's main_ppo spelling
+KW = "+reward_model.reward_kwargs"
+
+
+def test_reward_kwargs_spelling_builds_the_same_manager(tok):
+    """verl's main_ppo scripts pass the buffer as reward_kwargs (with their own max_resp_len)."""
+    from posttrain.trainer.setup import build_reward_fn
+
+    config = load_config(overrides=BASE + [f"{KW}.overlong_buffer_cfg.enable=True", f"{KW}.overlong_buffer_cfg.len=8",
+                                           f"{KW}.overlong_buffer_cfg.penalty_factor=1.0",
+                                           f"{KW}.overlong_buffer_cfg.log=False", f"{KW}.max_resp_len=20"])
+    manager = build_reward_fn(config, tok)
+    assert manager.overlong == OverlongBuffer(8, 1.0, 20, False)
+    scores, _ = manager(_batch(tok, LENGTHS))
+    assert scores.sum(-1).tolist() == pytest.approx([0.0, 0.0, -1 / 8, -4 / 8, -1.0])  # arithmetic scorer: 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{KW}.overlong_buffer_cfg.enable=True", f"{KW}.overlong_buffer_cfg.len=8"],
+     "reward_model.reward_kwargs.max_resp_len=None must be a number of tokens >= 1"),
+    ([f"{KW}.overlong_buffer_cfg.enable=True", f"{KW}.overlong_buffer_cfg.len=30", f"{KW}.max_resp_len=20"],
+     "reward_model.reward_kwargs.overlong_buffer_cfg.len=30 must be in 1..20 (reward_model.reward_kwargs.max_resp_len)"),
+    ([f"{KW}.overlong_buffer_cfg.enable=True", f"{KW}.overlong_buffer_cfg.len=4", f"{KW}.max_resp_len=20",
+      f"{KW}.overlong_buffer_cfg.penalty_factor=-1"],
+     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=-1 must be >= 0"),
+    ([f"{KW}.overlong_buffer_cfg.lenght=4"], "reward_model.reward_kwargs.overlong_buffer_cfg.lenght is not a key"),
+    ([f"{KW}.num_examine=1"], "reward_model.reward_kwargs.num_examine: posttrain's reward manager takes only"),
+    (ON + ["reward_model.overlong_buffer.len=4", f"{KW}.overlong_buffer_cfg.enable=False"],
+     "the overlong buffer is set twice"),
+])
+def test_bad_reward_kwargs_are_named(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=BASE + overrides)
+    assert message in str(err.value)
