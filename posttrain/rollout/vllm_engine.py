@@ -18,6 +18,8 @@ gathered with ``full_tensor()`` only when its turn comes, all in one ``reload_we
 layer-wise reload that also repacks CPU GEMM weights (``model.load_weights`` leaves them stale on
 CPU). Names and shapes are checked first: a reload that fails half-way leaves the engine's model
 unusable. Then the prefix cache is reset, since its blocks hold keys/values of the old weights.
+A LoRA actor (`posttrain.models.lora`) pushes its merged weights, ``W + alpha / r * B @ A`` under the
+base model's names (verl's path when vLLM's own LoRA mode is off): the engine never sees adapters.
 
 KV cache: with ``free_cache_engine`` on a GPU, the engine sleeps (level 1) after generating and
 wakes before the next push, so training gets the memory back. vLLM's CPU build has no sleep mode:

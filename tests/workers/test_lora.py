@@ -113,6 +113,20 @@ def test_an_update_moves_the_adapters_and_leaves_the_base_bit_identical(tok):
     assert changed(before, actor.module) == [name]
 
 
+def test_gradient_checkpointing_gives_the_same_adapter_update(tok):
+    """Non-reentrant recomputation with a frozen base (no input requires grad) still trains the adapters."""
+    plain, _ = lora_actor(tok)
+    batch = train_batch(plain, tok)
+    cfg = lora_configs()
+    cfg.model.enable_gradient_checkpointing = True
+    checkpointed = ActorWorker(cfg.model, cfg.actor, cfg.rollout, device="cpu", module=tiny_llama(tok), tokenizer=tok)
+    plain.update_policy(batch)
+    checkpointed.update_policy(batch)
+    for (name, a), (_, b) in zip(plain.module.named_parameters(), checkpointed.module.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(".lora_B." in n and p.abs().max() > 0 for n, p in checkpointed.module.named_parameters())
+
+
 # ---------------------------------------------------------------------- reference = base
 def test_reference_is_the_base_model_and_differs_from_the_actor_after_an_update(tok):
     actor, cfg = lora_actor(tok)
