@@ -27,6 +27,7 @@ the response's summed token-level score (seq_reward) / reward (seq_final_reward)
 def dapo_problems(config: PostTrainConfig) -> Iterable[str]:
     yield from _filter_groups_problems(config)
     yield from _overlong_problems(config)
+    yield from _reward_model_problems(config)
 
 
 def _filter_groups_problems(config: PostTrainConfig) -> Iterable[str]:
@@ -113,6 +114,23 @@ def _overlong_problems(config: PostTrainConfig) -> Iterable[str]:
     if rm.reward_manager != "dapo":
         yield (f"{s.prefix}.enable=True with reward_model.reward_manager={rm.reward_manager}: the overlong penalty is "
                "part of the dapo reward manager (as in verl); set reward_model.reward_manager=dapo")
+
+
+def _reward_model_problems(config: PostTrainConfig) -> Iterable[str]:
+    """A learned reward model with combine=replace scores instead of the reward manager (verl returns the
+    reward model's scores as they are): neither its fields nor the overlong penalty exist then."""
+    rm, fg = config.reward_model, config.algorithm.filter_groups
+    if not rm.enable or rm.combine != "replace":
+        return
+    if fg.enable and fg.metric in ("acc", "score"):
+        yield (f"algorithm.filter_groups.metric={fg.metric} with reward_model.enable=True and reward_model.combine=replace: "
+               f"the reward model's score replaces the reward function's, which has the {fg.metric} field; use "
+               "metric=seq_reward (the reward model's score) or reward_model.combine=sum")
+    s = overlong_settings(config)
+    if s.enable:
+        yield (f"{s.prefix}.enable=True with reward_model.enable=True and reward_model.combine=replace: the reward "
+               "model's score replaces the reward manager's, overlong penalty included (as in verl); set "
+               "reward_model.combine=sum or turn the buffer off")
 
 
 def _is_int(value: Any) -> bool:

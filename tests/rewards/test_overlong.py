@@ -130,6 +130,8 @@ ON = ["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.
     (ON + ["reward_model.overlong_buffer.len=4", "reward_model.reward_manager=naive"],
      "reward_model.overlong_buffer.enable=True with reward_model.reward_manager=naive"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager='prime' is not one of: naive, dapo"),
+    (ON + ["reward_model.overlong_buffer.len=4", "reward_model.enable=True", "reward_model.micro_batch_size_per_gpu=4"],
+     "reward_model.overlong_buffer.enable=True with reward_model.enable=True and reward_model.combine=replace"),
 ])
 def test_bad_keys_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:

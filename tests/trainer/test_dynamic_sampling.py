@@ -193,6 +193,8 @@ ON = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc
     (["data.gen_batch_size=512"], "data.gen_batch_size=512 differs from data.train_batch_size=1024"),
     (ON[:1] + ["algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=True"],
      "seq_final_reward with algorithm.use_kl_in_reward=True"),
+    (ON + ["reward_model.enable=True", "reward_model.micro_batch_size_per_gpu=4"],
+     "algorithm.filter_groups.metric=acc with reward_model.enable=True and reward_model.combine=replace"),
 ])
 def test_bad_filter_groups_keys_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:
