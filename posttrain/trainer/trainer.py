@@ -1,10 +1,14 @@
 """The RL training loop. One step (`train_step`) reads top to bottom:
 
-    prompts -> generate n -> reward -> old log-prob -> ref log-prob -> values -> rollout correction
-            -> advantages -> critic update -> actor update -> metrics
+    prompts -> generate n -> reward (rule-based and/or reward model) -> old log-prob -> ref log-prob
+            -> values -> rollout correction -> advantages -> critic update -> actor update -> metrics
 
-(`algorithm.rollout_correction.bypass_mode` takes the engine's log-probs as the old ones instead of
-recomputing them; the rollout correction weighs or rejects tokens where engine and trainer differ.)
+Rollout (`_rollout`): with `algorithm.filter_groups.enable` (DAPO) groups whose responses all score
+the same are dropped and more prompts are generated until the batch is full. Old log-probs
+(`DerivedSizes.old_log_probs_from`): recomputed by the actor; or, when the update is one epoch of
+one mini-batch, taken from the update's own forward (the pass is skipped); or, with
+`algorithm.rollout_correction.bypass_mode`, the engine's. The rollout correction weighs or rejects
+tokens where engine and trainer differ.
 
 The algorithm is chosen by config alone (`algorithm.adv_estimator`, `actor.policy_loss.loss_mode`,
 KL settings); `GRPOTrainer` and `PPOTrainer` are the same loop under the names users look for.
