@@ -357,11 +357,6 @@ class LoraAdapter:
         ``disable_adapter()``; under FSDP the adapter shards are gathered but unused)."""
         return self.peft.disable_adapter()
 
-    def trainable_count(self) -> tuple[int, int]:
-        """(trainable, all) parameter counts (tied weights once)."""
-        params = list(self.model.parameters())
-        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
     # ---------------------------------------------------------------- checkpoint files
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter weights in peft's file layout (``base_model.model.<module>.lora_A.weight``), full

@@ -81,21 +81,22 @@ def config_fingerprint(config: Any, vocab_size: int | None = None) -> dict[str, 
 
     settings = {key: get_key(config, key) for key in SETTING_KEYS}
     return {"model_path": str(config.actor_rollout_ref.model.path), "adv_estimator": config.algorithm.adv_estimator,
-            "critic": uses_critic(config), "vocab_size": vocab_size, "lora": _lora_fingerprint(config),
+            "critic": uses_critic(config), "vocab_size": vocab_size, **_lora_fingerprint(config),
             SETTINGS: json.loads(json.dumps(settings, default=str))}
 
 
-def _lora_fingerprint(config: Any) -> dict[str, Any] | None:
-    """Each role's LoRA settings (None: full fine-tuning). A checkpoint holds only the adapters, so they
-    must be the same adapters; the base weights themselves are checked by digest when a role loads."""
+def _lora_fingerprint(config: Any) -> dict[str, Any]:
+    """``{"lora": each role's LoRA settings}``, or nothing for full fine-tuning (``check_compatible`` reads
+    an absent entry as full fine-tuning). A checkpoint holds only the adapters, so they must be the same
+    adapters; the base weights themselves are checked by digest when a role loads."""
     from posttrain.config import uses_critic
     from posttrain.models.lora import lora_settings
 
     actor = lora_settings(config.actor_rollout_ref.model, "actor_rollout_ref.model")
     critic = lora_settings(config.critic.model, "critic.model") if uses_critic(config) else None
     if actor is None and critic is None:
-        return None
-    return {"actor": actor.as_dict() if actor else None, "critic": critic.as_dict() if critic else None}
+        return {}
+    return {"lora": {"actor": actor.as_dict() if actor else None, "critic": critic.as_dict() if critic else None}}
 
 
 def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str, Any]) -> None:
@@ -107,11 +108,13 @@ def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str,
     current = json.loads(json.dumps(dict(current_fingerprint), default=str))  # tuples -> lists, as saved
     _report_changed_settings(saved.get(SETTINGS) or {}, current.get(SETTINGS) or {})
     differ = [k for k in current if k != SETTINGS and k in saved and saved[k] != current[k]]
+    if "lora" not in differ and saved.get("lora") != current.get("lora"):  # absent: full fine-tuning
+        differ.append("lora")
     for k in differ:
         if k in _WARN_ONLY:
             logger.warning("checkpoint was saved with %s=%s, this run has %s; resuming anyway",
                            _FINGERPRINT_NAMES.get(k, k), saved[k], current[k])
-    mismatches = [f"{_FINGERPRINT_NAMES.get(k, k)}={saved[k]}, this run has {current[k]}"
+    mismatches = [f"{_FINGERPRINT_NAMES.get(k, k)}={saved.get(k)}, this run has {current.get(k)}"
                   for k in differ if k not in _WARN_ONLY]
     if mismatches:
         raise CheckpointError("checkpoint was saved with " + "; and ".join(mismatches) +

@@ -151,6 +151,16 @@ def test_resume_with_other_lora_settings_is_refused(runs, tmp_path):
     other = [f"trainer.default_local_dir={ckpt}", "actor_rollout_ref.model.lora_rank=4"]
     with pytest.raises(CheckpointError, match=r"LoRA settings.*'lora_rank': 8.*this run has.*'lora_rank': 4"):
         _trainer(runs["split_dir"], GRPO + ["trainer.total_training_steps=6", *other]).fit()
+    # full fine-tuning from a LoRA checkpoint (it holds no base weights), and LoRA from a full one
+    full_ft = RLTrainer(load_config(overrides=tiny_overrides(
+        runs["split_dir"], GRPO + ["trainer.total_training_steps=6", f"trainer.default_local_dir={ckpt}"])))
+    with pytest.raises(CheckpointError, match=r"LoRA settings.*'lora_rank': 8.*this run has None"):
+        full_ft.fit()
+    full_ckpt = tmp_path / "full_ckpt"
+    RLTrainer(load_config(overrides=tiny_overrides(tmp_path, [
+        "trainer.total_training_steps=1", "trainer.save_freq=1", f"trainer.default_local_dir={full_ckpt}"]))).fit()
+    with pytest.raises(CheckpointError, match=r"LoRA settings \(.*\)=None, this run has .*'lora_rank': 8"):
+        _trainer(tmp_path, GRPO + ["trainer.total_training_steps=2", f"trainer.default_local_dir={full_ckpt}"]).fit()
 
 
 def test_resume_on_another_base_model_is_refused(runs, tmp_path):
