@@ -235,3 +235,28 @@ def test_unknown_target_module_fails_before_any_weights_load(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"critic.model.target_modules=\['value_proj'\]: 'value_proj' matches no"):
         _trainer(tmp_path, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1",
                             "critic.model.lora_rank=4", "critic.model.target_modules=[value_proj]"])
+
+
+def test_ppo_with_lora_actor_and_critic_resumes_exactly(tmp_path):
+    """GAE with a LoRA critic: its checkpoint holds adapters + value head, and resuming is exact."""
+    ppo = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.model.lora_rank=4",
+           "critic.model.lora_alpha=8", "critic.optim.lr=3e-2", "trainer.save_freq=2", "trainer.resume_mode=auto"]
+    full = _trainer(tmp_path / "full", ppo + ["trainer.total_training_steps=3"])
+    full.reward_fn = _prompt_length_reward
+    full_rows = full.fit()
+    first = _trainer(tmp_path / "split", ppo + ["trainer.total_training_steps=2"])
+    first.reward_fn = _prompt_length_reward
+    first.fit()
+    resumed = _trainer(tmp_path / "split", ppo + ["trainer.total_training_steps=3"])
+    resumed.reward_fn = _prompt_length_reward
+    (row,) = resumed.fit()
+    want = full_rows[2]
+    keys = [k for k in want if k.startswith(("critic/vf", "critic/values", "actor/pg_loss", "critic/grad_norm"))]
+    assert len(keys) >= 4 and want["critic/vf_loss"] > 0
+    for key in keys:
+        assert math.isclose(row[key], want[key], rel_tol=1e-5, abs_tol=1e-7), (key, row[key], want[key])
+    from safetensors.torch import load_file
+
+    saved = load_file(CheckpointManager(tmp_path / "split" / "ckpt").latest() / "critic" / "model.safetensors")
+    assert {"value_head.weight", "value_head.bias"} <= set(saved)
+    assert all(".lora_" in k for k in set(saved) - {"value_head.weight", "value_head.bias"})
