@@ -24,13 +24,13 @@ class CustomClsConfig:
 
 @_cfg()
 class ArithmeticTaskConfig:
-    digits: int = 1
+    digits: int = 2
     """(posttrain) Digits per operand of the built-in arithmetic task (used when data.train_files is null)."""
     ops: list[str] = field(default_factory=lambda: ["+"])
     """(posttrain) Operators of the built-in task: any of +, -, *."""
     n_train: int = 1024
     """(posttrain) Training problems of the built-in task."""
-    n_test: int = 64
+    n_test: int = 128
     """(posttrain) Held-out problems of the built-in task (disjoint from training)."""
     seed: int = 0
     """(posttrain) Seed of the built-in task's problem generator."""

@@ -101,7 +101,10 @@ def _machine_key(module: nn.Module) -> str:
     config = getattr(module, "config", None)
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
                                                    "intermediate_size", "vocab_size")}
-    parts = [_cpu_name(), torch.__version__, str(torch.get_num_threads()), json.dumps(shape, sort_keys=True)]
+    # what trains matters too: LoRA (a few trainable adapters) and full fine-tuning backpropagate differently
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    parts = [_cpu_name(), torch.__version__, str(torch.get_num_threads()), json.dumps(shape, sort_keys=True),
+             str(trainable)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -116,7 +116,6 @@ def build_data(config: PostTrainConfig, tokenizer) -> Data:
     return Data(train, val, loader, build_val_loader(val, config.data))
 
 
-
 def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
     from posttrain.rewards import RewardManager, load_custom_reward_fn
 
@@ -140,17 +139,16 @@ def dapo_reward_options(config: PostTrainConfig) -> dict[str, Any]:
     return {"record_acc": True, "overlong": overlong}
 
 
-
 def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, device: torch.device, seed: int,
                   actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None):
     """The worker group: the roles in this process (`LocalWorkerGroup`) for one rank, else one Ray
     actor per device (`RankWorkerGroup`, FSDP2-sharded models).
-    from posttrain.models.lora import check_lora_config
-
-    check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
 
     `worker_config` holds per-rank batch sizes (`posttrain.config.worker_config`).
     """
+    from posttrain.models.lora import check_lora_config
+
+    check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
     if world_size(config) == 1:
         from posttrain.workers.group import build_local_group
 

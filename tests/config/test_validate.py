@@ -115,4 +115,5 @@ def test_start_up_line_is_exact_when_the_last_mini_batch_is_uneven():
             "(one micro-batch of 2); 3 optimizer steps per training step") in describe_sizes(sizes)
     even = derive_sizes(load_config(base=base))
     assert even.actor.last_mini_batch is None
-    assert "actor: 2 mini-batches of 16 responses per rank, 1 micro-batch of 16 each; 2 optimizer" in describe_sizes(even)
+    assert "actor: 1 mini-batch of 32 responses per rank, 1 micro-batch of 32 each; 1 optimizer" in describe_sizes(even)
+    assert "old log-prob: no separate pass (the on-policy update's own forward gives them)" in describe_sizes(even)

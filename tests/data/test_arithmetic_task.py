@@ -63,7 +63,7 @@ def test_rows_score_with_the_default_scorer():
     assert r["prompt"][-1]["content"].startswith(train[0].question)
     assert r["extra_info"] == {"split": "train", "index": 0, "question": train[0].question}
     good = f"{train[0].question[8:-1]} = {train[0].answer}\n#### {train[0].answer}"
-    assert default_compute_score(r["data_source"], good, r["reward_model"]["ground_truth"]) == 1.0
+    assert default_compute_score(r["data_source"], good, r["reward_model"]["ground_truth"])["score"] == 1.0
     assert make_messages(Problem(12, "*", 34), "fewshot") == [
         {"role": "user", "content": "What is 31 + 45?"},
         {"role": "assistant", "content": "31 + 45 = 76\n#### 76"},
