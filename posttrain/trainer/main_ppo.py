@@ -55,4 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from posttrain.threads import prefer_sleeping_threads
+
+    prefer_sleeping_threads()  # torch is not loaded yet (posttrain.threads says why)
     sys.exit(main())
