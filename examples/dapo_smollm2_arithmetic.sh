@@ -6,7 +6,8 @@
 #   token-level loss   loss_agg_mode=token-mean
 #   dynamic sampling   groups whose 4 answers are all right or all wrong (acc) are dropped, and rounds
 #                      of 12 prompts are generated until 8 groups with signal remain (at most 10 rounds)
-#   overlong shaping   responses longer than 24 - 8 = 16 tokens lose up to 1.0 of their reward
+#   overlong shaping   responses longer than 32 - 8 = 24 tokens lose up to 1.0 of their reward
+#                      (a worked 2-digit answer such as '89 + 86 = 175\n#### 175' takes ~17)
 #   no KL              neither in the reward nor in the loss, so no reference model is loaded
 # Explain it first: posttrain plan --config posttrain/config/builtin.yaml examples/dapo_smollm2_arithmetic.sh
 set -x
@@ -24,7 +25,7 @@ posttrain train \
     actor_rollout_ref.actor.entropy_coeff=0 \
     data.train_batch_size=8 \
     data.gen_batch_size=12 \
-    data.max_response_length=24 \
+    data.max_response_length=32 \
     algorithm.filter_groups.enable=True \
     algorithm.filter_groups.metric=acc \
     algorithm.filter_groups.max_num_gen_batches=10 \
