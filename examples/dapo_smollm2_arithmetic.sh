@@ -38,5 +38,6 @@ posttrain train \
     actor_rollout_ref.rollout.temperature=1.0 \
     actor_rollout_ref.rollout.top_p=1.0 \
     actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
     trainer.experiment_name=arithmetic_dapo_smollm2 \
     trainer.total_training_steps=15 $@
