@@ -187,7 +187,8 @@ def measure_rates(min_time_s: float = 1.0) -> dict[str, float]:
     return out
 
 
-def run_trl(precision: str, steps: int, prompts: list | None = None, log=print) -> dict[str, Any]:
+def run_trl(precision: str, steps: int, prompts: list | None = None, log=print,
+            gradient_checkpointing: bool = True) -> dict[str, Any]:
     """TRL on ``benchmarks/trl_grpo.py``'s work; ``prompts`` (chat messages, 8 per step) replace its
     own single-turn questions, so both frameworks see the same prompts (the built-in task's)."""
     import trl_grpo
@@ -198,10 +199,12 @@ def run_trl(precision: str, steps: int, prompts: list | None = None, log=print) 
         trl_grpo.arithmetic_prompts = lambda n, seed=0: [prompts[i % len(prompts)] for i in range(n)]
     t0 = time.perf_counter()
     try:
-        r = run_trl_grpo(prepare_hf_model(None), steps=steps, bf16=(precision == "bf16"))
+        r = run_trl_grpo(prepare_hf_model(None), steps=steps, bf16=(precision == "bf16"),
+                         gradient_checkpointing=gradient_checkpointing)
     finally:
         trl_grpo.arithmetic_prompts = original
     r["prompts"] = "posttrain" if prompts is not None else "trl_grpo.arithmetic_prompts"
+    r["gradient_checkpointing"] = gradient_checkpointing
     r["total_s"] = time.perf_counter() - t0
     log(f"  trl {precision}: step_s={[round(t, 2) for t in r['step_s']]} mean(after warm-up)={r['mean_step_s']:.2f}")
     return r
@@ -244,8 +247,8 @@ def format_table(res: dict[str, Any]) -> str:
     trl = res.get("trl") or {}
     if trl:
         first = next(iter(trl.values()))
-        lines.append(f"TRL {first['trl_version']} GRPOTrainer (prompts: {first['prompts']}; gradient checkpointing on, "
-                     "TRL's default in trl_grpo.py):")
+        gc = "on, TRL's default" if first.get("gradient_checkpointing", True) else "off"
+        lines.append(f"TRL {first['trl_version']} GRPOTrainer (prompts: {first['prompts']}; gradient checkpointing {gc}):")
         for prec, r in trl.items():
             own = next((p for p in pts if p["precision"] == prec), None)
             ratio = f"  posttrain/TRL = {own['mean']['step'] / r['mean_step_s']:.3f}" if own else ""
@@ -275,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-trl", action="store_true", help="do not run TRL even when it is installed")
     p.add_argument("--trl-prompts", choices=["posttrain", "trl"], default="posttrain",
                    help="TRL's prompts: the posttrain run's (same work, default) or trl_grpo.py's short questions")
+    p.add_argument("--trl-no-gradient-checkpointing", action="store_true",
+                   help="run TRL without gradient checkpointing (faster on this model; TRL's default is on)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the core count)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
                    help="OpenMP wait policy (default passive; re-executes the script to apply it)")
@@ -322,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                     if same is None and a.trl_prompts == "posttrain":
                         cfg, _ = build_config("fp32", a.steps, a.overrides)
                         same = builtin_prompts(cfg, a.steps)
-                    res["trl"][prec] = run_trl(prec, a.steps, same, log)
+                    res["trl"][prec] = run_trl(prec, a.steps, same, log,
+                                               gradient_checkpointing=not a.trl_no_gradient_checkpointing)
                 except Exception as err:  # noqa: BLE001 - report and go on (e.g. bf16 unsupported)
                     log(f"  TRL {prec} failed: {type(err).__name__}: {err}")
                     res["trl_errors"] = {**res.get("trl_errors", {}), prec: f"{type(err).__name__}: {err}"}
