@@ -95,3 +95,15 @@ def tiny_worker_configs(
     critic_kw.update(critic or {})
     return SimpleNamespace(model=model, actor=ActorConfig(**actor_kw), rollout=rollout, ref=ref,
                            critic=CriticConfig(**critic_kw))
+
+
+def random_advantage_update(actor: Any, prompts: Batch, seed: int | None = None) -> None:
+    """One PPO update of `actor` on its own samples of `prompts`, with a random advantage per response
+    (seeded when `seed` is given): moves the policy, for tests that check what follows an update."""
+    batch = actor.generate_sequences(prompts)
+    batch.meta_info["temperature"] = 1.0
+    if seed is not None:
+        torch.manual_seed(seed)
+    batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["response_mask"]) * batch["response_mask"]
+    batch["old_log_probs"], _ = actor.compute_log_prob(batch)
+    actor.update_policy(batch)

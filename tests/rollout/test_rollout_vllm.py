@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import random_advantage_update, tiny_llama, tiny_prompt_batch, tiny_worker_configs
 from helpers.tiny_run import tiny_config
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.config import ConfigError
@@ -177,11 +177,7 @@ def test_actor_pushes_after_each_update_and_only_then(tok, monkeypatch):
         before = actor.generate_sequences(prompts, validate=True)  # val_kwargs: greedy
         actor.generate_sequences(prompts, validate=True)
         assert len(pushes) == 1  # nothing changed between the two calls
-        batch = actor.generate_sequences(prompts)
-        batch.meta_info["temperature"] = 1.0
-        batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["response_mask"]) * batch["response_mask"]
-        batch["old_log_probs"], _ = actor.compute_log_prob(batch)
-        actor.update_policy(batch)
+        random_advantage_update(actor, prompts)
         after = actor.generate_sequences(prompts, validate=True)
         assert len(pushes) == 2
         assert not torch.equal(before["responses"], after["responses"]), "the update should change greedy outputs"

@@ -21,7 +21,7 @@ def _rank_job(rank: int, world: int) -> dict:
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/ for the helpers (spawn)
-    from helpers.tiny_models import tiny_prompt_batch, tiny_worker_configs
+    from helpers.tiny_models import random_advantage_update, tiny_prompt_batch, tiny_worker_configs
     from helpers.tokenizer import build_tiny_tokenizer
     from posttrain.distributed.fsdp import build_mesh, gathered_for_generation, shard_model
     from posttrain.rollout import SamplingParams
@@ -46,12 +46,7 @@ def _rank_job(rank: int, world: int) -> dict:
         out[phase] = got
         out[f"{phase}_equal"] = bool(torch.equal(got, want))
         if phase == "before":
-            batch = actor.generate_sequences(prompts)
-            batch.meta_info["temperature"] = 1.0
-            torch.manual_seed(rank)
-            batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["response_mask"]) * batch["response_mask"]
-            batch["old_log_probs"], _ = actor.compute_log_prob(batch)
-            actor.update_policy(batch)
+            random_advantage_update(actor, prompts, seed=rank)
     return out
 
 
