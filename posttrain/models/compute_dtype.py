@@ -56,11 +56,29 @@ def choose_param_dtype(module: nn.Module, device: torch.device, cache_dir: str |
     cached = _read_cache(path).get(key)
     if cached in CHOICES:
         return cached, f"measured before on this machine and model, cached in {path}"
+    wall, cpu = time.perf_counter(), time.process_time()
     seconds = {dtype: timer(module, torch.device(device), dtype) for dtype in CHOICES}
+    share = _core_share(time.perf_counter() - wall, time.process_time() - cpu)
     choice = "bf16" if seconds["bf16"] < seconds["fp32"] else "fp32"
+    timed = (f"one training forward + backward took {seconds['bf16']:.3f} s in bf16 and "
+             f"{seconds['fp32']:.3f} s in fp32 on {PROBE_ROWS}x{PROBE_TOKENS} tokens")
+    if share is not None and share < BUSY_SHARE:  # other processes had the cores: the ratio may be off
+        return choice, (f"{timed}; not cached: this process got {share:.0%} of its {torch.get_num_threads()} "
+                        "threads' CPU time while timing (a busy machine), so the next run measures again")
     _write_cache(path, key, choice)
-    return choice, (f"one training forward + backward took {seconds['bf16']:.3f} s in bf16 and "
-                    f"{seconds['fp32']:.3f} s in fp32 on {PROBE_ROWS}x{PROBE_TOKENS} tokens; cached in {path}")
+    return choice, f"{timed}; cached in {path}"
+
+
+BUSY_SHARE = 0.5
+"""Below this share of its threads' CPU time while timing, the machine counts as busy (a quiet
+2-core machine gives this process 70-95%: the Python between kernels runs on one thread)."""
+
+
+def _core_share(wall_s: float, cpu_s: float) -> float | None:
+    """CPU seconds per wall second per torch thread while timing; None when too short to judge."""
+    if wall_s < 0.2:
+        return None
+    return cpu_s / wall_s / max(torch.get_num_threads(), 1)
 
 
 def time_train_step(module: nn.Module, device: torch.device, dtype: str, repeats: int = 2) -> float:

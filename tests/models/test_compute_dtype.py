@@ -78,3 +78,33 @@ def test_actor_and_reference_follow_one_auto_choice(tmp_path, monkeypatch):
     assert w.ref.param_dtype == w.critic.param_dtype == w.actor.param_dtype
     cached = json.loads((tmp_path / "cache" / "precision.json").read_text())
     assert list(cached.values()) == [w.actor.param_dtype]  # measured once, for the actor
+
+
+def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(model, tmp_path):
+    """While timing, a process that gets little CPU (here: a timer that waits in sleep, as a thread
+    descheduled by other jobs would) has measured the other jobs too: its answer is not cached, so
+    the next run measures again. A timer that keeps its threads busy is cached (the control)."""
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def sleeping(module, device, dtype):
+            time.sleep(0.15)
+            return {"bf16": 1.0, "fp32": 2.0}[dtype]
+
+        choice, why = choose_param_dtype(model, "cpu", cache_dir=tmp_path, timer=sleeping)
+        assert choice == "bf16" and "not cached" in why and "busy" in why
+        assert not (tmp_path / "precision.json").exists()
+
+        def spinning(module, device, dtype):
+            end = time.perf_counter() + 0.15
+            while time.perf_counter() < end:
+                pass
+            return {"bf16": 1.0, "fp32": 2.0}[dtype]
+
+        choice, why = choose_param_dtype(model, "cpu", cache_dir=tmp_path, timer=spinning)
+        assert choice == "bf16" and "cached in" in why
+        assert list(json.loads((tmp_path / "precision.json").read_text()).values()) == ["bf16"]
+    finally:
+        torch.set_num_threads(threads)
