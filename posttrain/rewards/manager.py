@@ -28,8 +28,8 @@ from posttrain.errors import PosttrainError
 from posttrain.rewards._worker import die_with_parent, is_finite_number, score_chunk, score_row
 from posttrain.rewards.dispatch import default_compute_score
 
-__all__ = ["RewardManager", "BatchRewardFn", "OverlongBuffer", "RewardError", "RewardInterrupted",
-           "overlong_penalty", "place_on_last_token", "response_mask_of", "scoring_in_progress"]
+__all__ = ["ERRORS_KEY", "RewardManager", "BatchRewardFn", "OverlongBuffer", "RewardError", "RewardInterrupted",
+           "numeric_columns", "overlong_penalty", "place_on_last_token", "response_mask_of", "scoring_in_progress"]
 
 ERRORS_KEY = "reward/errors"
 
@@ -133,6 +133,18 @@ def overlong_penalty(valid_length: torch.Tensor, buffer: OverlongBuffer) -> torc
     expected = buffer.max_response_length - buffer.length
     exceed = valid_length.to(torch.float64) - expected
     return (-exceed / buffer.length * buffer.penalty_factor).clamp(max=0.0)
+
+
+def numeric_columns(extra: dict) -> dict[str, np.ndarray]:
+    """The reward's extra output as float64 arrays, one per key that holds numbers (keys holding
+    strings or other objects are left out): what metrics can average."""
+    out = {}
+    for name, values in (extra or {}).items():
+        try:
+            out[name] = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _stack_extra(values: list[dict], n: int) -> dict[str, np.ndarray]:

@@ -35,7 +35,8 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
                               validate_config, worker_config)
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
-from posttrain.rewards.manager import RewardError, RewardInterrupted, RewardManager, scoring_in_progress
+from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
+                                       scoring_in_progress)
 from posttrain.rewards.reward_model import score_responses, validation_skip_reason
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
@@ -422,13 +423,9 @@ def _iterate_once(loader) -> list[Batch]:
 
 def _extra_metrics(extra: dict[str, np.ndarray]) -> dict[str, float]:
     out = {}
-    for name, values in extra.items():
-        try:
-            arr = np.asarray(values, dtype=np.float64)
-        except (TypeError, ValueError):
-            continue
+    for name, arr in numeric_columns(extra).items():
         key = name if "/" in name else f"reward/{name}"
-        out[f"{key}/mean" if name != "reward/errors" else key] = float(arr.mean() if name != "reward/errors" else arr.sum())
+        out[f"{key}/mean" if name != ERRORS_KEY else key] = float(arr.mean() if name != ERRORS_KEY else arr.sum())
     return out
 
 

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from posttrain.batch import Batch
+from posttrain.rewards.manager import numeric_columns
 
 
 def run_validation(val_batches: list[Batch], generate: Callable[[Batch], Batch], score: Callable[[Batch], tuple],
@@ -27,7 +28,9 @@ def run_validation(val_batches: list[Batch], generate: Callable[[Batch], Batch],
         sources = [str(s) for s in out.non_tensor_batch[reward_fn_key]]
         for source, s in zip(sources, seq_scores):
             per_source[source].append(float(s))
-        for name, values in _numeric(extra).items():
+        for name, values in numeric_columns(extra).items():
+            if name.startswith("reward/"):  # the manager's own bookkeeping (errors), not the scorer's
+                continue
             for source, v in zip(sources, values):
                 aux[(source, name)].append(float(v))
         samples.append({"batch": out, "scores": seq_scores})
@@ -35,15 +38,3 @@ def run_validation(val_batches: list[Batch], generate: Callable[[Batch], Batch],
     metrics.update({f"val-aux/{src}/{name}/mean@{n}": float(np.mean(vals)) for (src, name), vals in aux.items()})
     return metrics, samples
 
-
-def _numeric(extra: dict) -> dict[str, np.ndarray]:
-    """The scorer's per-row numbers (not the error count, not strings)."""
-    out = {}
-    for name, values in (extra or {}).items():
-        if name.startswith("reward/"):  # the manager's own bookkeeping (errors), not the scorer's
-            continue
-        try:
-            out[name] = np.asarray(values, dtype=np.float64)
-        except (TypeError, ValueError):
-            continue
-    return out
