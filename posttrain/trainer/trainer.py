@@ -103,7 +103,6 @@ class RLTrainer:
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
         self.use_critic = uses_critic(config)
-        self.old_log_probs_from = self.sizes.old_log_probs_from  # recompute, update (on-policy) or rollout
         self.global_step = 0
         self.history: list[dict[str, float]] = []
         self._saved_step: int | None = None  # the step this process last saved
@@ -139,9 +138,10 @@ class RLTrainer:
         correction = cfg.algorithm.rollout_correction
         with timer("step"):
             batch = self._rollout(prompts, timer, metrics)
-            if self.old_log_probs_from == "rollout":  # bypass_mode: the engine's log-probs, no recompute
+            old_from = self.sizes.old_log_probs_from  # recompute, update (on-policy) or rollout
+            if old_from == "rollout":  # bypass_mode: the engine's log-probs, no recompute
                 batch["old_log_probs"] = batch["rollout_log_probs"]
-            elif self.old_log_probs_from == "recompute":
+            elif old_from == "recompute":
                 with timer("old_log_prob"):
                     batch["old_log_probs"], entropy = w.compute_log_prob(batch)
                     metrics.update(mean_entropy(entropy, batch["response_mask"]))
@@ -152,7 +152,7 @@ class RLTrainer:
             if self.use_critic:
                 with timer("values"):
                     batch["values"] = w.compute_values(batch)
-            if "rollout_log_probs" in batch.batch.keys() and self.old_log_probs_from == "recompute":
+            if "rollout_log_probs" in batch.batch.keys() and old_from == "recompute":
                 weights, batch["response_mask"], corr_metrics = apply_rollout_correction(
                     batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction)
                 if weights is not None:

@@ -7,6 +7,8 @@ run must equal one that computes the pass (the reference), metric for metric and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,12 +34,12 @@ def test_source_of_old_log_probs(tmp_path, extra, expected):
 def _run(tmp_path, force_recompute: bool):
     trainer = tiny_trainer(tmp_path, ON_POLICY + ["trainer.total_training_steps=2",
                                                   "actor_rollout_ref.actor.use_kl_loss=True"])
-    assert trainer.old_log_probs_from == "update"
+    assert trainer.sizes.old_log_probs_from == "update"
     calls = []
     original = trainer.workers.compute_log_prob
     trainer.workers.compute_log_prob = lambda batch: calls.append(1) or original(batch)
     if force_recompute:
-        trainer.old_log_probs_from = "recompute"
+        trainer.sizes = replace(trainer.sizes, old_log_probs_from="recompute")
     with one_thread():
         history = trainer.fit()
     weights = {k: v.clone() for k, v in trainer.workers.actor.module.state_dict().items()}
@@ -63,7 +65,7 @@ def test_the_update_refuses_to_guess_old_log_probs_off_policy(tmp_path):
     """Two mini-batches: the second needs the policy before the first step, which no forward of the
     update sees; leaving the old log-probs out is an error, never a silent on-policy guess."""
     trainer = tiny_trainer(tmp_path, ["trainer.total_training_steps=1"])
-    assert trainer.old_log_probs_from == "recompute"
-    trainer.old_log_probs_from = "update"
+    assert trainer.sizes.old_log_probs_from == "recompute"
+    trainer.sizes = replace(trainer.sizes, old_log_probs_from="update")
     with one_thread(), pytest.raises(KeyError, match="old_log_probs"):
         trainer.fit()
