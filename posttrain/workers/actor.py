@@ -33,7 +33,7 @@ from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
-from posttrain.workers.role_state import load_role_state, save_role_state, trainable_parameters
+from posttrain.workers.role_state import load_role_state, process_rank, save_role_state, trainable_parameters
 from posttrain.workers.update import ppo_update
 
 __all__ = ["ActorWorker", "LoraReference", "RefWorker"]
@@ -108,7 +108,7 @@ class ActorWorker:
         self.weights_version = 0  # bumped whenever the module's weights change (update, checkpoint load)
         # hybrid engine: built now so a missing engine (vllm, ...) fails at start-up, not mid-run; each
         # rank's engine samples with its own seed
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = process_rank()
         self.rollout = None if rollout_config is None else get_rollout_engine(
             rollout_config.name, model=self.module, tokenizer=self.tokenizer, autocast=self.autocast,
             config=rollout_config, seed=seed + rank)
@@ -235,7 +235,7 @@ class ActorWorker:
         save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
                         hf_config=self.module.config, tokenizer=self.tokenizer, trainable_only=self.lora is not None)
         if self.lora is not None:
-            self.lora.write(folder, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+            self.lora.write(folder, rank=process_rank())
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, at this or another world size (never executes code).

@@ -29,7 +29,7 @@ from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.microbatch import equal_micro_batch_count
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
-from posttrain.workers.role_state import load_role_state, save_role_state, trainable_parameters
+from posttrain.workers.role_state import load_role_state, process_rank, save_role_state, trainable_parameters
 from posttrain.workers.update import ppo_update
 
 __all__ = ["CriticWorker", "response_values"]
@@ -143,7 +143,7 @@ class CriticWorker:
         save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
                         hf_config=self.module.config, trainable_only=self.lora is not None)
         if self.lora is not None:  # which base the adapters belong to (the adapter folder is the actor's export)
-            self.lora.write_base_record(folder, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+            self.lora.write_base_record(folder, rank=process_rank())
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""

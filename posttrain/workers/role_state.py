@@ -29,7 +29,8 @@ from torch import nn
 from posttrain.checkpoint import (GENERATOR_FILE, HF_DIR, MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, CheckpointError,
                                   RoleState, load_role, safe_torch_load, write_role)
 
-__all__ = ["DCP_DIR", "is_sharded", "load_role_state", "read_full_weights", "save_role_state", "trainable_parameters"]
+__all__ = ["DCP_DIR", "is_sharded", "load_role_state", "read_full_weights", "process_rank", "save_role_state",
+           "trainable_parameters"]
 
 DCP_DIR = "dcp"
 
@@ -41,7 +42,8 @@ def is_sharded(module: nn.Module) -> bool:
     return dist.is_available() and dist.is_initialized() and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's rank in the default process group (0 in one process)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -68,14 +70,14 @@ def save_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
         return
     from posttrain.distributed.dcp import save_sharded
 
-    if _rank() == 0:
+    if process_rank() == 0:
         folder.mkdir()
     dist.barrier()
     if trainable_only:
         _save_trainable_sharded(folder / DCP_DIR, module, optimizer)
     else:
         save_sharded(folder / DCP_DIR, module, optimizer)
-    if _rank() == 0:
+    if process_rank() == 0:
         torch.save(lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         torch.save(generator.get_state(), folder / GENERATOR_FILE)
         if hf_config is not None:
