@@ -220,7 +220,8 @@ def _load() -> str:
 def format_table(res: dict[str, Any]) -> str:
     rates = res["rates"]
     lines = [f"posttrain step benchmark  (torch threads={res['torch_threads']}, "
-             f"OMP_WAIT_POLICY={res.get('omp_wait_policy') or 'unset'}, load avg before/after: "
+             f"OMP_WAIT_POLICY={res.get('omp_wait_policy') or 'unset'}, "
+             f"freed memory kept={res.get('keep_freed_memory')}, load avg before/after: "
              f"{res['load_before']} / {res['load_after']})",
              f"matmul rate: bf16 {rates['bf16'] / 1e12:.3f} TFLOP/s, fp32 {rates['fp32'] / 1e12:.3f} TFLOP/s "
              f"(best of square and SmolLM2-shaped [1024,576]x[576,1536]-like products)"]
@@ -303,12 +304,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from posttrain.allocator import keep_freed_memory
+
+    # as the posttrain CLI runs (posttrain/allocator.py); TRL runs in this process with the same setting
+    keep_freed = keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
 
     log = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json == "-" else (lambda *x: print(*x, flush=True))
     res: dict[str, Any] = {"load_before": _load(), "torch_threads": torch.get_num_threads(),
-                           "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
+                           "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                           "keep_freed_memory": keep_freed}
     log(f"load average: {res['load_before']}; measuring matmul rates ...")
     res["rates"] = measure_rates()
     res["posttrain"] = []

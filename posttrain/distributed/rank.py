@@ -43,8 +43,11 @@ class RankWorker:
     ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
 
     def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
+        from posttrain.allocator import keep_freed_memory
         from posttrain.config import uses_critic, uses_reference
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
+
+        keep_freed_memory()  # a rank is a process of its own (posttrain.allocator says why)
 
         # FSDP2 warns whenever a unit returns a view (the critic's value head does), because an in-place
         # op on it would skip a hook; posttrain's value and log-prob code never writes into those outputs.

@@ -9,7 +9,8 @@ prefilled once (columns that are padding in every prompt dropped) and its KV cac
 its ``n`` samples, so prefill costs ``N`` prompts, not ``N * n`` rows; then all rows decode one
 token per step (logits of the last position only) until every row has emitted EOS or
 ``response_length`` tokens. Sampling follows ``transformers``: temperature, top-k, top-p, softmax,
-multinomial on the global torch RNG; greedy is argmax.
+then one draw per row on the global torch RNG (inverse transform, not ``torch.multinomial``: the
+same distribution at a tenth of the cost); greedy is argmax.
 
 ``rollout_log_probs`` are ``log_softmax(logits / temperature)`` at the sampled token, from the
 model's raw logits at each decoding step: the same quantity the actor's ``compute_log_prob``
@@ -134,6 +135,7 @@ class HFRolloutEngine:
                 logits = logits.repeat_interleave(n, dim=0)
                 mask, pos = mask.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
             pos = pos[:, -1:]
+            step.reserve(steps_max)  # the cache gets room for the whole response (no copy per step)
             ended = torch.zeros(rows, dtype=torch.bool, device=device)  # rows of the decoding batch done
             for t in range(steps_max):
                 token, lp = _sample(logits, sampling, sampling.calculate_log_probs)
@@ -198,15 +200,16 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams, want_log_probs: bool
     """Next tokens ``[N]`` from raw logits ``[N, V]`` and, when asked, their log-probs ``[N]``.
 
     As ``transformers``' sampling: temperature, then top-k, then top-p (HF's warpers, same cut
-    rules), softmax, multinomial; greedy is argmax. The reported log-prob is
-    ``log_softmax(logits / temperature)`` (temperature 1 when greedy) at the chosen token, with no
-    top-k/top-p truncation: what the actor's ``compute_log_prob`` recomputes.
+    rules), then one draw from the softmax (:func:`_draw`); greedy is argmax. The reported log-prob
+    is ``log_softmax(logits / temperature)`` (temperature 1 when greedy) at the chosen token, with
+    no top-k/top-p truncation: what the actor's ``compute_log_prob`` recomputes.
     """
     scores = logits.float()
     if sampling.greedy:
         token = scores.argmax(-1)
     else:
-        scores = scores / sampling.temperature
+        if sampling.temperature != 1.0:
+            scores = scores / sampling.temperature
         filtered = scores
         if sampling.top_k > 0:
             kth = torch.topk(filtered, min(sampling.top_k, filtered.shape[-1]), dim=-1).values[..., -1:]
@@ -216,11 +219,25 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams, want_log_probs: bool
             remove = sorted_logits.softmax(-1).cumsum(-1) <= (1 - sampling.top_p)
             remove[..., -1:] = False
             filtered = filtered.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-        token = torch.multinomial(filtered.softmax(-1), 1).squeeze(-1)
+        token = _draw(filtered)
     if not want_log_probs:
         return token, None
     lp = scores.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
     return token, lp
+
+
+def _draw(scores: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``softmax(scores)`` ``[N, V]`` by inverse transform sampling: one uniform
+    number per row (the global torch RNG) located in the row's cumulative probabilities (float64).
+
+    The same distribution as ``torch.multinomial(probs, 1)``, which draws an exponential number per
+    vocabulary entry: 28 ms of a 150 ms decoding step for ``[32, 49152]`` on a 2-core CPU, against
+    3 ms here. Tokens of probability 0 (cut by top-k/top-p) are never drawn: the cumulative sum does
+    not rise at them, and the search returns the first index whose sum exceeds the uniform number.
+    """
+    cdf = torch.softmax(scores, dim=-1).cumsum(-1, dtype=torch.float64)
+    target = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 class _ModelStepper:
@@ -269,6 +286,12 @@ class _ModelStepper:
         except (AttributeError, NotImplementedError, TypeError):
             return False
         return True
+
+    def reserve(self, new_tokens: int) -> bool:
+        """Room in the cache for ``new_tokens`` more positions (``posttrain.rollout.kv_cache``)."""
+        from posttrain.rollout.kv_cache import reserve
+
+        return reserve(self.cache, new_tokens)
 
     def select(self, rows: torch.Tensor) -> bool:
         """Keep only ``rows`` (indices) of the cache's batch; False (cache unchanged) when it cannot."""

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from posttrain.allocator import keep_freed_memory
     from posttrain.threads import prefer_sleeping_threads
 
     prefer_sleeping_threads()  # torch is not loaded yet (posttrain.threads says why)
+    keep_freed_memory()  # posttrain.allocator says why
     sys.exit(main())

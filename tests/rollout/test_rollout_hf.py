@@ -113,3 +113,79 @@ def test_unknown_and_unbuilt_engines_say_what_to_do():
         get_rollout_engine("sglang")
     with pytest.raises(ValueError, match="valid"):
         get_rollout_engine("nope")
+
+
+def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / tokens.numel()
+
+
+def test_sampling_draws_from_the_truncated_softmax():
+    """Token frequencies over 40000 draws against the distribution worked out by hand: top-k 4 keeps
+    the four likeliest, top-p 0.8 then cuts the least likely of those (HF's rule: ascending cumulative
+    mass <= 1 - top_p is removed), temperature 0.5 squares the probabilities before both cuts."""
+    from posttrain.rollout.hf import _sample
+
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.04, 0.01], dtype=torch.float64)
+    rows = 40000
+    logits = (probs.log() * 0.5).float().expand(rows, -1)  # / temperature 0.5 gives back log(probs)
+    sampling = SamplingParams(n=1, temperature=0.5, top_k=4, top_p=0.8, response_length=1)
+    torch.manual_seed(0)
+    token, lp = _sample(logits, sampling, want_log_probs=True)
+    kept = torch.tensor([0.4, 0.3, 0.15, 0, 0, 0], dtype=torch.float64)  # 0.1/0.95 = 0.105 <= 0.2: cut
+    want = kept / kept.sum()
+    got = _frequencies(token, 6)
+    sigma = (want * (1 - want) / rows).sqrt()
+    assert (got - want).abs().max() < 5 * sigma.max() and got[3:].sum() == 0
+    untruncated = probs / probs.sum()  # the control: the test tells the two distributions apart
+    assert (got - untruncated).abs().max() > 20 * sigma.max()
+    # the reported log-prob: log_softmax(logits / T) at the token, with no truncation
+    assert torch.allclose(lp.double(), probs.log()[token], atol=1e-6)
+
+
+def test_sampling_without_truncation_and_greedy():
+    from posttrain.rollout.hf import _sample
+
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    logits = probs.log().float().expand(40000, -1)
+    torch.manual_seed(1)
+    token, _ = _sample(logits, SamplingParams(n=1, temperature=1.0, response_length=1), want_log_probs=False)
+    assert (_frequencies(token, 4) - probs).abs().max() < 5 * (0.25 / 40000) ** 0.5
+    greedy, lp = _sample(logits[:2], SamplingParams(n=1, temperature=0.0, response_length=1), want_log_probs=True)
+    assert greedy.tolist() == [0, 0] and torch.allclose(lp.double(), probs.log()[[0, 0]], atol=1e-6)
+
+
+def test_reserved_cache_decodes_exactly_as_the_growing_one(tok, eos_heavy_engine, monkeypatch):
+    """The in-place KV cache (posttrain/rollout/kv_cache.py) against transformers' concatenating one:
+    same tokens and log-probs, with rows leaving the batch at EOS (the cache's rows are selected)."""
+    from posttrain.rollout import hf
+
+    prompts = tiny_prompt_batch(tok, PROMPTS, uids=["a", "b", "c"])
+    sampling = SamplingParams(n=4, temperature=1.0, response_length=R)
+    reserved = []
+    original = hf._ModelStepper.reserve
+    monkeypatch.setattr(hf._ModelStepper, "reserve", lambda self, n: reserved.append(original(self, n)) or reserved[-1])
+    torch.manual_seed(3)
+    fast = eos_heavy_engine.generate(prompts, sampling)
+    monkeypatch.setattr(hf._ModelStepper, "reserve", lambda self, n: False)
+    torch.manual_seed(3)
+    plain = eos_heavy_engine.generate(prompts, sampling)
+    assert reserved == [True]
+    lengths = fast["response_mask"].sum(1)
+    assert lengths.min() < lengths.max()  # some rows ended early and left the cache
+    assert torch.equal(fast["responses"], plain["responses"])
+    assert torch.equal(fast["rollout_log_probs"], plain["rollout_log_probs"])
+
+
+def test_reserved_layer_grows_past_its_room():
+    from posttrain.rollout.kv_cache import ReservedLayer
+
+    keys, values = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    layer = ReservedLayer(keys, values, capacity=5)
+    steps = [(torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5)) for _ in range(3)]
+    for k, v in steps:
+        out_k, out_v = layer.update(k, v)
+    assert torch.equal(out_k, torch.cat([keys] + [k for k, _ in steps], dim=2))
+    assert torch.equal(out_v, torch.cat([values] + [v for _, v in steps], dim=2))
+    assert layer.get_seq_length() == 7
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, out_k[1:])

@@ -1,0 +1,60 @@
+"""Freed memory kept for reuse: glibc's malloc told not to hand large blocks back to the kernel.
+
+glibc serves every allocation above a threshold (at most 32 MiB) with its own ``mmap`` and unmaps
+it on ``free``. A training step allocates and frees the same large tensors again and again (the
+``[49152, 576]`` embedding gradient and its bf16 casts, ``[300, 49152]`` logit chunks), so each one
+arrives as fresh pages and the kernel zero-fills them on first touch: on this project's 2-core CPU
+zeroing a new 113 MB tensor took 39 ms against 9 ms for a reused one, and a 300-row log-softmax
+26 ms against 11 ms. ``keep_freed_memory`` turns ``mmap`` allocation off and raises the trim
+threshold, so freed blocks stay in the heap and are reused (the process keeps its peak footprint,
+which a training run reaches every step anyway). Measured on the built-in GRPO step
+(`benchmarks/bench_step.py`, bf16): 17.9 s -> 16.1 s.
+
+The command-line entry points and each Ray rank call it. It does nothing off glibc, or when the
+user configured the allocator (a ``MALLOC_*`` tuning variable, ``GLIBC_TUNABLES``, or a preloaded
+allocator such as jemalloc or tcmalloc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+__all__ = ["keep_freed_memory"]
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
+TRIM_THRESHOLD_BYTES = 2**31 - 1
+"""Free memory at the heap's top is returned to the kernel only beyond this (the largest int mallopt takes)."""
+USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "GLIBC_TUNABLES", "LD_PRELOAD")
+
+_done: list[bool] = []
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse (module docstring); True when it now does."""
+    if _done:
+        return _done[0]
+    _done.append(_apply())
+    return _done[0]
+
+
+def _apply() -> bool:
+    if any(os.environ.get(name) for name in USER_SETTINGS):
+        return False  # the user chose the allocator's behaviour
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def _glibc():
+    """The process's C library when it is glibc (it has ``gnu_get_libc_version``), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError off glibc (musl, macOS)
+    except (OSError, AttributeError):
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return libc

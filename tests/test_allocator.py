@@ -1,0 +1,60 @@
+"""Freed memory stays in the heap for reuse (posttrain/allocator.py), measured with glibc's mallinfo2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from posttrain.allocator import _glibc
+
+# Allocates and frees 256 MiB through malloc, then prints the heap's free bytes (mallinfo2().fordblks):
+# kept for reuse, they are all there; served by mmap (glibc's default for large blocks), none are.
+PROBE = """
+import ctypes, sys
+if sys.argv[1] == 'keep':
+    from posttrain.allocator import keep_freed_memory
+    print(keep_freed_memory())
+else:
+    print(False)
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',
+                                              'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.mallinfo2.restype = MallInfo2
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+libc.free(ctypes.c_void_p(block))
+print(libc.mallinfo2().fordblks >> 20)
+"""
+
+
+def _probe(mode: str, **env) -> tuple[str, int]:
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
+                         env={**clean, **env}).stdout.split()
+    return out[0], int(out[1])
+
+
+needs_glibc = pytest.mark.skipif(_glibc() is None or not hasattr(_glibc(), "mallinfo2"),
+                                 reason="glibc >= 2.33 (mallinfo2) only")
+
+
+@needs_glibc
+def test_freed_block_is_kept_for_reuse():
+    applied, free_mib = _probe("keep")
+    assert applied == "True" and free_mib >= 256
+
+
+@needs_glibc
+def test_without_it_glibc_returns_the_block():  # the negative control: the probe can tell the two apart
+    applied, free_mib = _probe("default")
+    assert applied == "False" and free_mib < 64
+
+
+@needs_glibc
+def test_a_users_allocator_setting_is_left_alone():
+    applied, free_mib = _probe("keep", MALLOC_MMAP_THRESHOLD_="65536")
+    assert applied == "False" and free_mib < 64
