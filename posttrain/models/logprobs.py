@@ -136,7 +136,9 @@ def _chunk_stats(
     logits = head(hidden).float()  # [t, V]: the only vocab-sized tensor, one chunk at a time
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return logprob_and_entropy(logits / temperature, labels, calculate_entropy, entropy_grad)
+    if temperature != 1.0:  # x / 1 == x: skip a pass over the [t, V] chunk
+        logits = logits / temperature
+    return logprob_and_entropy(logits, labels, calculate_entropy, entropy_grad)
 
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):

@@ -73,9 +73,10 @@ GRPO = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_
         "trainer.resume_mode=auto", "actor_rollout_ref.actor.optim.lr=3e-2"]
 
 
-def _prompt_length_reward(batch):
-    """0, 0.5 or 1 by prompt length: varied advantages whatever the tiny model says."""
-    return (batch["attention_mask"].sum(-1) % 3).float() / 2
+def _first_token_reward(batch):
+    """0, 0.5 or 1 by the first response token's id: a random tiny model samples its ~100 tokens almost
+    evenly, so the responses of one prompt score differently and GRPO's advantages are not all 0."""
+    return (batch["responses"][:, 0] % 3).float() / 2
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +84,13 @@ def runs(tmp_path_factory):
     """Uninterrupted: 4 steps. Interrupted: 2 steps (saved at step 2), then a new trainer resumes to 4."""
     full_dir, split_dir = tmp_path_factory.mktemp("full"), tmp_path_factory.mktemp("split")
     full = _trainer(full_dir, GRPO + ["trainer.total_training_steps=4"])
-    full.reward_fn = _prompt_length_reward
+    full.reward_fn = _first_token_reward
     full_rows = full.fit()
     first = _trainer(split_dir, GRPO + ["trainer.total_training_steps=2"])
-    first.reward_fn = _prompt_length_reward
+    first.reward_fn = _first_token_reward
     first.fit()
     resumed = _trainer(split_dir, GRPO + ["trainer.total_training_steps=4"])
-    resumed.reward_fn = _prompt_length_reward
+    resumed.reward_fn = _first_token_reward
     resumed_rows = resumed.fit()
     return dict(full=full, full_rows=full_rows, resumed=resumed, resumed_rows=resumed_rows, split_dir=split_dir,
                 full_dir=full_dir)
@@ -242,13 +243,13 @@ def test_ppo_with_lora_actor_and_critic_resumes_exactly(tmp_path):
     ppo = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "critic.model.lora_rank=4",
            "critic.model.lora_alpha=8", "critic.optim.lr=3e-2", "trainer.save_freq=2", "trainer.resume_mode=auto"]
     full = _trainer(tmp_path / "full", ppo + ["trainer.total_training_steps=3"])
-    full.reward_fn = _prompt_length_reward
+    full.reward_fn = _first_token_reward
     full_rows = full.fit()
     first = _trainer(tmp_path / "split", ppo + ["trainer.total_training_steps=2"])
-    first.reward_fn = _prompt_length_reward
+    first.reward_fn = _first_token_reward
     first.fit()
     resumed = _trainer(tmp_path / "split", ppo + ["trainer.total_training_steps=3"])
-    resumed.reward_fn = _prompt_length_reward
+    resumed.reward_fn = _first_token_reward
     (row,) = resumed.fit()
     want = full_rows[2]
     keys = [k for k in want if k.startswith(("critic/vf", "critic/values", "actor/pg_loss", "critic/grad_norm"))]

@@ -47,7 +47,9 @@ def test_full_step_from_folder_bf16_checkpointing(ckpt):
     actor_metrics = actor.update_policy(batch)
     critic_metrics = critic.update_critic(batch)
     assert actor_metrics["actor/grad_norm"] > 0 and critic_metrics["critic/grad_norm"] > 0
-    assert actor_metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-4)  # one mini-batch: on-policy
+    # one mini-batch: on-policy, up to bf16 rounding (the update's micro-batches pad differently from
+    # the log-prob pass's, and bf16 matmuls round by shape: |ppo_kl| ~1e-4 on these samples)
+    assert actor_metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-3)
     for value in [*actor_metrics.values(), *critic_metrics.values()]:
         assert math.isfinite(value)
     new, _ = actor.compute_log_prob(batch)
