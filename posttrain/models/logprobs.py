@@ -14,8 +14,9 @@ How one micro-batch is computed (``response_logprobs``):
    column ``P - 1 + j`` predicts response token ``j``; tokens after EOS are skipped);
 4. ``lm_head`` + log-softmax run over chunks of those ``T`` rows: each chunk's logits ``[t, V]``
    are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
-   an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that math). With gradients on, each chunk is checkpointed, so backward keeps
-   ``[t, H]`` per chunk instead of ``[t, V]`` logits.
+   an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that math). With gradients on and more than one chunk, each chunk is
+   checkpointed, so backward keeps ``[t, H]`` per chunk instead of ``[t, V]`` logits (a single
+   chunk's logits are kept: at most ``_CHUNK_ELEMENTS`` floats).
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
 
@@ -143,6 +144,10 @@ def _chunk_stats(
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
     rows = max(1, _CHUNK_ELEMENTS // max(1, vocab))
+    # One chunk (up to _CHUNK_ELEMENTS logits) is kept for backward rather than recomputed: a
+    # recomputation costs another lm_head product, weight cast and log-softmax, to save memory that
+    # only matters when there are many chunks.
+    use_ckpt = use_ckpt and hidden.shape[0] > rows
     lps, ents = [], []
     for h, y in zip(hidden.split(rows), labels.split(rows)):
         lp, ent = checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)
