@@ -1,14 +1,15 @@
 """Freed memory kept for reuse: glibc's malloc told not to hand large blocks back to the kernel.
 
-glibc serves every allocation above a threshold (at most 32 MiB) with its own ``mmap`` and unmaps
-it on ``free``. A training step allocates and frees the same large tensors again and again (the
-``[49152, 576]`` embedding gradient and its bf16 casts, ``[300, 49152]`` logit chunks), so each one
-arrives as fresh pages and the kernel zero-fills them on first touch: on this project's 2-core CPU
-zeroing a new 113 MB tensor took 39 ms against 9 ms for a reused one, and a 300-row log-softmax
-26 ms against 11 ms. ``keep_freed_memory`` turns ``mmap`` allocation off and raises the trim
-threshold, so freed blocks stay in the heap and are reused (the process keeps its peak footprint,
-which a training run reaches every step anyway). Measured on the built-in GRPO step
-(`benchmarks/bench_step.py`, bf16): 17.9 s -> 16.1 s.
+glibc serves every allocation above its ``mmap`` threshold (128 KiB, rising to at most 32 MiB)
+with a mapping of its own and unmaps it on ``free``. A training step allocates and frees the same
+large tensors again and again (the ``[49152, 576]`` embedding gradient and its bf16 casts, the
+``[t, 49152]`` logit chunks), so each one arrives as fresh pages that the kernel zero-fills on first
+touch. On this project's 2-core CPU a zeroed ``[49152, 576]`` float32 tensor took 31-43 ms to
+allocate against 12-16 ms with freed blocks kept, and a ``[300, 49152]`` log-softmax 26 ms against
+11 ms. ``keep_freed_memory`` turns ``mmap`` allocation off and raises the trim threshold, so freed
+blocks stay in the heap and are reused (the process keeps its peak footprint, which a training run
+reaches every step anyway). The built-in GRPO step (`benchmarks/bench_step.py`, bf16): 17.9 s ->
+16.1 s.
 
 The command-line entry points and each Ray rank call it. It does nothing off glibc, or when the
 user configured the allocator (a ``MALLOC_*`` tuning variable, ``GLIBC_TUNABLES``, or a preloaded

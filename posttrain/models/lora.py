@@ -51,6 +51,7 @@ __all__ = [
     "check_lora_targets",
     "has_lora",
     "lora_settings",
+    "merged_for_generation",
     "merged_named_tensors",
     "unmerged_base_names",
 ]
@@ -455,3 +456,37 @@ def merged_named_tensors(module: nn.Module, dtype: torch.dtype | None = None) ->
         if owner in layers:
             full = (full.float() + _lora_delta(layers[owner])).to(full.dtype)
         yield _base_name(name), full if dtype is None or not full.is_floating_point() else full.to(dtype)
+
+
+# --------------------------------------------------------------------------- merged weights (hf decoding)
+@contextlib.contextmanager
+def merged_for_generation(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """Within the block, every LoRA layer of ``module`` computes one product with ``W + scaling * B @ A``
+    (held in ``dtype``, the compute precision, so bf16 autocast need not cast it at every step) instead
+    of the base product plus the two adapter products: measured on the built-in benchmark, unmerged
+    adapters made generation 9.2 s against 5.8 s for full fine-tuning.
+
+    The base layer's own parameter object is set aside and put back, never written: the frozen base
+    stays bit-identical. Layers whose base weight is shared with another module (a tied ``lm_head``)
+    keep the adapter path, as do FSDP2-sharded modules (their weights are not full tensors here).
+    """
+    from torch.distributed.tensor import DTensor
+
+    tied = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    layers = [m for m in module.modules() if _is_lora_layer(m) and not m.merged and not m.disable_adapters
+              and isinstance(m.base_layer, nn.Linear) and id(m.base_layer.weight) not in tied
+              and not isinstance(m.base_layer.weight, DTensor)]
+    swapped = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                base = layer.base_layer.weight
+                merged = base.float() + _lora_delta(layer)
+                layer.base_layer._parameters["weight"] = nn.Parameter(merged.to(dtype or base.dtype), requires_grad=False)
+                layer.merged_adapters = [_ADAPTER_NAME]
+                swapped.append((layer, base))
+        yield
+    finally:
+        for layer, base in swapped:
+            layer.base_layer._parameters["weight"] = base
+            layer.merged_adapters = []

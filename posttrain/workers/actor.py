@@ -11,6 +11,7 @@ Batch sizes arrive normalised (responses per rank), as in verl's workers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,11 @@ from posttrain.models import (
     enable_activation_checkpointing,
     load_causal_lm,
     load_tokenizer,
+    parse_dtype,
     response_logprobs,
 )
 from posttrain.models.compute_dtype import resolve_param_dtype
-from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
+from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings, merged_for_generation
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer
@@ -124,7 +126,15 @@ class ActorWorker:
             self.rollout.update_weights(self.module)
             self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
-        return self.rollout.generate(prompts, sampling)
+        with self._generation_weights():
+            return self.rollout.generate(prompts, sampling)
+
+    def _generation_weights(self) -> contextlib.AbstractContextManager:
+        """LoRA with the ``hf`` engine (which decodes with the module itself): the adapters merged into
+        the weights for the rollout (``models.lora.merged_for_generation``); otherwise nothing to do."""
+        if self.lora is None or getattr(self.rollout, "keeps_own_weights", False):
+            return contextlib.nullcontext()
+        return merged_for_generation(self.module, parse_dtype(self.param_dtype))
 
     # ------------------------------------------------------------------ log-probs
     def compute_log_prob(self, batch: Any, calculate_entropy: bool = True):

@@ -165,6 +165,36 @@ def test_hf_generation_runs_the_adapters(tok):
     assert not torch.equal(base, adapted)
 
 
+def test_worker_generation_merges_the_adapters_and_leaves_the_base_untouched(tok):
+    """The actor's generate_sequences decodes with W + scaling * B @ A in one product (no adapter
+    products run), the same tokens and log-probs as the adapter path; afterwards the base parameters
+    are the same objects with the same bits, and the layers compute unmerged again."""
+    actor, _ = lora_actor(tok)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in actor.module.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    before = base_snapshot(actor.module)
+    objects = {n: p for n, p in actor.module.named_parameters() if not p.requires_grad}
+    adapter_calls = []
+    hooks = [m.register_forward_hook(lambda *_: adapter_calls.append(1))
+             for n, m in actor.module.named_modules() if n.endswith("lora_A.default")]
+    prompts = tiny_prompt_batch(tok, PROMPTS)
+    torch.manual_seed(5)
+    merged = actor.generate_sequences(prompts)
+    assert adapter_calls == []  # the merged weights did the work
+    torch.manual_seed(5)
+    unmerged = actor.rollout.generate(prompts, SamplingParams.from_rollout_config(actor.rollout_config))
+    assert adapter_calls  # outside the block the adapter path runs again
+    for h in hooks:
+        h.remove()
+    assert torch.equal(merged["responses"], unmerged["responses"])
+    torch.testing.assert_close(merged["rollout_log_probs"], unmerged["rollout_log_probs"], rtol=0, atol=1e-5)
+    assert changed(before, actor.module) == []
+    assert all(p is objects[n] for n, p in actor.module.named_parameters() if not p.requires_grad)
+
+
 # ---------------------------------------------------------------------- critic
 def test_lora_critic_trains_adapters_and_its_value_head(tok):
     cfg = lora_configs()
