@@ -14,9 +14,10 @@ How one micro-batch is computed (``response_logprobs``):
    column ``P - 1 + j`` predicts response token ``j``; tokens after EOS are skipped);
 4. ``lm_head`` + log-softmax run over chunks of those ``T`` rows: each chunk's logits ``[t, V]``
    are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
-   an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that math). With gradients on and more than one chunk, each chunk is
-   checkpointed, so backward keeps ``[t, H]`` per chunk instead of ``[t, V]`` logits (a single
-   chunk's logits are kept: at most ``_CHUNK_ELEMENTS`` floats).
+   an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that
+   math). With gradients on and more than one chunk, each chunk is checkpointed, so backward keeps
+   ``[t, H]`` per chunk instead of ``[t, V]`` logits (a single chunk's logits are kept: at most
+   ``_CHUNK_ELEMENTS`` floats).
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
 

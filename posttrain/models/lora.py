@@ -482,7 +482,8 @@ def merged_for_generation(module: nn.Module, dtype: torch.dtype | None = None) -
             for layer in layers:
                 base = layer.base_layer.weight
                 merged = base.float() + _lora_delta(layer)
-                layer.base_layer._parameters["weight"] = nn.Parameter(merged.to(dtype or base.dtype), requires_grad=False)
+                merged = nn.Parameter(merged.to(dtype or base.dtype), requires_grad=False)
+                layer.base_layer._parameters["weight"] = merged
                 layer.merged_adapters = [_ADAPTER_NAME]
                 swapped.append((layer, base))
         yield
