@@ -38,10 +38,10 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.algorithms.logprobs import logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
-from posttrain.models.microbatch import equal_micro_batch_count, micro_batch_indices, split_for_padding
+from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices, split_for_padding
 
-__all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "response_logprobs",
-           "response_hidden_states", "split_lm"]
+__all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "forget_forward_record",
+           "response_logprobs", "response_hidden_states", "split_lm"]
 
 FSDP_CALL_ATTR = "posttrain_fsdp_call"
 """Name of the FSDP forward method ``shard_model`` registers on a sharded root: ``root.<name>(fn, *args)``."""
@@ -251,7 +251,7 @@ def compute_response_logprobs(
                                  sort_by_length=True)
     groups = split_for_padding(tensors["attention_mask"], groups)
     # under FSDP each forward is a collective: every rank runs the same number (padding ones are dropped)
-    plan = equal_micro_batch_count(groups) if _is_sharded(model) else [(g, False) for g in groups]
+    plan = equal_micro_batch_count(groups) if is_sharded(model) else [(g, False) for g in groups]
     out_device = tensors["responses"].device
     log_probs = torch.zeros(n, resp_len, dtype=torch.float32, device=out_device)
     entropy = torch.zeros_like(log_probs) if calculate_entropy else None
@@ -268,11 +268,11 @@ def compute_response_logprobs(
             log_probs[idx.to(out_device)] = lp.to(out_device)
             if entropy is not None:
                 entropy[idx.to(out_device)] = ent.to(out_device)
-    _forget_forward_record(model)
+    forget_forward_record(model)
     return log_probs, entropy
 
 
-def _forget_forward_record(model: nn.Module) -> None:
+def forget_forward_record(model: nn.Module) -> None:
     """Clear FSDP2's record of the forwards just run (kept for backward prefetching).
 
     FSDP2 appends every forward to a list that only a backward clears; a forward-only model (the
@@ -282,15 +282,6 @@ def _forget_forward_record(model: nn.Module) -> None:
     reset = getattr(model, "reset_iter_state", None)  # FSDP roots (absent in older torch: nothing to do)
     if reset is not None and not getattr(getattr(model, "posttrain_fsdp", None), "gathered", False):
         reset()
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` holds FSDP units (only then are its forwards collectives)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    from torch.distributed.fsdp import FSDPModule  # only once a process group exists: keeps imports light
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _stand_in_row(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

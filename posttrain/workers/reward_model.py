@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from posttrain.batch import Batch
-from posttrain.models.logprobs import _forget_forward_record, _is_sharded  # the reference's forward-only FSDP care
-from posttrain.models.microbatch import equal_micro_batch_count, micro_batch_indices
+from posttrain.models.logprobs import forget_forward_record  # the reference's forward-only FSDP care
+from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices
 from posttrain.models.precision import autocast_context
 from posttrain.models.reward_model import import_external_lib, last_token_scores, load_reward_model
 from posttrain.rewards.manager import place_on_last_token, response_mask_of
@@ -171,7 +171,7 @@ class RewardModelWorker:
         groups = micro_batch_indices(mask, self.micro_batch_size, bool(self.config.use_dynamic_bsz),
                                      self.config.forward_max_token_len_per_gpu, sort_by_length=True)
         # under FSDP every forward is a collective: all ranks run as many (a padding entry is dropped)
-        plan = equal_micro_batch_count(groups) if _is_sharded(self.module) else [(g, False) for g in groups]
+        plan = equal_micro_batch_count(groups) if is_sharded(self.module) else [(g, False) for g in groups]
         scores = torch.zeros(mask.shape[0], dtype=torch.float32)
         with torch.no_grad(), self.autocast():
             for rows, padding in plan:
@@ -179,7 +179,7 @@ class RewardModelWorker:
                 out = last_token_scores(self.module, **{k: v.to(self.device) for k, v in micro.items()})
                 if not padding:
                     scores[rows.cpu()] = out.cpu()
-        _forget_forward_record(self.module)
+        forget_forward_record(self.module)
         return scores
 
 

@@ -28,18 +28,12 @@ from torch import nn
 
 from posttrain.checkpoint import (GENERATOR_FILE, HF_DIR, MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, CheckpointError,
                                   RoleState, load_role, safe_torch_load, write_role)
+from posttrain.models.microbatch import is_sharded
 
-__all__ = ["DCP_DIR", "is_sharded", "load_role_state", "read_full_weights", "process_rank", "save_role_state",
+__all__ = ["DCP_DIR", "load_role_state", "read_full_weights", "process_rank", "save_role_state",
            "trainable_parameters"]
 
 DCP_DIR = "dcp"
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """True when ``module`` holds FSDP2 units and a process group is up (its state is per-rank)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return dist.is_available() and dist.is_initialized() and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def process_rank() -> int:
