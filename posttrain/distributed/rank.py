@@ -30,11 +30,15 @@ __all__ = ["RankWorker", "with_param_dtype"]
 
 
 def with_param_dtype(section: Any, dtype: str) -> Any:
-    """``section`` (a role's config holding ``fsdp_config``) with ``param_dtype: auto`` replaced by ``dtype``."""
-    if section.fsdp_config.mixed_precision.param_dtype != "auto":
+    """``section`` (a role's config holding ``fsdp_config``) with ``param_dtype: auto`` replaced by ``dtype``
+    (`follow_actor`'s rule, in the form the sharding code reads: a config)."""
+    from posttrain.workers.group import follow_actor
+
+    chosen = follow_actor(section.fsdp_config, dtype)
+    if chosen is None:
         return section
     section = copy.deepcopy(section)
-    section.fsdp_config.mixed_precision.param_dtype = dtype
+    section.fsdp_config.mixed_precision.param_dtype = chosen
     return section
 
 
