@@ -123,7 +123,8 @@ class RankWorker:
                                 dtype=arr.ref.fsdp_config.model_dtype, device="cpu")
         ref_cfg = with_param_dtype(arr.ref, self.actor.param_dtype)
         module = shard_model(module, mesh, ref_cfg.fsdp_config, forward_only=True)
-        return RefWorker(module, ref_cfg, arr.rollout, device=self.device, remove_padding=bool(m.use_remove_padding))
+        return RefWorker(module, ref_cfg, arr.rollout, device=self.device, remove_padding=bool(m.use_remove_padding),
+                         compile_layers=bool(m.compile_layers))
 
     def _build_critic(self, config: Any, mesh: Any, seed: int):
         from posttrain.distributed.fsdp import shard_model

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.algorithms.logprobs import logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
+from posttrain.models.compile import compiled_layers
 from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices, split_for_padding
 
 __all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "forget_forward_record",
@@ -191,8 +192,9 @@ def _response_logprobs(model, input_ids, attention_mask, position_ids, responses
         return _full_logits_logprobs(model, input_ids, attention_mask, position_ids, responses,
                                      temperature, calculate_entropy)
     backbone, head, softcap = parts
-    hidden, take = response_hidden_states(backbone, input_ids, attention_mask, position_ids, resp_len,
-                                          remove_padding)
+    with compiled_layers(model):  # compile_layers=True: the decoder layers through torch.compile
+        hidden, take = response_hidden_states(backbone, input_ids, attention_mask, position_ids, resp_len,
+                                              remove_padding)
     valid = attention_mask[:, -resp_len:][:, :take].bool()  # [B, take]
     labels = responses[:, :take][valid]  # [T]
     fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731

@@ -30,6 +30,7 @@ from posttrain.models import (
     parse_dtype,
     response_logprobs,
 )
+from posttrain.models.compile import enable_layer_compile
 from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings, merged_for_generation
 from posttrain.rollout import SamplingParams, get_rollout_engine
@@ -95,6 +96,8 @@ class ActorWorker:
                               model_dtype=actor_config.fsdp_config.model_dtype, seed=seed)
         self.lora = lora
         self.module = module.to(self.device)
+        if model_config is not None and model_config.compile_layers:
+            enable_layer_compile(self.module)
         if tokenizer is None and model_config is not None:
             tokenizer = load_tokenizer(model_config.path, trust_remote_code=model_config.trust_remote_code,
                                        custom_chat_template=model_config.custom_chat_template)
@@ -282,7 +285,7 @@ class RefWorker:
 
     def __init__(self, module: nn.Module, ref_config: Any, rollout_config: Any = None, *,
                  device: str | torch.device | None = None, remove_padding: bool = False,
-                 param_dtype: str | None = None):
+                 param_dtype: str | None = None, compile_layers: bool = False):
         self.config, self.rollout_config = ref_config, rollout_config
         self.remove_padding = remove_padding
         self.device = torch.device(device) if device is not None else default_device()
@@ -291,6 +294,8 @@ class RefWorker:
         self.param_dtype = param_dtype or resolve_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
                                                               module, self.device)
         self.module = module.eval().requires_grad_(False)
+        if compile_layers:
+            enable_layer_compile(self.module)
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
 
     @classmethod
@@ -302,7 +307,7 @@ class RefWorker:
                                 override_config=model_config.override_config,
                                 dtype=ref_config.fsdp_config.model_dtype, device=dev)
         return cls(module, ref_config, rollout_config, device=dev, remove_padding=bool(model_config.use_remove_padding),
-                   param_dtype=param_dtype)
+                   param_dtype=param_dtype, compile_layers=bool(model_config.compile_layers))
 
     def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
         """``ref_log_prob`` ``[N, R]`` of ``batch['responses']``."""

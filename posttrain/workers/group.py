@@ -142,7 +142,8 @@ def build_local_group(config: Any, device: torch.device, seed: int, actor_module
             ref = RefWorker.from_config(arr.model, arr.ref, arr.rollout, device=device, param_dtype=dtype)
         else:
             ref = RefWorker(initial, arr.ref, arr.rollout, device=device, param_dtype=dtype,
-                            remove_padding=bool(arr.model.use_remove_padding))
+                            remove_padding=bool(arr.model.use_remove_padding),
+                            compile_layers=bool(arr.model.compile_layers))
     if uses_critic(config):
         critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed,
                               param_dtype=follow_actor(config.critic.model.fsdp_config, actor.param_dtype))
