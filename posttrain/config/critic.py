@@ -38,6 +38,8 @@ class CriticModelConfig:
     """Offload activations to CPU."""
     use_remove_padding: bool = False
     """Drop padding tokens before the forward pass."""
+    compile_layers: bool = "${actor_rollout_ref.model.compile_layers}"  # type: ignore[assignment]
+    """(posttrain) The critic's decoder layers through torch.compile in its value and update passes (follows the actor's key)."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP and precision settings of the critic."""
     lora_rank: int = 0

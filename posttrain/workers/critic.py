@@ -24,6 +24,7 @@ from posttrain.models import (
     response_hidden_states,
     split_for_padding,
 )
+from posttrain.models.compile import compiled_layers, enable_layer_compile
 from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.microbatch import equal_micro_batch_count
@@ -41,8 +42,9 @@ def response_values(model: ValueModel, input_ids, attention_mask, position_ids, 
                     remove_padding: bool = False) -> torch.Tensor:
     """One micro-batch: values ``[B, R]`` float32 (0 outside the response mask); differentiable."""
     resp_len = responses.shape[1]
-    hidden, take = response_hidden_states(model.backbone, input_ids, attention_mask, position_ids, resp_len,
-                                          remove_padding)
+    with compiled_layers(model):  # critic.model.compile_layers=True: the decoder layers through torch.compile
+        hidden, take = response_hidden_states(model.backbone, input_ids, attention_mask, position_ids, resp_len,
+                                              remove_padding)
     values = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
     values = torch.cat([model.values_from_hidden(hidden), values[:, take:]], dim=1)
     return values * attention_mask[:, -resp_len:].to(values.dtype)
@@ -83,6 +85,8 @@ class CriticWorker:
                               model_dtype=mcfg.fsdp_config.model_dtype, causal_lm=False, seed=seed)
         self.lora = lora
         self.module = module.to(self.device)
+        if mcfg.compile_layers:
+            enable_layer_compile(self.module, "critic.model.compile_layers")
         # the actor's precision when given, else the config's ("auto": timed on the backbone)
         self.param_dtype = param_dtype or resolve_param_dtype(mcfg.fsdp_config.mixed_precision.param_dtype,
                                                               self.module.backbone, self.device)

@@ -114,3 +114,15 @@ def test_tiny_run_with_compiled_layers_equals_eager_run(tmp_path):
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
         assert got[0][key] == pytest.approx(want[0][key], rel=1e-4, abs=1e-6), key
     assert max(row["training/rollout_actor_probs_diff_max"] for row in got) < 1e-4
+
+
+def test_tiny_ppo_run_compiles_the_critic_too(tmp_path):
+    from helpers.tiny_run import tiny_trainer
+
+    common = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "trainer.total_training_steps=1"]
+    eager = tiny_trainer(tmp_path / "eager", common)
+    compiled = tiny_trainer(tmp_path / "compiled", common + ["actor_rollout_ref.model.compile_layers=True"])
+    assert hasattr(compiled.workers.critic.module, compile_mod._ATTR)  # critic.model.compile_layers follows
+    want, got = eager.fit(), compiled.fit()
+    for key in ("critic/values/mean", "critic/vf_loss", "critic/grad_norm", "actor/pg_loss"):
+        assert got[0][key] == pytest.approx(want[0][key], rel=1e-4, abs=1e-6), key
