@@ -10,8 +10,10 @@ from torch._dynamo.utils import counters
 
 from helpers.tiny_models import tiny_llama
 from helpers.tokenizer import build_tiny_tokenizer
+from posttrain.config.actor_rollout_ref import ActorModelConfig
 from posttrain.models import compile as compile_mod
-from posttrain.models import response_logprobs
+from posttrain.models import enable_activation_checkpointing, response_logprobs
+from posttrain.models.lora import apply_lora, lora_settings
 from posttrain.models.compile import compiled_layers, decoder_layers, enable_layer_compile
 
 
@@ -30,11 +32,11 @@ def _batch(tok, prompt_len: int, resp_len: int, seed: int):
     return ids, mask, pos, ids[:, prompt_len:]
 
 
-def _logprobs_and_grads(model, batch):
+def _logprobs_and_grads(model, batch, remove_padding=False):
     model.zero_grad(set_to_none=True)
-    lp, ent = response_logprobs(model, *batch, temperature=0.7, calculate_entropy=True)
+    lp, ent = response_logprobs(model, *batch, temperature=0.7, calculate_entropy=True, remove_padding=remove_padding)
     (lp.sum() + 0.1 * ent.sum()).backward()
-    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _graphs() -> int:
@@ -74,6 +76,31 @@ def test_compiled_layers_equal_eager_and_compile_once_per_mode(tok):
         model.generate(torch.tensor([[7, 8, 9]]), max_new_tokens=3, do_sample=False,
                        pad_token_id=tok.pad_token_id)
     assert _graphs() == before
+
+
+@pytest.mark.parametrize("variant", ["packed", "gradient_checkpointing", "lora"])
+def test_compiled_layers_equal_eager_with_other_features(tok, variant):
+    """use_remove_padding (one packed row), activation checkpointing (recomputed through the compiled
+    layer), LoRA adapters (peft layers inside the compiled layer, non-zero so they matter)."""
+    model = tiny_llama(tok)
+    if variant == "gradient_checkpointing":
+        enable_activation_checkpointing(model.train())
+    if variant == "lora":
+        settings = lora_settings(ActorModelConfig(path="<tiny>", lora_rank=4, lora_alpha=8), "actor_rollout_ref.model")
+        apply_lora(model, settings, model_path="<tiny>", model_dtype="fp32", seed=0)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
+    packed = variant == "packed"
+    batches = [_batch(tok, 5, 4, 0), _batch(tok, 7, 6, 1)]
+    want = [_logprobs_and_grads(model, b, packed) for b in batches]
+    enable_layer_compile(model)
+    got = [_logprobs_and_grads(model, b, packed) for b in batches]
+    for (lp, _, grads), (lp_c, _, grads_c) in zip(want, got):
+        torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
+        assert grads_c.keys() == grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_compiled_layers_swap_only_inside_the_block(tok):
