@@ -4,6 +4,8 @@
     python benchmarks/bench_step.py --steps 4 --skip-trl --json out.json
     python benchmarks/bench_step.py --precisions bf16 --skip-trl
     python benchmarks/bench_step.py --lora 32 --skip-trl     # the same work with LoRA (rank 32, all-linear)
+    python benchmarks/bench_step.py --precisions bf16,bf16+compile --trl-precisions bf16
+                                    # +compile: actor_rollout_ref.model.compile_layers=True (torch.compile)
 
 The work (the issue's comparison size): the built-in config's model and task (SmolLM2-135M-Instruct,
 the arithmetic task), 8 prompts x 4 samples = 32 responses of up to 32 new tokens, GRPO with a KL
@@ -117,12 +119,19 @@ def _step_stats(batch, params: dict[str, int]) -> dict[str, float]:
             "naive_6NT": 6.0 * params["total"] * all_tokens}
 
 
+_VARIANTS = {"": [], "compile": ["actor_rollout_ref.model.compile_layers=True"]}
+"""``--precisions`` entries are ``DTYPE`` or ``DTYPE+VARIANT``; a variant adds these overrides."""
+
+
 def run_posttrain(precision: str, steps: int, extra: list[str] = (), log=print) -> dict[str, Any]:
     import torch
 
     from posttrain.trainer.trainer import RLTrainer
 
-    config, overrides = build_config(precision, steps, extra)
+    dtype, _, variant = precision.partition("+")
+    if variant not in _VARIANTS:
+        raise SystemExit(f"--precisions: unknown variant {variant!r} in {precision!r}; known: {sorted(_VARIANTS)}")
+    config, overrides = build_config(dtype, steps, [*_VARIANTS[variant], *extra])
     t0 = time.perf_counter()
     trainer = RLTrainer(config)
     load_s = time.perf_counter() - t0
@@ -155,7 +164,7 @@ def run_posttrain(precision: str, steps: int, extra: list[str] = (), log=print) 
     # counted as a forward over prompt + response tokens; the KV cache makes that the true cost)
     step_flops = (5.0 * mean["fwd_flops"]) / max(mean["step"], 1e-9)
     del trainer
-    return {"precision": precision, "steps": steps, "load_s": load_s, "per_step": rows, "mean": mean,
+    return {"precision": precision, "dtype": dtype, "steps": steps, "load_s": load_s, "per_step": rows, "mean": mean,
             "gen_tokens_per_s": gen_tps, "train_tokens_per_s": train_tps, "train_flops": train_flops,
             "step_flops_excl_gen": step_flops, "params": params, "prompts": prompts, "torch_threads": torch.get_num_threads(),
             "overrides": overrides, "builtin_yaml": BUILTIN_YAML.is_file()}
@@ -232,33 +241,33 @@ def format_table(res: dict[str, Any]) -> str:
                      f"{p0['params']['total'] / 1e6:.1f}M params; steps {p0['steps']} (first = warm-up); "
                      f"mean tokens/step {p0['mean']['all_tokens']:.0f} "
                      f"(prompt {p0['mean']['prompt_tokens']:.0f}, response {p0['mean']['response_tokens']:.0f})")
-        head = f"{'':24}" + "".join(f"{'posttrain ' + p['precision']:>16}" for p in pts)
+        head = f"{'':24}" + "".join(f"{'posttrain ' + p['precision']:>24}" for p in pts)
         lines.append(head)
         for k in PHASES:
-            lines.append(f"{'  ' + k + ' s':24}" + "".join(f"{p['mean'][k]:16.2f}" for p in pts))
-        lines.append(f"{'gen tokens/s':24}" + "".join(f"{p['gen_tokens_per_s']:16.1f}" for p in pts))
-        lines.append(f"{'train tokens/s':24}" + "".join(f"{p['train_tokens_per_s']:16.1f}" for p in pts))
-        lines.append(f"{'train GFLOP/s':24}" + "".join(f"{p['train_flops'] / 1e9:16.1f}" for p in pts))
-        lines.append(f"{'  / bf16 matmul rate':24}" + "".join(f"{p['train_flops'] / rates['bf16']:16.1%}" for p in pts))
-        lines.append(f"{'  / fp32 matmul rate':24}" + "".join(f"{p['train_flops'] / rates['fp32']:16.1%}" for p in pts))
+            lines.append(f"{'  ' + k + ' s':24}" + "".join(f"{p['mean'][k]:24.2f}" for p in pts))
+        lines.append(f"{'gen tokens/s':24}" + "".join(f"{p['gen_tokens_per_s']:24.1f}" for p in pts))
+        lines.append(f"{'train tokens/s':24}" + "".join(f"{p['train_tokens_per_s']:24.1f}" for p in pts))
+        lines.append(f"{'train GFLOP/s':24}" + "".join(f"{p['train_flops'] / 1e9:24.1f}" for p in pts))
+        lines.append(f"{'  / bf16 matmul rate':24}" + "".join(f"{p['train_flops'] / rates['bf16']:24.1%}" for p in pts))
+        lines.append(f"{'  / fp32 matmul rate':24}" + "".join(f"{p['train_flops'] / rates['fp32']:24.1%}" for p in pts))
         lines.append(f"{'  / own-dtype rate':24}" + "".join(
-            f"{p['train_flops'] / rates[p['precision']]:16.1%}" for p in pts))
-        lines.append(f"{'step GFLOP/s (no gen)':24}" + "".join(f"{p['step_flops_excl_gen'] / 1e9:16.1f}" for p in pts))
-        lines.append(f"{'mean score':24}" + "".join(f"{p['mean']['score']:16.3f}" for p in pts))
+            f"{p['train_flops'] / rates[p['dtype']]:24.1%}" for p in pts))
+        lines.append(f"{'step GFLOP/s (no gen)':24}" + "".join(f"{p['step_flops_excl_gen'] / 1e9:24.1f}" for p in pts))
+        lines.append(f"{'mean score':24}" + "".join(f"{p['mean']['score']:24.3f}" for p in pts))
     trl = res.get("trl") or {}
     if trl:
         first = next(iter(trl.values()))
         gc = "on, TRL's default" if first.get("gradient_checkpointing", True) else "off"
         lines.append(f"TRL {first['trl_version']} GRPOTrainer (prompts: {first['prompts']}; gradient checkpointing {gc}):")
         for prec, r in trl.items():
-            own = next((p for p in pts if p["precision"] == prec), None)
-            ratio = f"  posttrain/TRL = {own['mean']['step'] / r['mean_step_s']:.3f}" if own else ""
+            own = [p for p in pts if p["dtype"] == prec]
+            ratio = "".join(f"  posttrain {p['precision']}/TRL = {p['mean']['step'] / r['mean_step_s']:.3f}" for p in own)
             lines.append(f"  {prec}: {r['mean_step_s']:.2f} s/step (steps {[round(t, 1) for t in r['step_s']]}){ratio}")
     targets = []  # issue 13's: the update at >= 50% of the bf16 rate (>= 80% of fp32's where fp32 runs)
     for p in pts:
-        want = 0.50 if p["precision"] == "bf16" else 0.80
-        frac = p["train_flops"] / rates[p["precision"]]
-        targets.append(f"update {p['precision']} at {frac:.0%} of the {p['precision']} rate (target >= {want:.0%}): "
+        want = 0.50 if p["dtype"] == "bf16" else 0.80
+        frac = p["train_flops"] / rates[p["dtype"]]
+        targets.append(f"update {p['precision']} at {frac:.0%} of the {p['dtype']} rate (target >= {want:.0%}): "
                        f"{'met' if frac >= want else 'missed'}")
     if trl and pts:  # each side at its best precision
         ours = min(pts, key=lambda p: p["mean"]["step"])

@@ -27,7 +27,7 @@ from torch import nn
 
 from posttrain.models.microbatch import is_sharded
 
-__all__ = ["compiled_layers", "decoder_layers", "enable_layer_compile"]
+__all__ = ["compiled_layers", "decoder_layers", "disable_layer_compile", "enable_layer_compile"]
 
 _ATTR = "posttrain_compiled_layers"
 """Attribute ``enable_layer_compile`` sets on the model: ``(layer list, compiled wrappers)``. A tuple,
@@ -56,6 +56,13 @@ def enable_layer_compile(model: nn.Module, key: str = "actor_rollout_ref.model.c
     layers = decoder_layers(model)
     wrappers = tuple(torch.compile(layer, dynamic=True) for layer in layers)
     object.__setattr__(model, _ATTR, (layers, wrappers))
+
+
+def disable_layer_compile(model: nn.Module) -> None:
+    """Undo :func:`enable_layer_compile`: the scoring forwards run eager again (compiled graphs stay
+    cached, so enabling again does not recompile)."""
+    if hasattr(model, _ATTR):
+        object.__delattr__(model, _ATTR)
 
 
 @contextlib.contextmanager

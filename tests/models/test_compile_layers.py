@@ -14,7 +14,7 @@ from posttrain.config.actor_rollout_ref import ActorModelConfig
 from posttrain.models import compile as compile_mod
 from posttrain.models import enable_activation_checkpointing, response_logprobs
 from posttrain.models.lora import apply_lora, lora_settings
-from posttrain.models.compile import compiled_layers, decoder_layers, enable_layer_compile
+from posttrain.models.compile import compiled_layers, decoder_layers, disable_layer_compile, enable_layer_compile
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,9 @@ def test_compiled_layers_swap_only_inside_the_block(tok):
         assert [layer._orig_mod for layer in model.model.layers] == originals
     assert list(model.model.layers) == originals
     assert decoder_layers(model) is model.model.layers
+    disable_layer_compile(model)
+    with compiled_layers(model):  # disabled again: eager
+        assert list(model.model.layers) == originals
 
 
 def test_sharded_module_and_layerless_module_refused(tok, monkeypatch):
