@@ -175,6 +175,12 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
                    "the sequence); set it to 1")
     if config.actor_rollout_ref.rollout.over_sample_rate:
         yield "actor_rollout_ref.rollout.over_sample_rate: over-sampling is not supported yet; set it to 0"
+    world = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    compiled = [k for k, used in (("actor_rollout_ref.model.compile_layers", True),
+                                  ("critic.model.compile_layers", uses_critic(config))) if used and get_key(config, k)]
+    if world > 1 and compiled:
+        yield (f"{compiled[0]}=True: compiled decoder layers are not supported on FSDP2 ranks yet ({world} ranks = "
+               "trainer.nnodes x trainer.n_gpus_per_node); set it to False or run on one rank")
 
 
 def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:

@@ -76,6 +76,16 @@ def test_sequence_parallelism_is_refused_naming_the_key():
         load_config(overrides=["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
 
 
+def test_compiled_layers_on_several_ranks_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.compile_layers=True: .*\(2 ranks") as err:
+        load_config(overrides=["actor_rollout_ref.model.compile_layers=True", "trainer.n_gpus_per_node=2"])
+    assert "critic.model" not in str(err.value)  # GRPO has no critic: one message
+    with pytest.raises(ConfigError, match=r"critic.model.compile_layers=True"):
+        load_config(overrides=["critic.model.compile_layers=True", "algorithm.adv_estimator=gae",
+                               "trainer.n_gpus_per_node=2"])
+    load_config(overrides=BASE + ["actor_rollout_ref.model.compile_layers=True"])  # one rank: fine
+
+
 def test_value_ranges_are_checked_for_every_numeric_key():
     """Generic ranges (issue 12): counts >= 1, other numbers >= 0, fractions in [0, 1], verl's -1
     sentinels kept; a key that follows another is reported once, under the key the user set."""

@@ -91,7 +91,8 @@ def tiny_worker_configs(
         use_dynamic_bsz=False, forward_max_token_len_per_gpu=4096, ppo_epochs=1, shuffle=False,
         loss_agg_mode="token-mean", grad_clip=1e6, optim=OptimConfig(lr=lr, weight_decay=0.0),
         model=CriticModelConfig(path="<tiny>", tokenizer_path="<tiny>", external_lib=None,
-                                trust_remote_code=False, enable_gradient_checkpointing=False, fsdp_config=fsdp))
+                                trust_remote_code=False, enable_gradient_checkpointing=False, compile_layers=False,
+                                fsdp_config=fsdp))
     critic_kw.update(critic or {})
     return SimpleNamespace(model=model, actor=ActorConfig(**actor_kw), rollout=rollout, ref=ref,
                            critic=CriticConfig(**critic_kw))
