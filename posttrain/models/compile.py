@@ -35,7 +35,7 @@ _ATTR = "posttrain_compiled_layers"
 so ``nn.Module`` does not register the wrappers as submodules."""
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module, key: str = "actor_rollout_ref.model.compile_layers") -> nn.ModuleList:
     """The model's list of decoder layers: the longest ``nn.ModuleList`` whose entries share one class
     (``model.model.layers`` for Llama/Qwen, ``transformer.h`` for GPT-2, through a peft wrapper too)."""
     best: nn.ModuleList | None = None
@@ -44,8 +44,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             if best is None or len(module) > len(best):
                 best = module
     if best is None:
-        raise ValueError(f"compile_layers: found no list of decoder layers in {type(model).__name__}; "
-                         "set actor_rollout_ref.model.compile_layers=False")
+        raise ValueError(f"{key}=True: found no list of decoder layers in {type(model).__name__}; set {key}=False")
     return best
 
 
@@ -54,7 +53,7 @@ def enable_layer_compile(model: nn.Module, key: str = "actor_rollout_ref.model.c
     if is_sharded(model):
         raise ValueError(f"{key}=True is not supported on FSDP2-sharded ranks (more than one rank); "
                          f"set {key}=False")
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, key)
     wrappers = tuple(torch.compile(layer, dynamic=True) for layer in layers)
     object.__setattr__(model, _ATTR, (layers, wrappers))
 
