@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 __all__ = ["keep_freed_memory"]
@@ -30,18 +31,10 @@ TRIM_THRESHOLD_BYTES = 2**31 - 1
 USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                  "GLIBC_TUNABLES", "LD_PRELOAD")
 
-_done: list[bool] = []
 
-
+@functools.cache  # once per process: later callers (CLI, then main_ppo, then a rank) get the first answer
 def keep_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse (module docstring); True when it now does."""
-    if _done:
-        return _done[0]
-    _done.append(_apply())
-    return _done[0]
-
-
-def _apply() -> bool:
     if any(os.environ.get(name) for name in USER_SETTINGS):
         return False  # the user chose the allocator's behaviour
     libc = _glibc()
