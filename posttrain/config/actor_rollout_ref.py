@@ -163,6 +163,8 @@ class ActorConfig:
     """FSDP and precision settings."""
     use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
     """Follows actor_rollout_ref.model.use_remove_padding."""
+    use_prefix_grouper: bool = False
+    """Encode each distinct prompt of a micro-batch once for all its responses (n > 1), in the old-log-prob, reference and update forwards: the same log-probs and gradients on fewer tokens. Rows of one prompt share a micro-batch; a micro-batch where the dense grouped attention would cost more than the prompt copies save (long responses) runs the plain forward. Not with use_remove_padding."""
 
 
 @_cfg()
@@ -197,6 +199,8 @@ class RefConfig:
     """Token budget per reference forward pass when dynamic."""
     fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
     """FSDP settings of the reference model."""
+    use_prefix_grouper: bool = "${actor_rollout_ref.actor.use_prefix_grouper}"  # type: ignore[assignment]
+    """Follows the actor: the reference pass encodes each distinct prompt once."""
     ulysses_sequence_parallel_size: int = "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}"  # type: ignore[assignment]
     """Follows the actor."""
     entropy_from_logits_with_chunking: bool = False

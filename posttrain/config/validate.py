@@ -192,6 +192,10 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
         yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses to the same prompt, but "
                f"actor_rollout_ref.rollout.n={arr.rollout.n} gives groups of one; set rollout.n >= 2 "
                "or use reinforce_plus_plus / gae")
+    if arr.actor.use_prefix_grouper and arr.model.use_remove_padding:
+        yield ("actor_rollout_ref.actor.use_prefix_grouper=True and actor_rollout_ref.model.use_remove_padding=True "
+               "are two layouts of the same forward (prompts encoded once per group, or all rows packed into one); "
+               "set one of them to False")
     yield from _check_policy_loss_keys(config)
     yield from _check_reward_model_sizes(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:

@@ -39,7 +39,8 @@ from torch.utils.checkpoint import checkpoint
 from posttrain.algorithms.logprobs import logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.models.compile import compiled_layers
-from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices, split_for_padding
+from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
+from posttrain.models.shared_prefix import prompt_key, shared_prefix_hidden_states
 
 __all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "forget_forward_record",
            "response_logprobs", "response_hidden_states", "split_lm"]
@@ -106,17 +107,28 @@ def response_hidden_states(
     position_ids: torch.Tensor,
     response_length: int,
     remove_padding: bool = False,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Hidden states that predict response tokens: ``([B, take, H], take)`` with ``take <= R``.
 
     ``hidden[:, j]`` is the backbone output at column ``P - 1 + j`` (it predicts response token ``j``).
     ``remove_padding`` packs the valid tokens of all rows into one sequence (verl's
-    ``use_remove_padding``); otherwise only columns that are padding in every row are dropped.
+    ``use_remove_padding``); ``shared_prefix`` encodes each distinct prompt once for all its
+    responses (verl's ``use_prefix_grouper``, `posttrain.models.shared_prefix`) when that computes
+    less; otherwise only columns that are padding in every row are dropped.
     """
+    if remove_padding and shared_prefix:
+        raise ValueError("use_remove_padding and use_prefix_grouper are two different layouts; set one of them")
     with fast_cpu_attention(backbone):
         if remove_padding:
             return _packed_hidden_states(backbone, input_ids, attention_mask, position_ids, response_length)
         lo, hi, take = _column_window(attention_mask, response_length)
+        if shared_prefix:  # the window up to the last scored token: its responses are `take` long
+            end = hi + 1
+            hidden = shared_prefix_hidden_states(backbone, input_ids[:, lo:end], attention_mask[:, lo:end],
+                                                 position_ids[:, lo:end], take)
+            if hidden is not None:
+                return hidden, take
         out = backbone(
             input_ids=input_ids[:, lo:hi],
             attention_mask=attention_mask[:, lo:hi],
@@ -170,22 +182,23 @@ def response_logprobs(
     calculate_entropy: bool = False,
     entropy_grad: bool = True,
     remove_padding: bool = False,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One micro-batch: log-probs (and entropy) of ``responses`` ``[B, R]`` under ``model``.
 
     input_ids/attention_mask/position_ids: ``[B, P+R]``. Differentiable when grad is enabled
     (``entropy_grad=False`` computes the entropy without a graph). Returns float32 ``[B, R]``
-    tensors; positions masked in ``attention_mask[:, P:]`` are 0. ``remove_padding``: see
-    :func:`response_hidden_states`.
+    tensors; positions masked in ``attention_mask[:, P:]`` are 0. ``remove_padding``,
+    ``shared_prefix``: see :func:`response_hidden_states`.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     return call_as_forward(model, _response_logprobs, model, input_ids, attention_mask, position_ids, responses,
-                           temperature, calculate_entropy, entropy_grad, remove_padding)
+                           temperature, calculate_entropy, entropy_grad, remove_padding, shared_prefix)
 
 
 def _response_logprobs(model, input_ids, attention_mask, position_ids, responses, temperature,
-                       calculate_entropy, entropy_grad, remove_padding):
+                       calculate_entropy, entropy_grad, remove_padding, shared_prefix):
     batch, resp_len = responses.shape
     parts = split_lm(model)
     if parts is None:
@@ -194,7 +207,7 @@ def _response_logprobs(model, input_ids, attention_mask, position_ids, responses
     backbone, head, softcap = parts
     with compiled_layers(model):  # compile_layers=True: the decoder layers through torch.compile
         hidden, take = response_hidden_states(backbone, input_ids, attention_mask, position_ids, resp_len,
-                                              remove_padding)
+                                              remove_padding, shared_prefix)
     valid = attention_mask[:, -resp_len:][:, :take].bool()  # [B, take]
     labels = responses[:, :take][valid]  # [T]
     fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731
@@ -226,6 +239,12 @@ def _tensors(data: Any) -> dict[str, torch.Tensor]:
     return {k: data[k] for k in keys}
 
 
+def _prompt_key(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[N, P]`` prompt token ids with padding as -1: equal rows share a prompt."""
+    prompt_len = tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
+    return prompt_key(tensors["input_ids"], tensors["attention_mask"], prompt_len)
+
+
 def compute_response_logprobs(
     model: nn.Module,
     data: Any,
@@ -237,21 +256,21 @@ def compute_response_logprobs(
     max_token_len: int | None = None,
     autocast: Any = None,
     remove_padding: bool = False,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[N, R]`` (and entropy ``[N, R]`` or None) of ``data['responses']`` under ``model``.
 
     data: a ``Batch`` or mapping with ``input_ids``, ``attention_mask``, ``position_ids`` ``[N, P+R]``
     and ``responses`` ``[N, R]``. Runs in micro-batches of ``micro_batch_size`` rows (or by
     ``max_token_len`` tokens with ``use_dynamic_bsz``), padding-free with ``remove_padding``,
-    inside the ``autocast`` context-manager factory when given, without gradients. Logits are
+    each distinct prompt encoded once with ``shared_prefix`` (its rows kept in one micro-batch), inside the ``autocast`` context-manager factory when given, without gradients. Logits are
     divided by ``temperature``. Results are on ``data``'s device.
     """
     tensors = _tensors(data)
     device = next(model.parameters()).device
     n, resp_len = tensors["responses"].shape
-    groups = micro_batch_indices(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len,
-                                 sort_by_length=True)
-    groups = split_for_padding(tensors["attention_mask"], groups)
+    groups = forward_micro_batches(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len,
+                                   _prompt_key(tensors) if shared_prefix else None)
     # under FSDP each forward is a collective: every rank runs the same number (padding ones are dropped)
     plan = equal_micro_batch_count(groups) if is_sharded(model) else [(g, False) for g in groups]
     out_device = tensors["responses"].device
@@ -264,7 +283,7 @@ def compute_response_logprobs(
             mb = _stand_in_row(tensors) if not idx.numel() else {k: v[idx.to(v.device)] for k, v in tensors.items()}
             mb = {k: v.to(device) for k, v in mb.items()}
             lp, ent = response_logprobs(model, **mb, temperature=temperature, calculate_entropy=calculate_entropy,
-                                        remove_padding=remove_padding)
+                                        remove_padding=remove_padding, shared_prefix=shared_prefix)
             if padding:
                 continue
             log_probs[idx.to(out_device)] = lp.to(out_device)

@@ -12,7 +12,7 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding",
+__all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding", "forward_micro_batches",
            "MicroBatch", "equal_micro_batch_count", "is_sharded", "zero_loss_weight"]
 
 MIN_PIECE_TOKENS = 1024
@@ -117,6 +117,38 @@ def split_for_padding(attention_mask: torch.Tensor, groups: list[torch.Tensor],
                 best, best_cost = [p.to(group.device) for p in pieces], cost
         out.extend(best)
     return out
+
+
+def forward_micro_batches(attention_mask: torch.Tensor, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
+                          max_token_len: int | None = None, prompts: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Row-index groups for the forwards of a batch: rows of similar length together, pieces split
+    where that computes less padding (:func:`split_for_padding`).
+
+    ``prompts`` (``[N, P]`` ids, -1 at padding) asks for rows of one prompt to share a micro-batch
+    (the shared-prefix forward encodes each distinct prompt once per micro-batch): whole prompts are
+    packed into micro-batches of at most ``micro_batch_size`` rows, a prompt with more rows than that
+    split. With ``use_dynamic_bsz`` the token budget decides as usual (exact either way; fewer
+    prompts are shared).
+    """
+    if prompts is None or use_dynamic_bsz:
+        groups = micro_batch_indices(attention_mask, micro_batch_size, use_dynamic_bsz, max_token_len,
+                                     sort_by_length=True)
+        return split_for_padding(attention_mask, groups)
+    size = micro_batch_size or attention_mask.shape[0]
+    if size <= 0:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    _, group = torch.unique(prompts.cpu(), dim=0, return_inverse=True)
+    by_prompt = torch.sort(group, stable=True).indices.split(torch.bincount(group).tolist())
+    out: list[list[int]] = [[]]
+    for rows in by_prompt:
+        rows = rows.tolist()
+        if len(out[-1]) + len(rows) > size and out[-1]:
+            out.append([])
+        while len(rows) > size:  # one prompt with more rows than a micro-batch holds
+            out[-1], rows = rows[:size], rows[size:]
+            out.append([])
+        out[-1].extend(rows)
+    return [torch.tensor(rows, dtype=torch.long) for rows in out if rows]
 
 
 class MicroBatch(NamedTuple):

@@ -152,7 +152,7 @@ class ActorWorker:
             self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, cfg),
             calculate_entropy, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
             max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
-            remove_padding=bool(self.config.use_remove_padding),
+            remove_padding=bool(self.config.use_remove_padding), shared_prefix=bool(self.config.use_prefix_grouper),
         )
 
     def compute_ref_log_prob(self, batch: Any, ref_config: Any) -> torch.Tensor:
@@ -169,7 +169,8 @@ class ActorWorker:
                 _temperature(batch, self.rollout_config), False,
                 use_dynamic_bsz=bool(ref_config.log_prob_use_dynamic_bsz),
                 max_token_len=ref_config.log_prob_max_token_len_per_gpu, autocast=self.autocast,
-                remove_padding=bool(self.config.use_remove_padding))
+                remove_padding=bool(self.config.use_remove_padding),
+                shared_prefix=bool(ref_config.use_prefix_grouper))
         return log_probs
 
     # ------------------------------------------------------------------ update
@@ -181,7 +182,7 @@ class ActorWorker:
             log_prob, entropy = response_logprobs(
                 self.module, *(mb[k] for k in _LOGPROB_KEYS), temperature=temperature,
                 calculate_entropy=True, entropy_grad=cfg.entropy_coeff != 0,
-                remove_padding=bool(cfg.use_remove_padding))
+                remove_padding=bool(cfg.use_remove_padding), shared_prefix=bool(cfg.use_prefix_grouper))
         pg_loss, pg_metrics = self.policy_loss_fn(
             old_log_prob=mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob=log_prob, advantages=mb["advantages"],
             response_mask=mask, loss_agg_mode=mode, config=ConfigWithBatchInfo(cfg, info),
@@ -232,7 +233,7 @@ class ActorWorker:
         step = functools.partial(self._micro_step, temperature=temperature)
         metrics = ppo_update(data, cfg, micro_step=step, module=self.module, optimizer=self.optimizer,
                              lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device,
-                             prefix="actor")
+                             prefix="actor", shared_prefix=bool(cfg.use_prefix_grouper))
         self.weights_version += 1
         if cfg.use_kl_loss:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
@@ -316,7 +317,7 @@ class RefWorker:
             self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
             False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
             max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
-            remove_padding=self.remove_padding,
+            remove_padding=self.remove_padding, shared_prefix=bool(cfg.use_prefix_grouper),
         )
         return log_probs
 

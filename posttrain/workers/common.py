@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.models.microbatch import micro_batch_indices, split_for_padding
+from posttrain.models.microbatch import forward_micro_batches
+from posttrain.models.shared_prefix import prompt_key
 
 __all__ = [
     "ConfigWithBatchInfo",
@@ -56,12 +57,17 @@ def mini_batch_indices(num_rows: int, mini_batch_size: int, shuffle: bool, gener
 
 
 def micro_batches(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, micro_batch_size, use_dynamic_bsz,
-                  max_token_len) -> list[torch.Tensor]:
+                  max_token_len, shared_prefix: bool = False) -> list[torch.Tensor]:
     """Row indices (into the full batch) of each micro-batch of the mini-batch ``idx``: rows of similar
-    length together (less padding computed; the accumulated gradient does not depend on the split)."""
-    mask = tensors["attention_mask"][idx.to(tensors["attention_mask"].device)]
-    groups = micro_batch_indices(mask, micro_batch_size, use_dynamic_bsz, max_token_len, sort_by_length=True)
-    groups = split_for_padding(mask, groups)
+    length together (less padding computed; the accumulated gradient does not depend on the split),
+    or with ``shared_prefix`` rows of one prompt together (`forward_micro_batches`)."""
+    rows = idx.to(tensors["attention_mask"].device)
+    mask = tensors["attention_mask"][rows]
+    prompts = None
+    if shared_prefix:
+        prompt_len = mask.shape[1] - tensors["responses"].shape[1]
+        prompts = prompt_key(tensors["input_ids"][rows], mask, prompt_len)
+    groups = forward_micro_batches(mask, micro_batch_size, use_dynamic_bsz, max_token_len, prompts)
     return [idx[g] for g in groups]
 
 

@@ -26,12 +26,13 @@ MicroStep = Callable[[dict, dict, MetricMeter], torch.Tensor]
 
 def ppo_update(data: dict[str, torch.Tensor], cfg: Any, *, micro_step: MicroStep, module: torch.nn.Module,
                optimizer: torch.optim.Optimizer, lr_scheduler: Any, generator: torch.Generator,
-               device: torch.device, prefix: str) -> dict[str, float]:
+               device: torch.device, prefix: str, shared_prefix: bool = False) -> dict[str, float]:
     """Run the update on ``data`` (this rank's rows, ``response_mask`` included); returns metrics.
 
     cfg: the role's section with ``ppo_epochs``, ``ppo_mini_batch_size`` (responses per rank),
     ``shuffle``, ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``
-    and ``grad_clip``. ``prefix`` names the metrics (``actor`` / ``critic``). The lr schedule advances
+    and ``grad_clip``. ``prefix`` names the metrics (``actor`` / ``critic``). ``shared_prefix`` keeps
+    the rows of one prompt in one micro-batch (the actor's ``use_prefix_grouper``). The lr schedule advances
     once per call, after the metrics read the rate that was used.
     """
     meter = MetricMeter()
@@ -42,7 +43,7 @@ def ppo_update(data: dict[str, torch.Tensor], cfg: Any, *, micro_step: MicroStep
             optimizer.zero_grad(set_to_none=True)
             finite = True
             groups = micro_batches(data, mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                   cfg.ppo_max_token_len_per_gpu)
+                                   cfg.ppo_max_token_len_per_gpu, shared_prefix)
             for mb in equal_micro_batch_count(groups):  # FSDP: every rank runs as many forwards/backwards
                 rows = select_rows(data, mb.rows, device)
                 loss = micro_step(zero_loss_weight(rows) if mb.padding else rows, info, meter)

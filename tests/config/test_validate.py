@@ -86,6 +86,14 @@ def test_compiled_layers_on_several_ranks_are_refused_naming_the_key():
     load_config(overrides=BASE + ["actor_rollout_ref.model.compile_layers=True"])  # one rank: fine
 
 
+def test_prefix_grouper_with_remove_padding_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"use_prefix_grouper=True and actor_rollout_ref.model.use_remove_padding=True"):
+        load_config(overrides=BASE + ["actor_rollout_ref.actor.use_prefix_grouper=True",
+                                      "actor_rollout_ref.model.use_remove_padding=True"])
+    cfg = load_config(overrides=BASE + ["actor_rollout_ref.actor.use_prefix_grouper=True"])
+    assert cfg.actor_rollout_ref.ref.use_prefix_grouper is True  # the reference follows the actor
+
+
 def test_value_ranges_are_checked_for_every_numeric_key():
     """Generic ranges (issue 12): counts >= 1, other numbers >= 0, fractions in [0, 1], verl's -1
     sentinels kept; a key that follows another is reported once, under the key the user set."""

@@ -85,7 +85,8 @@ def tiny_worker_configs(
         log_prob_max_token_len_per_gpu=4096)
     ref = RefConfig(strategy="fsdp", use_torch_compile=False, log_prob_micro_batch_size_per_gpu=micro_batch_size,
                     log_prob_use_dynamic_bsz=False, log_prob_max_token_len_per_gpu=4096,
-                    ulysses_sequence_parallel_size=1, fsdp_config=ref_fsdp)
+                    ulysses_sequence_parallel_size=1, fsdp_config=ref_fsdp,
+                    use_prefix_grouper=bool(actor_kw.get("use_prefix_grouper", False)))
     critic_kw = dict(
         rollout_n=n, ppo_mini_batch_size=mini_batch_size, ppo_micro_batch_size_per_gpu=micro_batch_size,
         use_dynamic_bsz=False, forward_max_token_len_per_gpu=4096, ppo_epochs=1, shuffle=False,

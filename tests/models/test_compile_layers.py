@@ -32,9 +32,10 @@ def _batch(tok, prompt_len: int, resp_len: int, seed: int):
     return ids, mask, pos, ids[:, prompt_len:]
 
 
-def _logprobs_and_grads(model, batch, remove_padding=False):
+def _logprobs_and_grads(model, batch, remove_padding=False, shared_prefix=False):
     model.zero_grad(set_to_none=True)
-    lp, ent = response_logprobs(model, *batch, temperature=0.7, calculate_entropy=True, remove_padding=remove_padding)
+    lp, ent = response_logprobs(model, *batch, temperature=0.7, calculate_entropy=True, remove_padding=remove_padding,
+                                shared_prefix=shared_prefix)
     (lp.sum() + 0.1 * ent.sum()).backward()
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -78,10 +79,22 @@ def test_compiled_layers_equal_eager_and_compile_once_per_mode(tok):
     assert _graphs() == before
 
 
-@pytest.mark.parametrize("variant", ["packed", "gradient_checkpointing", "lora"])
+def _shared_prompt_batch(tok, prompt_len: int, resp_len: int, seed: int):
+    """Two prompts with two responses each (the shared-prefix layout pays off)."""
+    ids, mask, pos, _ = _batch(tok, prompt_len, resp_len, seed)
+    rows = torch.tensor([0, 0, 2, 2])
+    ids, mask = ids[rows].clone(), mask[rows].clone()
+    ids[1, prompt_len:] = ids[1, prompt_len:].flip(0)
+    ids[3, prompt_len:] = ids[3, prompt_len:].roll(1)
+    pos = torch.clamp(mask.cumsum(-1) - 1, min=0)
+    return ids, mask, pos, ids[:, prompt_len:]
+
+
+@pytest.mark.parametrize("variant", ["packed", "gradient_checkpointing", "lora", "shared_prefix"])
 def test_compiled_layers_equal_eager_with_other_features(tok, variant):
     """use_remove_padding (one packed row), activation checkpointing (recomputed through the compiled
-    layer), LoRA adapters (peft layers inside the compiled layer, non-zero so they matter)."""
+    layer), LoRA adapters (peft layers inside the compiled layer, non-zero so they matter), the
+    shared-prefix layout (a [G, 1, L, L] mask into the compiled layer)."""
     model = tiny_llama(tok)
     if variant == "gradient_checkpointing":
         enable_activation_checkpointing(model.train())
@@ -91,11 +104,12 @@ def test_compiled_layers_equal_eager_with_other_features(tok, variant):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.1)
-    packed = variant == "packed"
-    batches = [_batch(tok, 5, 4, 0), _batch(tok, 7, 6, 1)]
-    want = [_logprobs_and_grads(model, b, packed) for b in batches]
+    packed, shared = variant == "packed", variant == "shared_prefix"
+    make = _shared_prompt_batch if shared else _batch
+    batches = [make(tok, 5, 4, 0), make(tok, 7, 6, 1)]
+    want = [_logprobs_and_grads(model, b, packed, shared) for b in batches]
     enable_layer_compile(model)
-    got = [_logprobs_and_grads(model, b, packed) for b in batches]
+    got = [_logprobs_and_grads(model, b, packed, shared) for b in batches]
     for (lp, _, grads), (lp_c, _, grads_c) in zip(want, got):
         torch.testing.assert_close(lp_c, lp, rtol=1e-5, atol=1e-5)
         assert grads_c.keys() == grads.keys()

@@ -1,0 +1,144 @@
+"""Shared-prompt forward (verl's ``actor.use_prefix_grouper``): each distinct prompt of a micro-batch
+is encoded once, and all of its responses attend to that one copy.
+
+GRPO, RLOO and their relatives sample ``n`` responses per prompt, so the plain forward encodes
+every prompt ``n`` times. Here the rows of a micro-batch that share a prompt (same tokens, mask and
+positions) become one sequence::
+
+    [ prompt | response slot 0 | response slot 1 | ... ]      one row per distinct prompt
+
+with a ``[G, 1, L, L]`` boolean mask: prompt tokens attend causally to the prompt; a response
+token attends to the whole prompt and causally to its own slot, never to a sibling's. Positions
+are the rows' own (each response continues its prompt's positions), so every hidden state that
+predicts a response token is the plain forward's, up to float rounding: the same math on fewer
+tokens (``G * (P + k * R)`` instead of ``G * k * (P + R)``). The mask is dense, so attention pays
+``L^2`` pairs per distinct prompt: with long responses and many samples that costs more than the
+prompt copies save, and :func:`build_layout` then returns None (the caller runs the plain forward).
+
+Measured (SmolLM2-135M shape, bf16 autocast, 8 prompts of 75 tokens x 4 responses of 32, one
+forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["SharedPrefixLayout", "build_layout", "prompt_groups", "prompt_key", "shared_prefix_hidden_states"]
+
+_FLOP_PER_PAIR_OVER_HIDDEN = 6
+"""Cost model of one forward, in units of one attention pair: a token through the linear layers is
+~24 H^2 FLOP (Llama-like: 4 H^2 attention projections, ~8 H^2 MLP, times 2), a query-key pair
+~4 H (scores and weighted values), so one token costs ~6 H pairs."""
+
+
+@dataclass
+class SharedPrefixLayout:
+    """The grouped forward of one micro-batch of ``B`` rows with ``G`` distinct prompts.
+
+    input_ids, position_ids: ``[G, L]``; mask: ``[G, 1, L, L]`` bool (True = attend).
+    group: ``[B]`` the layout row of each input row. predict_cols: ``[B, take]`` the layout columns
+    whose hidden states predict response tokens ``0..take-1`` of each input row.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+    group: torch.Tensor
+    predict_cols: torch.Tensor
+
+
+def prompt_key(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """``[B, P]`` prompt token ids with -1 at padding: rows with equal keys ask the same prompt."""
+    return torch.where(attention_mask[:, :prompt_len].bool(), input_ids[:, :prompt_len], -1)
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                  prompt_len: int) -> tuple[torch.Tensor, int]:
+    """``(group [B], G)``: rows with identical prompt tokens, mask and positions share a group id."""
+    valid = attention_mask[:, :prompt_len].bool()
+    key = torch.cat([prompt_key(input_ids, attention_mask, prompt_len),
+                     torch.where(valid, position_ids[:, :prompt_len], -1)], dim=1)
+    uniq, group = torch.unique(key, dim=0, return_inverse=True)
+    return group, uniq.shape[0]
+
+
+def _slots(group: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot [B], first_row [G])``: each row's rank among its group's rows (in row order) and each
+    group's first row."""
+    rows = group.shape[0]
+    order = torch.sort(group, stable=True).indices
+    counts = torch.bincount(group, minlength=num_groups)
+    start = counts.cumsum(0) - counts
+    slot = torch.empty_like(group)
+    slot[order] = torch.arange(rows, device=group.device) - start[group[order]]
+    return slot, order[start]
+
+
+def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 response_length: int, hidden_size: int) -> SharedPrefixLayout | None:
+    """The grouped layout of ``[B, P + R]`` rows (prompt left-padded, response right-padded), or None
+    when it would not be cheaper than the plain ``[B, P + R]`` forward (see the module docstring)."""
+    rows, seq_len = input_ids.shape
+    prompt_len = seq_len - response_length
+    group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, prompt_len)
+    slot, first = _slots(group, num_groups)
+    per_group = int(torch.bincount(group).max())
+    width = prompt_len + per_group * response_length
+    shared = num_groups * width * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + width)
+    plain = rows * seq_len * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len)
+    if shared >= plain:
+        return None
+    device = input_ids.device
+    resp_cols = prompt_len + slot[:, None] * response_length + torch.arange(response_length, device=device)  # [B, R]
+    ids = input_ids.new_zeros(num_groups, width)
+    pos = position_ids.new_zeros(num_groups, width)
+    valid = torch.zeros(num_groups, width, dtype=torch.bool, device=device)
+    ids[:, :prompt_len] = input_ids[first, :prompt_len]
+    pos[:, :prompt_len] = position_ids[first, :prompt_len]
+    valid[:, :prompt_len] = attention_mask[first, :prompt_len].bool()
+    rows_of = group[:, None].expand_as(resp_cols)
+    ids[rows_of, resp_cols] = input_ids[:, prompt_len:]
+    pos[rows_of, resp_cols] = position_ids[:, prompt_len:]
+    valid[rows_of, resp_cols] = attention_mask[:, prompt_len:].bool()
+    cols = torch.arange(width, device=device)
+    segment = torch.where(cols < prompt_len, -1, (cols - prompt_len) // max(response_length, 1))  # -1: prompt
+    same_or_prompt = (segment[:, None] == segment[None, :]) | (segment[None, :] == -1)  # [q, k]
+    attend = same_or_prompt & (cols[:, None] >= cols[None, :])
+    # every query keeps its own position (a padding query with nothing to attend to would give NaN
+    # under sdpa, and NaN times a zero gradient is still NaN in backward); valid queries never see padding
+    mask = (attend[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
+    predict = torch.cat([torch.full((rows, 1), prompt_len - 1, device=device), resp_cols[:, :-1]], dim=1)
+    return SharedPrefixLayout(ids, pos, mask[:, None], group, predict)
+
+
+def _mask_for(backbone: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
+    """The layout's mask in the form the backbone's attention takes: boolean for sdpa (and posttrain's
+    CPU sdpa), additive float32 for eager (which adds it to the scores); None for kernels that take no
+    dense mask (flash attention): the caller then runs the plain forward."""
+    from posttrain.models.attention import ATTN_NAME
+
+    impl = getattr(backbone.config, "_attn_implementation", None)
+    if impl in ("sdpa", ATTN_NAME):
+        return mask
+    if impl == "eager":
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)
+    return None
+
+
+def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                position_ids: torch.Tensor, response_length: int) -> torch.Tensor | None:
+    """Hidden states ``[B, R, H]`` that predict the ``R`` response tokens of ``[B, P + R]`` rows
+    (``[:, j]`` predicts response token ``j``), computed on the grouped layout; None when the plain
+    forward is cheaper or the attention kernel takes no dense mask. Callers pass the column window
+    they would run (no all-padding columns)."""
+    layout = build_layout(input_ids, attention_mask, position_ids, response_length,
+                          int(getattr(backbone.config, "hidden_size", 0) or 0))
+    mask = _mask_for(backbone, layout.mask) if layout is not None else None
+    if mask is None:
+        return None
+    out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False)
+    return out.last_hidden_state[layout.group[:, None], layout.predict_cols]

@@ -1,0 +1,185 @@
+"""use_prefix_grouper: each distinct prompt encoded once for all its responses. Compared in float64
+with the plain forward on the same weights (the reference: every row encodes its own prompt):
+log-probs, entropies and every gradient; then the micro-batch grouping and the trainer wiring.
+
+transformers' Llama RMSNorm computes in float32 whatever the model's dtype, so a float64 model still
+rounds there: the gradient reaching a shared prompt token is summed over its responses *before*
+that float32 step, and over rows *after* it in the plain forward (a 1e-7 relative difference, more
+where terms cancel). The float64 comparisons swap in a float64 RMSNorm to compare the layouts alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.tiny_models import tiny_llama
+from helpers.tokenizer import build_tiny_tokenizer
+from posttrain.models import response_logprobs
+from posttrain.models import shared_prefix as sp
+from posttrain.models.microbatch import forward_micro_batches
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def float64_norm(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+
+
+def _grouped_batch(prompt_len=12, resp_len=5, sizes=(4, 3, 1), seed=0):
+    """Rows of ``len(sizes)`` prompts (``sizes[g]`` responses each), shuffled; prompts left-padded by
+    different amounts, responses ending at different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for k, size in enumerate(sizes):
+        prompt = torch.randint(6, 40, (prompt_len,), generator=g)
+        pad = 2 * k  # each prompt its own left padding
+        for _ in range(size):
+            resp = torch.randint(6, 40, (resp_len,), generator=g)
+            mask = torch.ones(prompt_len + resp_len, dtype=torch.long)
+            mask[:pad] = 0
+            mask[prompt_len + int(torch.randint(1, resp_len + 1, (1,), generator=g)):] = 0
+            rows.append((torch.cat([prompt, resp]), mask))
+    order = torch.randperm(len(rows), generator=g)
+    ids = torch.stack([rows[i][0] for i in order])
+    mask = torch.stack([rows[i][1] for i in order])
+    pos = torch.clamp(mask.cumsum(-1) - 1, min=0)
+    return ids, mask, pos, ids[:, prompt_len:]
+
+
+def _run(model, batch, shared):
+    model.zero_grad(set_to_none=True)
+    lp, ent = response_logprobs(model, *batch, temperature=0.7, calculate_entropy=True, shared_prefix=shared)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _spy(monkeypatch) -> list:
+    """Record what `build_layout` returned (a layout, or None when the plain forward ran)."""
+    seen, real = [], sp.build_layout
+    monkeypatch.setattr(sp, "build_layout", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    return seen
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prefix_equals_plain_forward(tok, monkeypatch, float64_norm, attention):
+    """sdpa takes the layout's boolean mask, in float64; eager an additive one, in float32 (its softmax
+    runs in float32, and in a float64 model transformers' own padded eager forward gives NaN)."""
+    model = tiny_llama(tok, attn_implementation=attention)
+    if attention == "sdpa":
+        model, tol = model.double(), dict(rtol=1e-12, atol=1e-12)
+    else:
+        tol = dict(rtol=1e-4, atol=1e-5)
+    batch = _grouped_batch()
+    want = _run(model, batch, shared=False)
+    seen = _spy(monkeypatch)
+    got = _run(model, batch, shared=True)
+    assert len(seen) == 1 and seen[0] is not None and seen[0].input_ids.shape[0] == 3  # 3 prompts, encoded once
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, **tol, msg=name)
+
+
+def test_shared_prefix_under_bf16_autocast_uses_the_cpu_attention(tok, monkeypatch):
+    """bf16 autocast on CPU attends with posttrain's matmul attention, which must honour the 4D mask."""
+    from posttrain.models import attention as attn
+
+    calls, real = [], attn.matmul_attention
+    monkeypatch.setattr(attn, "matmul_attention", lambda *a, **k: calls.append(a[4].shape) or real(*a, **k))
+    model = tiny_llama(tok)
+    batch = _grouped_batch()
+    with torch.no_grad():
+        want = response_logprobs(model, *batch)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = response_logprobs(model, *batch)[0]
+            calls.clear()
+            got = response_logprobs(model, *batch, shared_prefix=True)[0]
+    assert calls and all(len(shape) == 4 and shape[-1] == shape[-2] for shape in calls)  # the layout's [G,1,L,L]
+    # as close to the float32 result as the plain bf16 forward is
+    assert (got - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3
+
+
+def test_kernels_without_a_dense_mask_run_the_plain_forward(tok, monkeypatch):
+    model = tiny_llama(tok)
+    model.config._attn_implementation = "flash_attention_2"
+    assert sp.shared_prefix_hidden_states(model.model, *_grouped_batch()[:3], 5) is None
+
+
+def test_responses_never_see_their_siblings(tok, float64_norm):
+    """Negative control: the same layout with sibling slots visible to each other changes the hidden
+    states, so the equality above depends on the mask keeping them apart."""
+    model = tiny_llama(tok).double()
+    ids, mask, pos, resp = _grouped_batch()
+    layout = sp.build_layout(ids, mask, pos, resp.shape[1], model.config.hidden_size)
+    width = layout.input_ids.shape[1]
+    leaky = layout.mask | torch.ones(width, width, dtype=torch.bool).tril()  # causal over all slots
+    with torch.no_grad():
+        run = lambda m: model.model(input_ids=layout.input_ids, attention_mask=m, position_ids=layout.position_ids,  # noqa: E731
+                                    use_cache=False).last_hidden_state[layout.group[:, None], layout.predict_cols]
+        kept, leaked = run(layout.mask), run(leaky)
+    valid = mask[:, -resp.shape[1]:].bool()
+    assert (kept - leaked)[valid].abs().max() > 1e-3
+
+
+def test_plain_forward_when_grouping_costs_more(tok, monkeypatch, float64_norm):
+    """All prompts distinct, or long responses with a short prompt: the grouped layout would compute
+    more, so the plain forward runs (and gives the same numbers)."""
+    model = tiny_llama(tok).double()
+    seen = _spy(monkeypatch)
+    distinct = _grouped_batch(sizes=(1, 1, 1))
+    long_answers = _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 2))
+    for batch in (distinct, long_answers):
+        with torch.no_grad():
+            want = response_logprobs(model, *batch, shared_prefix=False)[0]
+            got = response_logprobs(model, *batch, shared_prefix=True)[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert seen == [None, None]
+
+
+def test_same_tokens_at_other_positions_are_not_shared():
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 9]])
+    mask = torch.ones_like(ids)
+    pos = torch.tensor([[0, 1, 2, 3], [3, 4, 5, 6]])
+    group, count = sp.prompt_groups(ids, mask, pos, prompt_len=3)
+    assert count == 2 and group[0] != group[1]
+    group, count = sp.prompt_groups(ids, mask, torch.tensor([[0, 1, 2, 3]] * 2), prompt_len=3)
+    assert count == 1
+
+
+def test_micro_batches_keep_a_prompts_rows_together():
+    prompts = torch.tensor([[1, 2], [3, 4], [1, 2], [3, 4], [-1, 5], [1, 2]])
+    mask = torch.ones(6, 5, dtype=torch.long)
+    groups = forward_micro_batches(mask, 3, prompts=prompts)
+    assert sorted(sorted(g.tolist()) for g in groups) == [[0, 2, 5], [1, 3], [4]]  # whole prompts, <= 3 rows
+    groups = forward_micro_batches(mask, 2, prompts=prompts)  # a prompt with more rows than fit: split
+    assert max(len(g) for g in groups) == 2 and sorted(torch.cat(groups).tolist()) == list(range(6))
+    assert [sorted(g.tolist()) for g in groups if 1 in g.tolist()] == [[1, 3]]
+
+
+def test_tiny_grpo_run_with_prefix_grouper_equals_plain_run(tmp_path, monkeypatch):
+    """The key reaches the old-log-prob, reference and update forwards; step 1 (same weights, same
+    samples) has the plain run's losses and the engine's log-probs agree with the grouped scorer."""
+    from helpers.tiny_run import tiny_trainer
+
+    common = ["actor_rollout_ref.actor.use_kl_loss=True", "trainer.total_training_steps=2",
+              "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_epochs=2"]
+    plain = tiny_trainer(tmp_path / "plain", common)
+    grouped = tiny_trainer(tmp_path / "grouped", common + ["actor_rollout_ref.actor.use_prefix_grouper=True"])
+    want = plain.fit()
+    seen = _spy(monkeypatch)
+    got = grouped.fit()
+    assert any(layout is not None for layout in seen)  # prompts were shared in the real run
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        assert got[0][key] == pytest.approx(want[0][key], rel=1e-4, abs=1e-6), key
+    assert max(row["training/rollout_actor_probs_diff_max"] for row in got) < 1e-4
