@@ -6,6 +6,8 @@
     python benchmarks/bench_step.py --lora 32 --skip-trl     # the same work with LoRA (rank 32, all-linear)
     python benchmarks/bench_step.py --precisions bf16,bf16+compile --trl-precisions bf16
                                     # +compile: actor_rollout_ref.model.compile_layers=True (torch.compile)
+    python benchmarks/bench_step.py --precisions bf16+prefix+compile --trl-precisions bf16
+                                    # +prefix: actor_rollout_ref.actor.use_prefix_grouper=True
 
 The work (the issue's comparison size): the built-in config's model and task (SmolLM2-135M-Instruct,
 the arithmetic task), 8 prompts x 4 samples = 32 responses of up to 32 new tokens, GRPO with a KL
@@ -37,7 +39,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
 # OpenMP threads sleep at barriers instead of spinning (set before torch loads). On a 2-core machine
 # shared with other jobs, spinning threads wait on descheduled peers: measured 15x slower generation
 # (55 s vs 3.8 s for the same rollout). Both posttrain and TRL run in this process with the same
@@ -107,20 +108,32 @@ def model_param_counts(model) -> dict[str, int]:
     return {"total": total, "head": head, "body": body}
 
 
-def _step_stats(batch, params: dict[str, int]) -> dict[str, float]:
+def _step_stats(batch, params: dict[str, int], shared_prefix: bool = False) -> dict[str, float]:
+    """Tokens and forward FLOP of one step's batch. ``fwd_flops``: what the forwards compute, each
+    distinct prompt once with ``shared_prefix`` (all rows of a prompt share a micro-batch here: one
+    micro-batch holds the whole batch); ``plain_fwd_flops``: every row's prompt, the work itself."""
     mask = batch["attention_mask"]
     resp = batch["response_mask"]
     all_tokens = float(mask.sum())
     resp_tokens = float(resp.sum())
-    fwd = 2.0 * (params["body"] * all_tokens + params["head"] * resp_tokens)  # one forward of the batch
-    return {"all_tokens": all_tokens, "response_tokens": resp_tokens,
+    prompt_rows = mask[:, : -resp.shape[1]].sum(-1)
+    if shared_prefix:  # one row per uid (rows of a uid carry the same prompt)
+        import numpy as np
+
+        _, first = np.unique(batch.non_tensor_batch["uid"], return_index=True)
+        prompt_rows = prompt_rows[first.tolist()]
+    computed = float(prompt_rows.sum()) + resp_tokens
+    plain = 2.0 * (params["body"] * all_tokens + params["head"] * resp_tokens)  # one forward of the batch
+    return {"all_tokens": all_tokens, "response_tokens": resp_tokens, "computed_tokens": computed,
             "prompt_tokens": float(mask[:, : -resp.shape[1]].sum()),
-            "padded_tokens": float(mask.numel()), "fwd_flops": fwd,
+            "padded_tokens": float(mask.numel()), "plain_fwd_flops": plain,
+            "fwd_flops": 2.0 * (params["body"] * computed + params["head"] * resp_tokens),
             "naive_6NT": 6.0 * params["total"] * all_tokens}
 
 
-_VARIANTS = {"": [], "compile": ["actor_rollout_ref.model.compile_layers=True"]}
-"""``--precisions`` entries are ``DTYPE`` or ``DTYPE+VARIANT``; a variant adds these overrides."""
+_VARIANTS = {"compile": ["actor_rollout_ref.model.compile_layers=True"],
+             "prefix": ["actor_rollout_ref.actor.use_prefix_grouper=True"]}
+"""``--precisions`` entries are ``DTYPE`` or ``DTYPE+VARIANT[+VARIANT]``; a variant adds these overrides."""
 
 
 def run_posttrain(precision: str, steps: int, extra: list[str] = (), log=print) -> dict[str, Any]:
@@ -128,10 +141,12 @@ def run_posttrain(precision: str, steps: int, extra: list[str] = (), log=print) 
 
     from posttrain.trainer.trainer import RLTrainer
 
-    dtype, _, variant = precision.partition("+")
-    if variant not in _VARIANTS:
-        raise SystemExit(f"--precisions: unknown variant {variant!r} in {precision!r}; known: {sorted(_VARIANTS)}")
-    config, overrides = build_config(dtype, steps, [*_VARIANTS[variant], *extra])
+    dtype, *variants = precision.split("+")
+    unknown = [v for v in variants if v not in _VARIANTS]
+    if unknown:
+        raise SystemExit(f"--precisions: unknown variant {unknown[0]!r} in {precision!r}; known: {sorted(_VARIANTS)}")
+    config, overrides = build_config(dtype, steps, [o for v in variants for o in _VARIANTS[v]] + list(extra))
+    shared_prefix = bool(config.actor_rollout_ref.actor.use_prefix_grouper)
     t0 = time.perf_counter()
     trainer = RLTrainer(config)
     load_s = time.perf_counter() - t0
@@ -146,7 +161,7 @@ def run_posttrain(precision: str, steps: int, extra: list[str] = (), log=print) 
         c0 = time.process_time()
         m = trainer.train_step(trainer.data.train_loader.next_batch())
         cpu = time.process_time() - c0
-        st = _step_stats(trainer.last_batch, params)
+        st = _step_stats(trainer.last_batch, params, shared_prefix)
         row = {k: m.get(f"timing_s/{k}", 0.0) for k in PHASES}
         row.update(st)
         row["cpu_s"] = cpu
@@ -247,7 +262,7 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"{'  ' + k + ' s':24}" + "".join(f"{p['mean'][k]:24.2f}" for p in pts))
         lines.append(f"{'gen tokens/s':24}" + "".join(f"{p['gen_tokens_per_s']:24.1f}" for p in pts))
         lines.append(f"{'train tokens/s':24}" + "".join(f"{p['train_tokens_per_s']:24.1f}" for p in pts))
-        lines.append(f"{'train GFLOP/s':24}" + "".join(f"{p['train_flops'] / 1e9:24.1f}" for p in pts))
+        lines.append(f"{'train GFLOP/s computed':24}" + "".join(f"{p['train_flops'] / 1e9:24.1f}" for p in pts))
         lines.append(f"{'  / bf16 matmul rate':24}" + "".join(f"{p['train_flops'] / rates['bf16']:24.1%}" for p in pts))
         lines.append(f"{'  / fp32 matmul rate':24}" + "".join(f"{p['train_flops'] / rates['fp32']:24.1%}" for p in pts))
         lines.append(f"{'  / own-dtype rate':24}" + "".join(

@@ -4,7 +4,7 @@ Most of a CPU training step that is not matmul is memory-bound elementwise work:
 embeddings, SiLU x up-projection, residual adds, autocast's casts, each a separate pass over the
 activations. Inductor fuses them per decoder layer. Measured on SmolLM2-135M (bf16 autocast, 2
 cores, 32 rows x ~107 tokens, alternating in one process): the log-prob forward 2.33 -> 1.75 s and
-forward + backward 6.98 -> 5.91 s; in the trainer's steps (``benchmarks/bench_compile.py``) the
+forward + backward 6.98 -> 5.91 s; in the trainer's steps (``benchmarks/bench_ab.py``) the
 update 1.35-1.5x and the reference pass 1.3-1.45x faster. The first compilation takes ~50 s on the
 first step (cached on disk by inductor: ~7 s on later runs).
 
