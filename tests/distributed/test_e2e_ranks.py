@@ -95,7 +95,8 @@ def test_exported_weights_equal_one_process(one_process_ppo, two_rank_ppo):
 def test_grpo_on_replayed_samples_equals_one_process(tmp_path_factory, ray_cluster):
     """GRPO with sampled responses: the one-process run records its rollouts, the 2-rank run replays
     them (the ranks' own sampling streams differ from one process's), so rewards, group advantages,
-    losses and gradient norms must be equal."""
+    losses and gradient norms must be equal. The ranks also encode each prompt once
+    (use_prefix_grouper), the one process every row's own copy: the same numbers either way."""
     from posttrain.trainer.trainer import RLTrainer
 
     grpo = ["actor_rollout_ref.rollout.n=4", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -106,7 +107,8 @@ def test_grpo_on_replayed_samples_equals_one_process(tmp_path_factory, ray_clust
     one.workers.generate_sequences = lambda prompts, validate=False: recorded.append(generate(prompts)) or recorded[-1]
     one.reward_fn = lambda batch: (batch["responses"] % 3 == 0).float().mean(-1)  # differs between samples
     one_history = one.fit()
-    two = RLTrainer(tiny_config(tmp_path_factory.mktemp("grpo2"), ["trainer.n_gpus_per_node=2", *grpo]))
+    two = RLTrainer(tiny_config(tmp_path_factory.mktemp("grpo2"), ["trainer.n_gpus_per_node=2", *grpo,
+                                                                   "actor_rollout_ref.actor.use_prefix_grouper=True"]))
     replay = iter(recorded)
     two.workers.generate_sequences = lambda prompts, validate=False: next(replay)
     two.reward_fn = one.reward_fn
