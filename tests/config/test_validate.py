@@ -135,3 +135,8 @@ def test_start_up_line_is_exact_when_the_last_mini_batch_is_uneven():
     assert even.actor.last_mini_batch is None
     assert "actor: 1 mini-batch of 32 responses per rank, 1 micro-batch of 32 each; 1 optimizer" in describe_sizes(even)
     assert "old log-prob: no separate pass (the on-policy update's own forward gives them)" in describe_sizes(even)
+    assert even.prompts_shared and "each distinct prompt of a micro-batch encoded once" in describe_sizes(even)
+    one_sample = derive_sizes(load_config(base=base, overrides=["actor_rollout_ref.rollout.n=1",
+                                                                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                                                                "algorithm.adv_estimator=reinforce_plus_plus"]))
+    assert not one_sample.prompts_shared and "encoded once" not in describe_sizes(one_sample)
