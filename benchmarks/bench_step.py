@@ -6,8 +6,9 @@
     python benchmarks/bench_step.py --lora 32 --skip-trl     # the same work with LoRA (rank 32, all-linear)
     python benchmarks/bench_step.py --precisions bf16,bf16+compile --trl-precisions bf16
                                     # +compile: actor_rollout_ref.model.compile_layers=True (torch.compile)
-    python benchmarks/bench_step.py --precisions bf16+prefix+compile --trl-precisions bf16
-                                    # +prefix: actor_rollout_ref.actor.use_prefix_grouper=True
+    python benchmarks/bench_step.py --precisions bf16+prefix+compile,bf16+plain --trl-precisions bf16
+                                    # +prefix / +plain: actor_rollout_ref.actor.use_prefix_grouper=True / False
+                                    # (builtin.yaml sets True: prompts encoded once)
 
 The work (the issue's comparison size): the built-in config's model and task (SmolLM2-135M-Instruct,
 the arithmetic task), 8 prompts x 4 samples = 32 responses of up to 32 new tokens, GRPO with a KL
@@ -132,7 +133,8 @@ def _step_stats(batch, params: dict[str, int], shared_prefix: bool = False) -> d
 
 
 _VARIANTS = {"compile": ["actor_rollout_ref.model.compile_layers=True"],
-             "prefix": ["actor_rollout_ref.actor.use_prefix_grouper=True"]}
+             "prefix": ["actor_rollout_ref.actor.use_prefix_grouper=True"],  # the built-in config's setting
+             "plain": ["actor_rollout_ref.actor.use_prefix_grouper=False"]}
 """``--precisions`` entries are ``DTYPE`` or ``DTYPE+VARIANT[+VARIANT]``; a variant adds these overrides."""
 
 
