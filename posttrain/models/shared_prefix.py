@@ -103,15 +103,22 @@ def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     ids[rows_of, resp_cols] = input_ids[:, prompt_len:]
     pos[rows_of, resp_cols] = position_ids[:, prompt_len:]
     valid[rows_of, resp_cols] = attention_mask[:, prompt_len:].bool()
-    cols = torch.arange(width, device=device)
+    predict = torch.cat([torch.full((rows, 1), prompt_len - 1, device=device), resp_cols[:, :-1]], dim=1)
+    return SharedPrefixLayout(ids, pos, _layout_mask(valid, prompt_len, response_length), group, predict)
+
+
+def _layout_mask(valid: torch.Tensor, prompt_len: int, response_length: int) -> torch.Tensor:
+    """``[G, 1, L, L]`` bool from the layout's valid columns ``[G, L]``: prompt tokens attend causally
+    to the prompt, a response token to the prompt and causally to its own slot."""
+    width = valid.shape[1]
+    cols = torch.arange(width, device=valid.device)
     segment = torch.where(cols < prompt_len, -1, (cols - prompt_len) // max(response_length, 1))  # -1: prompt
     same_or_prompt = (segment[:, None] == segment[None, :]) | (segment[None, :] == -1)  # [q, k]
     attend = same_or_prompt & (cols[:, None] >= cols[None, :])
     # every query keeps its own position (a padding query with nothing to attend to would give NaN
     # under sdpa, and NaN times a zero gradient is still NaN in backward); valid queries never see padding
-    mask = (attend[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)[None]
-    predict = torch.cat([torch.full((rows, 1), prompt_len - 1, device=device), resp_cols[:, :-1]], dim=1)
-    return SharedPrefixLayout(ids, pos, mask[:, None], group, predict)
+    mask = (attend[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=valid.device)[None]
+    return mask[:, None]
 
 
 def _mask_for(backbone: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
