@@ -8,7 +8,9 @@ How one micro-batch is computed (``response_logprobs``):
 1. columns that are padding in *every* row are dropped (common left padding of prompts and the
    tail after the longest response); positions are passed explicitly, so this is exact. With
    ``remove_padding`` (verl's ``use_remove_padding``) all valid tokens are packed into one row
-   instead (no padding at all; with SDPA the block-diagonal mask is dense, ``T_total^2``);
+   instead (no padding at all; with SDPA the block-diagonal mask is dense, ``T_total^2``); with
+   ``shared_prefix`` (verl's ``use_prefix_grouper``) rows that share a prompt become one row that
+   encodes the prompt once (`posttrain.models.shared_prefix`);
 2. the backbone (``model.model`` for Llama) runs once -> hidden ``[B, S', H]``;
 3. only hidden states that *predict a valid response token* are kept -> ``[T, H]`` (the state at
    column ``P - 1 + j`` predicts response token ``j``; tokens after EOS are skipped);
