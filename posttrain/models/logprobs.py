@@ -241,12 +241,6 @@ def _tensors(data: Any) -> dict[str, torch.Tensor]:
     return {k: data[k] for k in keys}
 
 
-def _prompt_key(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[N, P]`` prompt token ids with padding as -1: equal rows share a prompt."""
-    prompt_len = tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
-    return prompt_key(tensors["input_ids"], tensors["attention_mask"], prompt_len)
-
-
 def compute_response_logprobs(
     model: nn.Module,
     data: Any,
@@ -264,15 +258,16 @@ def compute_response_logprobs(
 
     data: a ``Batch`` or mapping with ``input_ids``, ``attention_mask``, ``position_ids`` ``[N, P+R]``
     and ``responses`` ``[N, R]``. Runs in micro-batches of ``micro_batch_size`` rows (or by
-    ``max_token_len`` tokens with ``use_dynamic_bsz``), padding-free with ``remove_padding``,
-    each distinct prompt encoded once with ``shared_prefix`` (its rows kept in one micro-batch), inside the ``autocast`` context-manager factory when given, without gradients. Logits are
-    divided by ``temperature``. Results are on ``data``'s device.
+    ``max_token_len`` tokens with ``use_dynamic_bsz``), padding-free with ``remove_padding``, each
+    distinct prompt encoded once with ``shared_prefix`` (its rows kept in one micro-batch), inside
+    the ``autocast`` context-manager factory when given, without gradients. Logits are divided by
+    ``temperature``. Results are on ``data``'s device.
     """
     tensors = _tensors(data)
     device = next(model.parameters()).device
     n, resp_len = tensors["responses"].shape
-    groups = forward_micro_batches(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len,
-                                   _prompt_key(tensors) if shared_prefix else None)
+    prompts = prompt_key(tensors["input_ids"], tensors["attention_mask"], resp_len) if shared_prefix else None
+    groups = forward_micro_batches(tensors["attention_mask"], micro_batch_size, use_dynamic_bsz, max_token_len, prompts)
     # under FSDP each forward is a collective: every rank runs the same number (padding ones are dropped)
     plan = equal_micro_batch_count(groups) if is_sharded(model) else [(g, False) for g in groups]
     out_device = tensors["responses"].device

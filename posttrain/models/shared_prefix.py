@@ -50,16 +50,19 @@ class SharedPrefixLayout:
     predict_cols: torch.Tensor
 
 
-def prompt_key(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """``[B, P]`` prompt token ids with -1 at padding: rows with equal keys ask the same prompt."""
+def prompt_key(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+    """``[B, P]`` prompt token ids of ``[B, P + R]`` rows, -1 at padding: rows with equal keys ask the
+    same prompt."""
+    prompt_len = input_ids.shape[1] - response_length
     return torch.where(attention_mask[:, :prompt_len].bool(), input_ids[:, :prompt_len], -1)
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                  prompt_len: int) -> tuple[torch.Tensor, int]:
+                  response_length: int) -> tuple[torch.Tensor, int]:
     """``(group [B], G)``: rows with identical prompt tokens, mask and positions share a group id."""
+    prompt_len = input_ids.shape[1] - response_length
     valid = attention_mask[:, :prompt_len].bool()
-    key = torch.cat([prompt_key(input_ids, attention_mask, prompt_len),
+    key = torch.cat([prompt_key(input_ids, attention_mask, response_length),
                      torch.where(valid, position_ids[:, :prompt_len], -1)], dim=1)
     uniq, group = torch.unique(key, dim=0, return_inverse=True)
     return group, uniq.shape[0]
@@ -83,9 +86,9 @@ def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     when it would not be cheaper than the plain ``[B, P + R]`` forward (see the module docstring)."""
     rows, seq_len = input_ids.shape
     prompt_len = seq_len - response_length
-    group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, prompt_len)
+    group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, response_length)
     slot, first = _slots(group, num_groups)
-    per_group = int(torch.bincount(group).max())
+    per_group = int(slot.max()) + 1  # rows of the largest group
     width = prompt_len + per_group * response_length
     shared = num_groups * width * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + width)
     plain = rows * seq_len * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len)
@@ -121,19 +124,14 @@ def _layout_mask(valid: torch.Tensor, prompt_len: int, response_length: int) -> 
     return mask[:, None]
 
 
-def _mask_for(backbone: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
-    """The layout's mask in the form the backbone's attention takes: boolean for sdpa (and posttrain's
-    CPU sdpa), additive float32 for eager (which adds it to the scores); None for kernels that take no
-    dense mask (flash attention): the caller then runs the plain forward."""
+def _mask_form(backbone: nn.Module) -> str | None:
+    """How the backbone's attention takes a dense mask: ``bool`` for sdpa (and posttrain's CPU sdpa),
+    ``additive`` for eager (which adds the mask to the scores, so a boolean one would count as 0/1);
+    None for kernels that take no dense mask (flash attention): the caller then runs the plain forward."""
     from posttrain.models.attention import ATTN_NAME
 
     impl = getattr(backbone.config, "_attn_implementation", None)
-    if impl in ("sdpa", ATTN_NAME):
-        return mask
-    if impl == "eager":
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
-            ~mask, torch.finfo(torch.float32).min)
-    return None
+    return "bool" if impl in ("sdpa", ATTN_NAME) else "additive" if impl == "eager" else None
 
 
 def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -142,10 +140,16 @@ def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, at
     (``[:, j]`` predicts response token ``j``), computed on the grouped layout; None when the plain
     forward is cheaper or the attention kernel takes no dense mask. Callers pass the column window
     they would run (no all-padding columns)."""
+    form = _mask_form(backbone)  # checked first: no layout is built for a kernel that cannot take it
+    if form is None:
+        return None
     layout = build_layout(input_ids, attention_mask, position_ids, response_length,
                           int(getattr(backbone.config, "hidden_size", 0) or 0))
-    mask = _mask_for(backbone, layout.mask) if layout is not None else None
-    if mask is None:
+    if layout is None:
         return None
+    mask = layout.mask
+    if form == "additive":
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)
     out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False)
     return out.last_hidden_state[layout.group[:, None], layout.predict_cols]

@@ -63,10 +63,7 @@ def micro_batches(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, micro_
     or with ``shared_prefix`` rows of one prompt together (`forward_micro_batches`)."""
     rows = idx.to(tensors["attention_mask"].device)
     mask = tensors["attention_mask"][rows]
-    prompts = None
-    if shared_prefix:
-        prompt_len = mask.shape[1] - tensors["responses"].shape[1]
-        prompts = prompt_key(tensors["input_ids"][rows], mask, prompt_len)
+    prompts = prompt_key(tensors["input_ids"][rows], mask, tensors["responses"].shape[1]) if shared_prefix else None
     groups = forward_micro_batches(mask, micro_batch_size, use_dynamic_bsz, max_token_len, prompts)
     return [idx[g] for g in groups]
 

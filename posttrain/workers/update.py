@@ -32,8 +32,8 @@ def ppo_update(data: dict[str, torch.Tensor], cfg: Any, *, micro_step: MicroStep
     cfg: the role's section with ``ppo_epochs``, ``ppo_mini_batch_size`` (responses per rank),
     ``shuffle``, ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``
     and ``grad_clip``. ``prefix`` names the metrics (``actor`` / ``critic``). ``shared_prefix`` keeps
-    the rows of one prompt in one micro-batch (the actor's ``use_prefix_grouper``). The lr schedule advances
-    once per call, after the metrics read the rate that was used.
+    the rows of one prompt in one micro-batch (the actor's ``use_prefix_grouper``). The lr schedule
+    advances once per call, after the metrics read the rate that was used.
     """
     meter = MetricMeter()
     module.train()

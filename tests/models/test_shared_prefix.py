@@ -150,9 +150,9 @@ def test_same_tokens_at_other_positions_are_not_shared():
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 9]])
     mask = torch.ones_like(ids)
     pos = torch.tensor([[0, 1, 2, 3], [3, 4, 5, 6]])
-    group, count = sp.prompt_groups(ids, mask, pos, prompt_len=3)
+    group, count = sp.prompt_groups(ids, mask, pos, response_length=1)
     assert count == 2 and group[0] != group[1]
-    group, count = sp.prompt_groups(ids, mask, torch.tensor([[0, 1, 2, 3]] * 2), prompt_len=3)
+    group, count = sp.prompt_groups(ids, mask, torch.tensor([[0, 1, 2, 3]] * 2), response_length=1)
     assert count == 1
 
 
