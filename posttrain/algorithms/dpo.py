@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from posttrain.errors import ConfigError
 
 __all__ = ["DPO_LOSS_TYPES", "DPOLossSpec", "check_dpo_options", "dpo_loss", "dpo_loss_spec", "dpo_metrics",
-           "register_dpo_loss", "registered_dpo_losses"]
+           "pair_logps", "register_dpo_loss", "registered_dpo_losses"]
 
 DPOLossFn = Callable[..., torch.Tensor]
 """``fn(chosen_logratios [B], rejected_logratios [B], *, beta, label_smoothing, chosen_lengths,
@@ -137,6 +137,19 @@ def dpo_loss(
     losses = spec.fn(chosen_logratios, rejected_logratios, beta=beta, label_smoothing=label_smoothing,
                      chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def pair_logps(log_probs: torch.Tensor, response_mask: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths)``, each ``[B]``, from token
+    log-probs ``[2B, R]`` of rows ordered ``chosen_0, rejected_0, chosen_1, ...`` (the layout of
+    `posttrain.data.preference.collate_pairs`): log-probs summed over ``response_mask``, and the
+    number of response tokens of each response (what ``ipo`` averages by)."""
+    if log_probs.shape[0] % 2:
+        raise ValueError(f"pair rows come two by two (chosen, rejected); got {log_probs.shape[0]} rows")
+    mask = response_mask.to(log_probs.dtype)
+    sums, lengths = (log_probs * mask).sum(-1), response_mask.sum(-1)
+    return sums[0::2], sums[1::2], lengths[0::2], lengths[1::2]
 
 
 def dpo_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy_chosen_logps: torch.Tensor,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.algorithms.dpo import (DPO_LOSS_TYPES, check_dpo_options, dpo_loss, dpo_metrics, register_dpo_loss,
-                                      registered_dpo_losses)
+from posttrain.algorithms.dpo import (DPO_LOSS_TYPES, check_dpo_options, dpo_loss, dpo_metrics, pair_logps,
+                                      register_dpo_loss, registered_dpo_losses)
 from posttrain.errors import ConfigError
 
 
@@ -232,3 +232,13 @@ def test_matches_trl_dpo_trainer(loss_type):
     other_losses, _, _ = dpo_loss(pol_c, pol_r, ref_c, ref_r, beta=0.3, loss_type=other, chosen_lengths=len_c,
                                   rejected_lengths=len_r)
     assert other_losses.mean().item() != pytest.approx(float(trl_loss), rel=1e-3)
+
+
+def test_pair_logps_sums_the_interleaved_rows_over_their_masks():
+    log_probs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -9.0, -9.0], [-3.0, -1.0, -1.0], [-2.0, -2.0, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    chosen, rejected, len_c, len_r = pair_logps(log_probs, mask)
+    assert chosen.tolist() == [-3.0, -5.0] and rejected.tolist() == [-0.5, -4.0]
+    assert len_c.tolist() == [2, 3] and len_r.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="two by two"):
+        pair_logps(log_probs[:3], mask[:3])
