@@ -150,6 +150,9 @@ def pair_parts(row: dict, where: str, keys: tuple[str, str, str] = ("prompt", "c
     if _is_messages(chosen):
         chosen = _check_messages(chosen, where, chosen_key)
         rejected = _check_messages(rejected, where, rejected_key)
+        for key, messages, name in ((chosen_key, chosen, "chosen"), (rejected_key, rejected, "rejected")):
+            if _is_empty(messages):
+                raise PreferenceRowError(f"{where}, column {key!r}: empty {name}", f"empty {name}")
         if prompt is None:
             prompt, chosen, rejected = _split_implicit_prompt(chosen, rejected, where, keys)
         else:

@@ -125,6 +125,9 @@ def _assistant(text):
     ({"prompt": "2+2?", "chosen": " \n", "rejected": "5"}, r"row 1, column 'chosen': empty chosen", "empty chosen"),
     ({"prompt": "2+2?", "chosen": "4", "rejected": ""}, r"row 1, column 'rejected': empty rejected", "empty rejected"),
     ({"prompt": "  ", "chosen": "4", "rejected": "5"}, r"row 1, column 'prompt': empty prompt", "empty prompt"),
+    ({"chosen": [], "rejected": [USER, _assistant("5")]}, r"row 1, column 'chosen': empty chosen", "empty chosen"),
+    ({"chosen": [USER, _assistant("4")], "rejected": [USER, _assistant("4"), _assistant("more")]},
+     r"row 1, column 'chosen': empty chosen", "empty chosen"),
     ({"prompt": "2+2?", "chosen": "4", "rejected": "4"}, r"row 1, columns 'chosen' and 'rejected': chosen equals",
      "chosen == rejected"),
     ({"prompt": "2+2?", "chosen": 4, "rejected": "5"}, r"row 1, column 'chosen': must be text or a list .* got int",
@@ -215,6 +218,9 @@ def test_dataset_applies_max_length(tmp_path, tok):
     prompt_len = len(_ids(tok, USER_PROMPT))
     with pytest.raises(PreferenceRowError, match=rf"{path} row 1, column 'chosen': .* longer than max_length"):
         PreferenceDataset(path, tok, max_length=prompt_len + 4)
+    with pytest.raises(PreferenceRowError, match=rf"{path} row 0, column 'prompt': prompt is {prompt_len} tokens, "
+                                                 "which leaves no room for a response within max_length"):
+        PreferenceDataset(path, tok, max_length=prompt_len)
     ds = PreferenceDataset(path, tok, max_length=prompt_len + 4, truncation="right")
     assert ds.num_truncated == 1 and ds.pairs[1].chosen_ids == _ids(tok, ["four"])
 
