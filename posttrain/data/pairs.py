@@ -125,28 +125,16 @@ def sample_pairs(model: str, data: str, *, n: int = 8, temperature: float = 1.0,
     import torch
 
     from posttrain.config.schema import DataConfig
-    from posttrain.data.rl_dataset import RLHFDataset
-    from posttrain.models import autocast_context, default_device, load_causal_lm, load_tokenizer
+    from posttrain.models import autocast_context, default_device
     from posttrain.models.compute_dtype import resolve_param_dtype
     from posttrain.rewards import RewardManager, load_custom_reward_fn
     from posttrain.rollout import SamplingParams, get_rollout_engine
-    from posttrain.trainer.evaluate import resolve_model
-    from posttrain.trainer.preflight import model_path_problem
 
     _check_args(n, temperature, top_p, max_new_tokens, batch_size, pairs_per_prompt, limit, max_prompt_length)
     config = DataConfig(max_prompt_length=max_prompt_length, return_raw_chat=True)
     compute_score = load_custom_reward_fn(reward_path, reward_name) if reward_path else None
     device = default_device()
-    with resolve_model(model) as path:
-        problem = model_path_problem(path)
-        if problem is not None:
-            raise ConfigError(f"--model {model}: {problem}")
-        tok = load_tokenizer(tokenizer or path)
-        dataset = RLHFDataset(data, tok, config)
-        if limit is not None:
-            dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
-        _check_scorers(dataset.rows, config.reward_fn_key, compute_score is not None, data)
-        module = load_causal_lm(path, device=device).eval()
+    tok, dataset, module = _load(model, tokenizer, data, config, limit, compute_score is not None, device)
     dtype = resolve_param_dtype(param_dtype, module, device)
     engine = get_rollout_engine("hf", model=module, tokenizer=tok, autocast=functools.partial(autocast_context, device,
                                                                                                dtype))
@@ -165,6 +153,26 @@ def sample_pairs(model: str, data: str, *, n: int = 8, temperature: float = 1.0,
     finally:
         scorer.close()
     return rows, counts
+
+
+def _load(model: str, tokenizer: str | None, data: str, config, limit: int | None, custom_reward: bool, device):
+    """``(tokenizer, prompt dataset, model)``: the model path checked, then the prompts read and their
+    scorers checked, then the weights loaded (so bad input fails before the slow part)."""
+    from posttrain.data.rl_dataset import RLHFDataset
+    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.trainer.evaluate import resolve_model
+    from posttrain.trainer.preflight import model_path_problem
+
+    with resolve_model(model) as path:
+        problem = model_path_problem(path)
+        if problem is not None:
+            raise ConfigError(f"--model {model}: {problem}")
+        tok = load_tokenizer(tokenizer or path)
+        dataset = RLHFDataset(data, tok, config)
+        if limit is not None:
+            dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
+        _check_scorers(dataset.rows, config.reward_fn_key, custom_reward, data)
+        return tok, dataset, load_causal_lm(path, device=device).eval()
 
 
 def _scores(scorer, out, reward_key: str) -> list[float]:
