@@ -130,8 +130,8 @@ def dpo_loss(
     if spec.needs_lengths and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(f"DPO loss_type={loss_type!r} averages log-ratios per token: pass chosen_lengths and "
                          "rejected_lengths (response tokens of each response)")
-    policy_chosen, policy_rejected, ref_chosen, ref_rejected = (
-        _at_least_float32(t) for t in (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps))
+    inputs = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    policy_chosen, policy_rejected, ref_chosen, ref_rejected = (_at_least_float32(t) for t in inputs)
     chosen_logratios = policy_chosen - ref_chosen
     rejected_logratios = policy_rejected - ref_rejected
     losses = spec.fn(chosen_logratios, rejected_logratios, beta=beta, label_smoothing=label_smoothing,

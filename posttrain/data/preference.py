@@ -231,7 +231,8 @@ def tokenize_pair(tokenizer, prompt: str | list[dict], chosen: str | list[dict],
     else:
         if isinstance(chosen, str):
             prompt = [{"role": "user", "content": prompt}]
-            chosen, rejected = ([{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}])
+            chosen = [{"role": "assistant", "content": chosen}]
+            rejected = [{"role": "assistant", "content": rejected}]
         kwargs = _template_kwargs(apply_chat_template_kwargs)
         prompt_text = render_prompt(tokenizer, prompt, kwargs)
         pair = PreferencePair(_encode(tokenizer, prompt_text),
@@ -365,7 +366,8 @@ class PreferenceDataset(Dataset):
 
     def skip_report(self) -> str:
         """``"skipped 3 of 10 rows (on_bad_row=skip): 2 empty chosen (first: f row 4), 1 too long (...)"``."""
-        why = ", ".join(f"{n} {reason} (first: {self._first_skipped[reason]})" for reason, n in self.skipped.most_common())
+        why = ", ".join(f"{n} {reason} (first: {self._first_skipped[reason]})"
+                        for reason, n in self.skipped.most_common())
         total = self.num_skipped + len(self.pairs)
         return f"skipped {self.num_skipped} of {total} rows (on_bad_row=skip): {why}"
 

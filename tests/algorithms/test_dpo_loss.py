@@ -151,7 +151,8 @@ def test_low_precision_inputs_are_computed_in_float32():
 def test_unknown_loss_type_lists_the_valid_ones():
     assert set(DPO_LOSS_TYPES) == {"sigmoid", "hinge", "ipo", "robust"}
     t = torch.zeros(2)
-    with pytest.raises(ConfigError, match=r"unknown DPO loss_type 'dpo'; valid: \['hinge', 'ipo', 'robust', 'sigmoid'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown DPO loss_type 'dpo'; valid: \['hinge', 'ipo', 'robust', 'sigmoid'\]"):
         dpo_loss(t, t, t, t, beta=0.1, loss_type="dpo")
 
 

@@ -79,7 +79,8 @@ def test_multi_turn_prompt_keeps_earlier_turns_and_a_system_message(tok):
 
 def test_plain_text_without_the_chat_template_appends_eos(tok):
     pair = tokenize_pair(tok, "Q: 1+1=", " 2", " 3", apply_chat_template=False)
-    assert pair == PreferencePair(_ids(tok, ["Q: 1+1="]), _ids(tok, [" 2", "<|im_end|>"]), _ids(tok, [" 3", "<|im_end|>"]))
+    assert pair == PreferencePair(_ids(tok, ["Q: 1+1="]), _ids(tok, [" 2", "<|im_end|>"]),
+                                  _ids(tok, [" 3", "<|im_end|>"]))
 
 
 def test_a_tokenizer_without_chat_template_uses_the_rl_fallback(tok):
