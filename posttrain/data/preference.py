@@ -51,7 +51,7 @@ from posttrain.data.rl_dataset import render_prompt
 from posttrain.data.schema import DataError, read_rows
 
 __all__ = ["ON_BAD_ROW", "PAIR_TRUNCATION_MODES", "PreferenceDataset", "PreferencePair", "PreferenceRowError",
-           "collate_pairs", "fit_pair", "tokenize_pair"]
+           "collate_pairs", "fit_pair", "pair_parts", "tokenize_pair"]
 
 logger = logging.getLogger(__name__)
 
