@@ -3,6 +3,8 @@
     posttrain prep gsm8k --input ../shared/data/gsm8k --output ~/data/gsm8k
     posttrain prep math --input math_train.jsonl --output ~/data/math
     posttrain prep arithmetic --output ~/data/arithmetic --digits 2 --ops + --n-train 2048
+    posttrain prep pairs --input ~/data/arithmetic/train.parquet --model smollm2-135m-instruct \
+        --output ~/data/arithmetic/pairs.parquet      # DPO pairs from the model's samples (posttrain.data.pairs)
 
 GSM8K and MATH rows match verl's ``examples/data_preprocess`` scripts (same data_source, prompt
 text, ground truth and extra_info), so files made here and there are interchangeable.
@@ -167,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
     a.set_defaults(func=_prep_arithmetic)
+
+    from posttrain.data.pairs import add_pairs_parser
+
+    add_pairs_parser(sub)
     return ap
 
 
