@@ -153,7 +153,7 @@ def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, devic
         from posttrain.workers.group import build_local_group
 
         return build_local_group(worker_config, device, seed, actor_module, critic_module, tokenizer)
-    from posttrain.distributed.group import RankWorkerGroup
+    from posttrain.distributed.rank_group import RankWorkerGroup
 
     return RankWorkerGroup(config, worker_config, seed, tokenizer)
 

@@ -37,7 +37,7 @@ from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        scoring_in_progress)
-from posttrain.rewards.reward_model import score_responses, validation_skip_reason
+from posttrain.rewards.rm_combine import score_responses, validation_skip_reason
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -229,7 +229,7 @@ class RLTrainer:
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """token_level_scores ``[N, R]`` and the reward's extra output: the reward model's score when
         reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum),
-        else the reward function's (`posttrain.rewards.reward_model.score_responses`)."""
+        else the reward function's (`posttrain.rewards.rm_combine.score_responses`)."""
         return score_responses(batch, self.reward_fn, self.workers, self.config.reward_model.combine)
 
     def _rewards_with_kl(self, batch: Batch, metrics: dict) -> torch.Tensor:
