@@ -10,6 +10,7 @@ loaded without executing code. Nothing here imports workers or distributed place
     ranks   this process's rank and whether a module's state is per-rank (FSDP2)
 """
 
+from posttrain.checkpoint import layout
 from posttrain.checkpoint.layout import (
     EXTRA_FILE,
     FINGERPRINT_KEY,
@@ -38,19 +39,4 @@ from posttrain.checkpoint.layout import (
     write_role,
 )
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "LoadedCheckpoint",
-    "RoleState",
-    "capture_rng",
-    "checkpoint_problem",
-    "is_step_dir_name",
-    "load_checkpoint",
-    "load_role",
-    "read_run_state",
-    "restore_rng",
-    "safe_torch_load",
-    "verify_checkpoint",
-    "write_role",
-]
+__all__ = list(layout.__all__)  # the root exports the layout's public names
