@@ -24,12 +24,12 @@ from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.reward_model import import_external_lib, load_reward_model
 
-__all__ = ["InProcess", "Placement", "Ready", "add_lora", "decide_param_dtype", "follow_actor", "load_role_model",
+__all__ = ["InProcess", "Placement", "ROLE_KINDS", "Ready", "add_lora", "decide_param_dtype", "follow_actor", "load_role_model",
            "prepare"]
 
-_LOADERS = {"policy": load_causal_lm, "value": load_value_model, "reward": load_reward_model}
-"""What each kind of role loads: a causal LM (actor, reference), a value model (critic), a
-sequence classifier (reward model)."""
+ROLE_KINDS = ("policy", "value", "reward")
+"""What a role loads: a causal LM (actor, reference), a value model (critic), a sequence classifier
+(reward model)."""
 
 
 class Placement(Protocol):
@@ -84,11 +84,12 @@ def _language_model(module: nn.Module) -> nn.Module:
 
 def load_role_model(kind: str, model_config: Any, model_dtype: str) -> nn.Module:
     """``model_config.path`` loaded on CPU in the master dtype ``model_dtype`` (placement moves it);
-    ``kind``: ``policy`` (causal LM), ``value`` (the critic's value model) or ``reward``."""
+    ``kind``: one of `ROLE_KINDS`."""
     if kind == "reward":
         import_external_lib(model_config.external_lib)  # may register the reward model's class
-    return _LOADERS[kind](model_config.path, trust_remote_code=model_config.trust_remote_code,
-                          override_config=model_config.override_config, dtype=model_dtype, device="cpu")
+    loader = {"policy": load_causal_lm, "value": load_value_model, "reward": load_reward_model}[kind]
+    return loader(model_config.path, trust_remote_code=model_config.trust_remote_code,
+                  override_config=model_config.override_config, dtype=model_dtype, device="cpu")
 
 
 def add_lora(module: nn.Module, model_config: Any, section: str, model_dtype: str, seed: int) -> LoraAdapter | None:
