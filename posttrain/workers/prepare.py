@@ -24,8 +24,8 @@ from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.reward_model import import_external_lib, load_reward_model
 
-__all__ = ["InProcess", "Placement", "ROLE_KINDS", "Ready", "add_lora", "decide_param_dtype", "follow_actor", "load_role_model",
-           "prepare"]
+__all__ = ["InProcess", "Placement", "ROLE_KINDS", "Ready", "add_lora", "decide_param_dtype", "follow_actor",
+           "load_role_model", "prepare"]
 
 ROLE_KINDS = ("policy", "value", "reward")
 """What a role loads: a causal LM (actor, reference), a value model (critic), a sequence classifier
