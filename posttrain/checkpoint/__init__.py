@@ -4,7 +4,7 @@ loaded without executing code. Nothing here imports workers or distributed place
     layout  the run's checkpoint folders (verl's layout), atomic saves, the manifest, safe loads,
             RNG state; `CheckpointManager` (everything this package's root exports comes from here)
     role    one role's state (weights, optimizer, lr schedule, shuffle generator, LoRA records):
-            `save_role` / `load_role_state`, in one process or sharded over ranks
+            `save_role` / `load_role_into`, in one process or sharded over ranks
     dcp     sharded state with ``torch.distributed.checkpoint`` (any world size, trainable-only
             option, a metadata reader that never unpickles code)
     ranks   this process's rank and whether a module's state is per-rank (FSDP2)
