@@ -64,7 +64,7 @@ def run(ranks: int, steps: int, workdir: Path) -> dict:
 
 def dispatch_seconds(trainer, prompts, batch) -> float:
     """Driver-side seconds of one step's data-parallel calls with the computing left out."""
-    from posttrain.distributed.dispatch import gather_from_ranks, split_for_ranks
+    from posttrain.distributed.split import gather_from_ranks, split_for_ranks
 
     group = trainer.workers
     start = time.perf_counter()

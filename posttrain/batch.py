@@ -51,7 +51,17 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["Batch", "BatchItem", "DataProto", "to_object_array", "pad_to_divisor", "unpad"]
+__all__ = ["Batch", "BatchItem", "DataProto", "to_object_array", "pad_to_divisor", "response_mask_of", "unpad"]
+
+
+def response_mask_of(batch: Any) -> torch.Tensor:
+    """``response_mask`` ``[N, R]`` of a `Batch` or a dict of tensors, or the response part of
+    ``attention_mask`` when it is absent."""
+    if "response_mask" in batch:
+        return batch["response_mask"]
+    if "attention_mask" in batch and "responses" in batch:
+        return batch["attention_mask"][:, -batch["responses"].shape[1] :]
+    raise KeyError(f"the batch needs 'response_mask' (or 'attention_mask' and 'responses'); keys: {list(batch.keys())}")
 
 
 def to_object_array(values: Iterable[Any]) -> np.ndarray:

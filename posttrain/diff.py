@@ -19,6 +19,7 @@ from posttrain.config.docs import all_keys, format_value
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.scripts import ConfigSource, explicit_keys, load_source, read_source
+from posttrain.config.validate import get_key
 from posttrain.plan.flow import Flow, build_flow
 
 # Sections in the order a reader thinks about a run; the first matching prefix wins.
@@ -52,12 +53,6 @@ def section_of(key: str) -> str:
             if key.startswith(prefix) and len(prefix) > length:
                 best, length = name, len(prefix)
     return best
-
-
-def get_value(config: Any, key: str) -> Any:
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
 
 
 def show(value: Any) -> str:
@@ -109,7 +104,7 @@ def diff_keys(a: PostTrainConfig, b: PostTrainConfig, a_set: dict[str, str], b_s
     for key, info in all_keys().items():
         if info.is_section:
             continue
-        va, vb = get_value(a, key), get_value(b, key)
+        va, vb = get_key(a, key), get_key(b, key)
         if va == vb:
             continue
         explicit = key in a_set or key in b_set

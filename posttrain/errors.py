@@ -70,9 +70,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The exception classes reported as one ``error:`` line: `PosttrainError`, plus the Ray worker
     group's error once that module is loaded (it cannot derive from ours without importing ray here)."""
     classes: list[type[BaseException]] = [PosttrainError]
-    ray_group = sys.modules.get("posttrain.distributed.ray_group")
-    if ray_group is not None and hasattr(ray_group, "WorkerGroupError"):
-        classes.append(ray_group.WorkerGroupError)
+    ray_pool = sys.modules.get("posttrain.distributed.ray_pool")
+    if ray_pool is not None and hasattr(ray_pool, "WorkerGroupError"):
+        classes.append(ray_pool.WorkerGroupError)
     return tuple(classes)
 
 

@@ -39,7 +39,6 @@ import torch
 from posttrain.algorithms.utils import config_value, masked_whiten
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,15 @@ class EstimatorSpec:
     summary: str = "a registered estimator"
     """One line on what it computes (shown by `posttrain diff`)."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(*args, **kwargs)
 
-_SPECS: dict[str, EstimatorSpec] = {}
+
+_ADV_ESTIMATORS: dict[str, EstimatorSpec | AdvantageFn] = {}
+"""The one registry: name -> `EstimatorSpec` (callable like its function). A plain function placed
+straight into it (as verl's tests and users do with ``ADV_ESTIMATOR_REGISTRY``) is an estimator
+that declares no needs."""
+ADV_ESTIMATOR_REGISTRY = _ADV_ESTIMATORS
 
 
 def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
@@ -75,10 +81,10 @@ def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: boo
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         existing = _ADV_ESTIMATORS.get(key)
+        existing = getattr(existing, "fn", existing)
         if existing is not None and existing is not fn:
             raise ValueError(f"advantage estimator {key!r} is already registered to {existing.__qualname__}")
-        _ADV_ESTIMATORS[key] = fn
-        _SPECS[key] = EstimatorSpec(key, fn, needs_critic, needs_groups, needs_greedy_baseline, summary)
+        _ADV_ESTIMATORS[key] = EstimatorSpec(key, fn, needs_critic, needs_groups, needs_greedy_baseline, summary)
         return fn
 
     return decorator
@@ -92,9 +98,10 @@ def get_adv_estimator_fn(name: str) -> AdvantageFn:
 def adv_estimator_spec(name: str) -> EstimatorSpec:
     """The registration of `name` (its function and needs); ValueError listing the valid names otherwise."""
     key = getattr(name, "value", name)
-    if key not in _SPECS:
+    if key not in _ADV_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {key!r}; registered: {registered_adv_estimators()}")
-    return _SPECS[key]
+    entry = _ADV_ESTIMATORS[key]
+    return entry if isinstance(entry, EstimatorSpec) else EstimatorSpec(key, entry)
 
 
 def registered_adv_estimators() -> tuple[str, ...]:
@@ -110,11 +117,11 @@ class EstimatorsWith:
         self.need = need
 
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n in registered_adv_estimators() if getattr(_SPECS[n], self.need))
+        return tuple(n for n in registered_adv_estimators() if getattr(adv_estimator_spec(n), self.need))
 
     def __contains__(self, name: object) -> bool:
-        spec = _SPECS.get(getattr(name, "value", name))  # type: ignore[arg-type]
-        return spec is not None and bool(getattr(spec, self.need))
+        key = getattr(name, "value", name)
+        return key in _ADV_ESTIMATORS and bool(getattr(adv_estimator_spec(key), self.need))
 
     def __iter__(self):
         return iter(self.names())

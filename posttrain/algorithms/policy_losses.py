@@ -26,7 +26,6 @@ from posttrain.algorithms.losses import agg_loss
 from posttrain.algorithms.utils import config_value, masked_mean
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,14 @@ class PolicyLossSpec:
     keys: tuple[str, ...] = ()
     summary: str = "a registered policy loss"
 
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.fn(*args, **kwargs)
 
-_LOSS_SPECS: dict[str, PolicyLossSpec] = {}
+
+_POLICY_LOSSES: dict[str, PolicyLossSpec | PolicyLossFn] = {}
+"""The one registry: name -> `PolicyLossSpec` (callable like its function). A plain function placed
+straight into it (verl's ``POLICY_LOSS_REGISTRY``) reads no extra keys."""
+POLICY_LOSS_REGISTRY = _POLICY_LOSSES
 
 
 def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str = "a registered policy loss",
@@ -50,10 +55,10 @@ def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str 
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         existing = _POLICY_LOSSES.get(name)
+        existing = getattr(existing, "fn", existing)
         if existing is not None and existing is not fn:
             raise ValueError(f"policy loss {name!r} is already registered to {existing.__qualname__}")
-        _POLICY_LOSSES[name] = fn
-        _LOSS_SPECS[name] = PolicyLossSpec(name, fn, tuple(keys), summary)
+        _POLICY_LOSSES[name] = PolicyLossSpec(name, fn, tuple(keys), summary)
         return fn
 
     return decorator
@@ -61,15 +66,15 @@ def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str 
 
 def policy_loss_spec(name: str) -> PolicyLossSpec:
     """The registration of `name`; ValueError listing the valid names otherwise."""
-    get_policy_loss_fn(name)
-    return _LOSS_SPECS[name]
+    if name not in _POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss mode {name!r}; registered: {registered_policy_losses()}")
+    entry = _POLICY_LOSSES[name]
+    return entry if isinstance(entry, PolicyLossSpec) else PolicyLossSpec(name, entry)
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The loss registered under `name`; ValueError listing the valid names otherwise."""
-    if name not in _POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss mode {name!r}; registered: {registered_policy_losses()}")
-    return _POLICY_LOSSES[name]
+    return policy_loss_spec(name).fn
 
 
 def registered_policy_losses() -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
-from posttrain.config.load import ConfigError
+from posttrain.errors import ConfigError
 from posttrain.config.schema import PostTrainConfig
 
 ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
@@ -53,6 +53,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 
 def get_key(config: Any, key: str) -> Any:
+    """The value at dotted ``key`` (``algorithm.adv_estimator``) of a loaded config."""
     for part in key.split("."):
         config = getattr(config, part)
     return config
@@ -292,7 +293,7 @@ def _check_lora(config: PostTrainConfig) -> Iterable[str]:
             yield (f"{section}.{key}={value!r} must be all-linear, a list of module names such as [q_proj, v_proj], "
                    "or a regex on full module names")
         if path:
-            from posttrain.models.lora import adapter_folder_problem
+            from posttrain.checkpoint.peft_folder import adapter_folder_problem
 
             problem = adapter_folder_problem(path)
             if problem:

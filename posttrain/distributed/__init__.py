@@ -2,11 +2,11 @@
 
 Modules (import the one you need; this package itself imports nothing heavy, and no Ray):
 
-    group      RankWorkerGroup: the trainer's WorkerGroup over Ray ranks (split, call, gather, metrics)
+    rank_group RankWorkerGroup: the trainer's WorkerGroup over Ray ranks (split, call, gather, metrics)
     rank       RankWorker: one rank's actor (+ rollout), reference and critic on FSDP2 shards
-    ray_group  RayWorkerGroup: placement groups per node, rank environment, liveness-polled calls
+    ray_pool   RayActorPool: placement groups per node, rank environment, liveness-polled calls
     cluster    connect to / start Ray, per-node resource checks before anything is created
-    dispatch   splitting a driver batch over ranks, balancing tokens, combining what comes back
+    split      splitting a driver batch over ranks, balancing tokens, combining what comes back
     fsdp       init_distributed, build_mesh, shard_model (FSDP2), gathered_for_generation,
                offload helpers, the gradient-averaging rule that is correct on gloo and NCCL
     dcp        save_sharded / load_sharded (torch.distributed.checkpoint, loadable at any world

@@ -59,7 +59,7 @@ def connect(ray_init_kwargs: dict[str, Any] | None = None, device: str = "cpu") 
     then dropped with a warning); otherwise a local cluster is started, without the dashboard unless
     ``include_dashboard`` is given. ``address="local"`` always starts a new one.
     ``device`` is ``cpu`` or ``cuda``; CPU ranks get ``OMP_NUM_THREADS`` from their bundle size (see
-    ``ray_group``), not from here.
+    ``ray_pool``), not from here.
     """
     import ray
 

@@ -177,8 +177,9 @@ def _is_value_model(module: nn.Module) -> bool:
     return hasattr(module, "backbone") and hasattr(module, "value_head")
 
 
-def _mixed_precision(fsdp_config: Any, device: torch.device) -> MixedPrecisionPolicy:
-    """``param_dtype`` for all-gathers and compute, ``reduce_dtype`` for gradient reduction.
+def _mixed_precision(fsdp_config: Any, device: torch.device, param_dtype: str | None = None) -> MixedPrecisionPolicy:
+    """``param_dtype`` for all-gathers and compute (the decided one when given, else the config's),
+    ``reduce_dtype`` for gradient reduction.
 
     On CPU the all-gather stays in the master dtype: bf16 collectives over gloo are unreliable
     (pytorch/pytorch#111131), and posttrain's workers already compute in ``param_dtype`` through
@@ -186,7 +187,10 @@ def _mixed_precision(fsdp_config: Any, device: torch.device) -> MixedPrecisionPo
     """
     mp = _cfg(fsdp_config, "mixed_precision", None)
     master = parse_dtype(_cfg(fsdp_config, "model_dtype", "fp32"))
-    param = parse_dtype(_cfg(mp, "param_dtype", "fp32")) if mp is not None else master
+    if param_dtype is not None:
+        param = parse_dtype(param_dtype)
+    else:
+        param = parse_dtype(_cfg(mp, "param_dtype", "fp32")) if mp is not None else master
     reduce = parse_dtype(_cfg(mp, "reduce_dtype", "fp32")) if mp is not None else torch.float32
     if device.type == "cpu" or param == master:
         param = None
@@ -234,6 +238,7 @@ def shard_model(
     mesh: DeviceMesh,
     fsdp_config: Any,
     *,
+    param_dtype: str | None = None,
     forward_only: bool = False,
     gradient_checkpointing: bool = False,
     gradient_divide_factor: float | None = None,
@@ -244,6 +249,8 @@ def shard_model(
         module: the full model, identical on every rank (e.g. loaded from the same checkpoint).
         mesh: from :func:`build_mesh`.
         fsdp_config: a role's ``fsdp_config`` (``FSDPConfig``/``RefFSDPConfig`` or a dict).
+        param_dtype: the compute precision decided for the role (``bf16``/``fp32``,
+            `posttrain.workers.prepare.decide_param_dtype`); None: the config's ``mixed_precision.param_dtype``.
         forward_only: a reference model: parameters frozen; ``param_offload`` becomes
             ``CPUOffloadPolicy`` (as verl does for its ref).
         gradient_checkpointing: non-reentrant activation checkpointing, enabled before sharding.
@@ -258,7 +265,7 @@ def shard_model(
         module.requires_grad_(False)
     reshard = bool(_cfg(fsdp_config, "reshard_after_forward", True))
     offload = _offload_policy(fsdp_config, forward_only, device)
-    blocks = _apply_fully_shard(module, dict(mesh=mesh, mp_policy=_mixed_precision(fsdp_config, device),
+    blocks = _apply_fully_shard(module, dict(mesh=mesh, mp_policy=_mixed_precision(fsdp_config, device, param_dtype),
                                              offload_policy=offload, reshard_after_forward=reshard))
     factor = float(gradient_divide_factor if gradient_divide_factor is not None else mesh.size())
     _reduce_by_sum_then_divide(module, factor)

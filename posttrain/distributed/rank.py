@@ -2,10 +2,13 @@
 critic and the reward model, each an FSDP2-sharded model — and the calls a `RankWorkerGroup` makes on it.
 
 One process per device (a Ray actor). The constructor joins the default process group from the
-environment the group set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), loads each
-model on CPU, shards it over all ranks (``fsdp_config.fsdp_size`` for HSDP) and wraps it in the
-same `ActorWorker` / `RefWorker` / `CriticWorker` the one-process group uses: the per-rank math is
-one code path. Batch sizes in ``config`` are per rank already (`posttrain.config.worker_config`).
+environment the group set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and builds
+the roles with the one-process group's builder (`posttrain.workers.build.build_roles`), placed by
+`RankPlacement`: each model loaded on CPU and sharded over all ranks (``fsdp_config.fsdp_size`` for
+HSDP), wrapped in the same `ActorWorker` / `RefWorker` / `CriticWorker`: construction and per-rank
+math are one code path. This class only places: the process group, the mesh, each role resident on
+the device for its phase, the actor gathered for generation. Batch sizes in ``config`` are per rank
+already (`posttrain.config.worker_config`).
 
 With the hf engine, generation runs inside `gathered_for_generation`: the actor's shards are
 all-gathered once, and the decoding loop then runs without collectives, since ranks stop decoding
@@ -17,29 +20,36 @@ ever holds a second full copy next to the engine's.
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from posttrain.batch import Batch
 
-__all__ = ["RankWorker", "with_param_dtype"]
+__all__ = ["RankPlacement", "RankWorker"]
 
 
-def with_param_dtype(section: Any, dtype: str) -> Any:
-    """``section`` (a role's config holding ``fsdp_config``) with ``param_dtype: auto`` replaced by ``dtype``
-    (`follow_actor`'s rule, in the form the sharding code reads: a config)."""
-    from posttrain.workers.group import follow_actor
+class RankPlacement:
+    """How a rank places a role (`posttrain.workers.prepare.Placement`): FSDP2 shards over ``mesh``
+    (``fsdp_config`` says how), and ``auto`` precision decided on rank 0, on its unsharded model, for
+    every rank."""
 
-    chosen = follow_actor(section.fsdp_config, dtype)
-    if chosen is None:
-        return section
-    section = copy.deepcopy(section)
-    section.fsdp_config.mixed_precision.param_dtype = chosen
-    return section
+    def __init__(self, mesh: Any, device: torch.device, rank: int, world_size: int):
+        self.mesh, self.device, self.rank, self.world_size = mesh, device, rank, world_size
+
+    def agree(self, choose: Callable[[], str]) -> str:
+        choice = [choose() if self.rank == 0 else None]
+        torch.distributed.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def shard(self, module: torch.nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
+              gradient_checkpointing: bool = False) -> torch.nn.Module:
+        from posttrain.distributed.fsdp import shard_model
+
+        return shard_model(module, self.mesh, fsdp_config, param_dtype=param_dtype, forward_only=forward_only,
+                           gradient_checkpointing=gradient_checkpointing)
 
 
 class RankWorker:
@@ -48,8 +58,8 @@ class RankWorker:
 
     def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
         from posttrain.allocator import keep_freed_memory
-        from posttrain.config import uses_critic, uses_reference
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
+        from posttrain.workers.build import build_roles
 
         keep_freed_memory()  # a rank is a process of its own (posttrain.allocator says why)
 
@@ -61,102 +71,8 @@ class RankWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         torch.manual_seed(seed + self.rank)  # each rank samples its own responses
         mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
-        self.actor = self._build_actor(config, mesh, seed, tokenizer)
-        self.ref = self._build_ref(config, mesh) if uses_reference(config) else None
-        self.critic = self._build_critic(config, mesh, seed) if uses_critic(config) else None
-        self.rm = self._build_reward_model(config, mesh, tokenizer, world) if config.reward_model.enable else None
-
-    @staticmethod
-    def _lora(module: torch.nn.Module, model_config: Any, section: str, model_dtype: str, seed: int,
-              causal_lm: bool = True):
-        """LoRA adapters injected into the full model, before sharding (as verl: ``get_peft_model``, then
-        FSDP; FSDP2 shards frozen base and trainable adapter parameters alike), drawn from the run's
-        seed so every rank builds the same ones; None without LoRA."""
-        from posttrain.models.lora import apply_lora, lora_settings
-
-        settings = lora_settings(model_config, section)
-        if settings is None:
-            return None
-        return apply_lora(module, settings, model_path=model_config.path, model_dtype=model_dtype, causal_lm=causal_lm,
-                          seed=seed)
-
-    # ------------------------------------------------------------------ building the roles
-    def _build_actor(self, config: Any, mesh: Any, seed: int, tokenizer: Any):
-        from posttrain.distributed.fsdp import shard_model
-        from posttrain.models import load_causal_lm
-        from posttrain.workers import ActorWorker
-
-        arr = config.actor_rollout_ref
-        m = arr.model
-        module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
-                                dtype=arr.actor.fsdp_config.model_dtype, device="cpu")
-        lora = self._lora(module, m, "actor_rollout_ref.model", arr.actor.fsdp_config.model_dtype, seed)
-        actor_cfg = with_param_dtype(arr.actor, self._agreed_param_dtype(arr.actor.fsdp_config, module))
-        module = shard_model(module, mesh, actor_cfg.fsdp_config,
-                             gradient_checkpointing=bool(m.enable_gradient_checkpointing))
-        return ActorWorker(m, actor_cfg, arr.rollout, device=self.device, module=module, tokenizer=tokenizer, seed=seed,
-                           lora=lora)
-
-    def _agreed_param_dtype(self, fsdp_config: Any, module: torch.nn.Module) -> str:
-        """``param_dtype``, with ``auto`` decided on rank 0 (timed on its unsharded model) for every rank:
-        ranks computing in different precisions would not be one data-parallel model."""
-        from posttrain.models.compute_dtype import resolve_param_dtype
-
-        requested = fsdp_config.mixed_precision.param_dtype
-        if requested != "auto":
-            return requested
-        choice = [resolve_param_dtype(requested, module, self.device) if self.rank == 0 else None]
-        torch.distributed.broadcast_object_list(choice, src=0)
-        return choice[0]
-
-    def _build_ref(self, config: Any, mesh: Any):
-        from posttrain.distributed.fsdp import shard_model
-        from posttrain.models import load_causal_lm
-        from posttrain.workers import RefWorker
-        from posttrain.workers.actor import LoraReference
-
-        arr = config.actor_rollout_ref
-        if self.actor.lora is not None:  # verl's ref in actor: the adapters disabled, no second model
-            return LoraReference(self.actor, arr.ref)
-        m = arr.model
-        module = load_causal_lm(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
-                                dtype=arr.ref.fsdp_config.model_dtype, device="cpu")
-        ref_cfg = with_param_dtype(arr.ref, self.actor.param_dtype)
-        module = shard_model(module, mesh, ref_cfg.fsdp_config, forward_only=True)
-        return RefWorker(module, ref_cfg, arr.rollout, device=self.device, remove_padding=bool(m.use_remove_padding),
-                         compile_layers=bool(m.compile_layers))
-
-    def _build_critic(self, config: Any, mesh: Any, seed: int):
-        from posttrain.distributed.fsdp import shard_model
-        from posttrain.models import load_value_model
-        from posttrain.workers import CriticWorker
-
-        c = config.critic.model
-        module = load_value_model(c.path, trust_remote_code=c.trust_remote_code, override_config=c.override_config,
-                                  dtype=c.fsdp_config.model_dtype, device="cpu")
-        lora = self._lora(module.backbone, c, "critic.model", c.fsdp_config.model_dtype, seed, causal_lm=False)
-        critic_cfg = copy.deepcopy(config.critic)
-        critic_cfg.model = with_param_dtype(c, self.actor.param_dtype)
-        module = shard_model(module, mesh, critic_cfg.model.fsdp_config,
-                             gradient_checkpointing=bool(c.enable_gradient_checkpointing))
-        return CriticWorker(critic_cfg, device=self.device, module=module, seed=seed, lora=lora)
-
-    def _build_reward_model(self, config: Any, mesh: Any, tokenizer: Any, world: int):
-        """Frozen and sharded like the reference: each rank scores its own rows (data parallel)."""
-        from posttrain.distributed.fsdp import shard_model
-        from posttrain.models.reward_model import import_external_lib, load_reward_model
-        from posttrain.workers.reward_model import RewardModelWorker
-
-        rm = config.reward_model
-        m = rm.model
-        import_external_lib(m.external_lib)
-        module = load_reward_model(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
-                                   dtype=m.fsdp_config.model_dtype, device="cpu")
-        rm_model = with_param_dtype(m, self.actor.param_dtype)
-        module = shard_model(module, mesh, rm_model.fsdp_config, forward_only=True)
-        return RewardModelWorker.from_config(rm, tokenizer, config.actor_rollout_ref.model.path, device=self.device,
-                                             param_dtype=rm_model.fsdp_config.mixed_precision.param_dtype,
-                                             world_size=world, module=module)
+        self.roles = build_roles(config, RankPlacement(mesh, self.device, self.rank, world), seed, tokenizer=tokenizer)
+        self.actor, self.ref, self.critic, self.rm = self.roles.actor, self.roles.ref, self.roles.critic, self.roles.rm
 
     # ------------------------------------------------------------------ the group's calls
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
@@ -195,14 +111,14 @@ class RankWorker:
 
     def save_checkpoint(self, folder: str) -> list[str]:
         """Every rank writes its shards of each role into ``folder/<role>/`` (a collective)."""
-        roles = self._trained_roles()
+        roles = self.roles.trained()
         for name, worker in roles.items():
             with self._resident(worker, with_optimizer=True):
                 worker.save_checkpoint(Path(folder) / name)
         return list(roles)
 
     def load_checkpoint(self, folder: str) -> None:
-        for name, worker in self._trained_roles().items():
+        for name, worker in self.roles.trained().items():
             with self._resident(worker, with_optimizer=True):
                 worker.load_checkpoint(Path(folder) / name)
 
@@ -218,9 +134,6 @@ class RankWorker:
             return Path(path).read_text() == token
         except OSError:
             return False
-
-    def _trained_roles(self) -> dict[str, Any]:
-        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     @staticmethod
     def _resident(worker: Any, with_optimizer: bool = False):

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from posttrain.checkpoint.peft_folder import adapter_folder_problem  # re-exported
 from posttrain.errors import ConfigError
 
 __all__ = [
@@ -45,9 +46,9 @@ __all__ = [
     "LoraAdapter",
     "LoraSettings",
     "adapter_folder_problem",
+    "meta_model",
     "apply_lora",
     "base_digest",
-    "check_lora_config",
     "check_lora_targets",
     "has_lora",
     "lora_settings",
@@ -107,28 +108,6 @@ def lora_settings(model_config: Any, section: str) -> LoraSettings | None:
 
 
 # --------------------------------------------------------------------------- checks (start-up)
-def adapter_folder_problem(path: str) -> str | None:
-    """Why ``path`` is not a peft LoRA adapter folder (``adapter_config.json`` with peft_type LORA and
-    ``adapter_model.safetensors``), or None."""
-    folder = Path(os.path.expanduser(str(path)))
-    if not folder.exists():
-        return f"{folder} does not exist"
-    if not folder.is_dir():
-        return f"{folder} is a file, not a peft adapter folder"
-    config = folder / "adapter_config.json"
-    if not config.is_file():
-        return f"{folder} holds no adapter_config.json (not a folder written by peft's save_pretrained)"
-    try:
-        peft_type = json.loads(config.read_text()).get("peft_type")
-    except (OSError, ValueError) as err:
-        return f"{config} is not readable JSON ({err})"
-    if str(peft_type).upper() != "LORA":
-        return f"{config} describes a {peft_type} adapter; only LoRA adapters are supported"
-    if not (folder / "adapter_model.safetensors").is_file():
-        return f"{folder} holds no adapter_model.safetensors"
-    return None
-
-
 def _linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
 
@@ -182,31 +161,7 @@ def check_lora_targets(model: nn.Module, settings: LoraSettings, head: nn.Module
                               f"(a typo would silently adapt it); valid names include: {valid}")
 
 
-def check_lora_config(config: Any, actor_module: nn.Module | None = None, critic_module: nn.Module | None = None) -> None:
-    """Start-up check of both roles' LoRA module names against the models' structure, built from
-    their configs on the meta device (no weights loaded); in-memory modules are checked as given."""
-    from posttrain.config import uses_critic
-
-    roles = [("actor_rollout_ref.model", config.actor_rollout_ref.model, actor_module, True)]
-    if uses_critic(config):
-        roles.append(("critic.model", config.critic.model, critic_module, False))
-    for section, model_config, module, causal_lm in roles:
-        settings = lora_settings(model_config, section)
-        if settings is None or settings.adapter_path:
-            continue
-        if module is None:
-            module = _meta_model(model_config)
-            if not causal_lm:  # the critic adapts the causal LM's backbone
-                from posttrain.models.value_model import backbone_of
-
-                module = backbone_of(module)
-        elif not causal_lm:
-            module = module.backbone
-        head = module.get_output_embeddings() if causal_lm and hasattr(module, "get_output_embeddings") else None
-        check_lora_targets(module, settings, head)
-
-
-def _meta_model(model_config: Any) -> nn.Module:
+def meta_model(model_config: Any) -> nn.Module:
     """The model's module tree on the meta device: names and layer types, no memory, no weights."""
     from transformers import AutoModelForCausalLM
 

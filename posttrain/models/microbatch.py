@@ -12,6 +12,8 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
+from posttrain.checkpoint.ranks import is_sharded  # re-exported: a sharded forward is a collective
+
 __all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding", "forward_micro_batches",
            "MicroBatch", "equal_micro_batch_count", "is_sharded", "zero_loss_weight"]
 
@@ -19,16 +21,6 @@ MIN_PIECE_TOKENS = 1024
 """``split_for_padding`` keeps at least this many valid tokens per piece (smaller matmuls lose speed)."""
 PER_PIECE_COST = 0.03
 """Extra cost of one more forward call, as a fraction of the group's padded tokens."""
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """True when ``module`` holds FSDP2 units and a process group is up: its forwards and backwards are
-    collectives (so every rank runs as many), and its state is per-rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    from torch.distributed.fsdp import FSDPModule  # only once a process group exists: keeps imports light
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def split_rows(num_rows: int, micro_batch_size: int) -> list[torch.Tensor]:

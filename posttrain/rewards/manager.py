@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from posttrain.batch import Batch
+from posttrain.batch import Batch, response_mask_of
 from posttrain.errors import PosttrainError
 from posttrain.rewards._worker import die_with_parent, is_finite_number, score_chunk, score_row
 from posttrain.rewards.dispatch import default_compute_score
@@ -76,15 +76,6 @@ def _scoring():
 def _row_name(i: int, data_source: Any, extra_info: Any) -> str:
     index = extra_info.get("index") if isinstance(extra_info, dict) else None
     return f"row {i} (data_source={data_source!r}" + (f", extra_info.index={index!r})" if index is not None else ")")
-
-
-def response_mask_of(batch: Batch) -> torch.Tensor:
-    """``response_mask`` ``[N, R]``, or the response part of ``attention_mask`` when it is absent."""
-    if "response_mask" in batch:
-        return batch["response_mask"]
-    if "attention_mask" in batch and "responses" in batch:
-        return batch["attention_mask"][:, -batch["responses"].shape[1] :]
-    raise KeyError(f"the batch needs 'response_mask' (or 'attention_mask' and 'responses'); keys: {batch.keys()}")
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

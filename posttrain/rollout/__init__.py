@@ -6,7 +6,8 @@ weights after each update, `vllm_engine`); ``sglang`` is a recognised name that 
     out = engine.generate(prompts, SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout))
 """
 
-from posttrain.rollout.base import ROLLOUT_ENGINES, RolloutEngine, SamplingParams, get_rollout_engine
+from posttrain.rollout.base import RolloutEngine, SamplingParams
+from posttrain.rollout.engines import ROLLOUT_ENGINES, get_rollout_engine
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "SamplingParams", "get_rollout_engine", "HFRolloutEngine"]
 

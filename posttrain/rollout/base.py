@@ -1,4 +1,6 @@
-"""The rollout-engine interface, sampling parameters, and engine selection by name.
+"""The rollout-engine interface, sampling parameters, and what every engine shares: the output batch
+(`assemble_rollout_batch`) and the prompts' uids (`with_uids`). Engines are chosen by name in
+`posttrain.rollout.engines`.
 
 An engine turns a prompt batch into a response batch::
 
@@ -21,8 +23,14 @@ samples of a prompt keep its uid. When the prompt batch has no ``uid`` the engin
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from posttrain.batch import Batch
 
 __all__ = ["SamplingParams", "RolloutEngine", "get_rollout_engine", "ROLLOUT_ENGINES", "SGLANG_MISSING"]
 
@@ -89,32 +97,38 @@ class RolloutEngine(Protocol):
 # and records the pushed version in the engine's ``weights_version`` attribute.
 
 
-ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
+def assemble_rollout_batch(rows: Batch, responses: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor | None,
+                           pad_token_id: int) -> Batch:
+    """The output Batch of every engine (keys in ``posttrain.rollout.base``) from prompt rows ``[N, P]``,
+    generated ``responses`` ``[N, R]``, their ``mask`` ``[N, R]`` and log-probs (or None): tokens
+    outside the mask become ``pad_token_id``, log-probs 0; response positions continue the prompt's."""
+    prompt_ids, prompt_mask = rows["input_ids"], rows["attention_mask"]
+    dev = prompt_ids.device
+    responses = responses.masked_fill(mask == 0, pad_token_id)
+    prompt_pos = rows["position_ids"] if "position_ids" in rows else prompt_positions(prompt_mask)
+    resp_pos = prompt_pos[:, -1:] + torch.arange(1, responses.shape[1] + 1, device=dev)  # continue after the prompt (verl)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "response_mask": mask,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1),
+        "position_ids": torch.cat([prompt_pos, resp_pos], dim=1),
+    }
+    if log_probs is not None:
+        tensors["rollout_log_probs"] = log_probs * mask
+    return Batch.from_dict(tensors, dict(rows.non_tensor_batch), dict(rows.meta_info))
 
 
-def get_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine named by ``actor_rollout_ref.rollout.name``; kwargs go to its constructor.
-
-    ``hf`` -> :class:`posttrain.rollout.hf.HFRolloutEngine` (``model``, ``tokenizer``, ``autocast``).
-    ``vllm`` -> :class:`posttrain.rollout.vllm_engine.VLLMRolloutEngine` (the same, plus ``config``
-    and ``seed``); RuntimeError naming the install command when vLLM is not importable.
-    ``sglang`` fails at start-up: there is no SGLang engine yet.
-    """
-    if name == "hf":
-        from posttrain.rollout.hf import HFRolloutEngine
-
-        kwargs.pop("config", None)
-        kwargs.pop("seed", None)
-        return HFRolloutEngine(**kwargs)
-    if name == "vllm":
-        from posttrain.rollout.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(**kwargs)
-    if name == "sglang":
-        raise NotImplementedError(SGLANG_MISSING)
-    raise ValueError(f"unknown actor_rollout_ref.rollout.name={name!r}; valid: {ROLLOUT_ENGINES}")
+def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``clip(cumsum(mask) - 1, 0)``: position ids of a left-padded prompt ``[N, P]``."""
+    return torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
 
 
-SGLANG_MISSING = ("actor_rollout_ref.rollout.name=sglang: posttrain has no SGLang engine (one would need SGLang's "
-                  "in-process Engine with weight updates from tensors and memory release, and nothing here tests "
-                  "it); use actor_rollout_ref.rollout.name=vllm or hf")
+def with_uids(prompts: Batch) -> Batch:
+    """The prompts with a ``uid`` per row (kept when present, fresh uuid4 strings otherwise)."""
+    if "uid" in prompts.non_tensor_batch:
+        return prompts
+    out = Batch(prompts.batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))
+    out.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+    return out

@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import uuid
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import nn
 
 from posttrain.batch import Batch
 from posttrain.models.attention import fast_cpu_attention
-from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.base import SamplingParams, assemble_rollout_batch, prompt_positions, with_uids
 
-__all__ = ["HFRolloutEngine", "assemble_rollout_batch", "response_mask_from_eos"]
+__all__ = ["HFRolloutEngine", "assemble_rollout_batch", "response_mask_from_eos"]  # assemble_rollout_batch: re-exported
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int], num_generated: int) -> torch.Tensor:
@@ -88,10 +86,10 @@ class HFRolloutEngine:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """``N`` prompts -> ``N * sampling.n`` rows (keys in ``posttrain.rollout.base``)."""
-        prompts = _with_uids(prompts)
+        prompts = with_uids(prompts)
         rows = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
         per_call = max(1, self.max_batch_size // sampling.n)  # prompts per decoding batch
-        pos = prompts["position_ids"] if "position_ids" in prompts else _positions(prompts["attention_mask"])
+        pos = prompts["position_ids"] if "position_ids" in prompts else prompt_positions(prompts["attention_mask"])
         was_training = self.model.training
         self.model.eval()
         try:
@@ -171,29 +169,6 @@ class HFRolloutEngine:
             start = stop
         return assemble_rollout_batch(rows, responses, mask, log_probs if sampling.calculate_log_probs else None,
                                       self.pad_token_id)
-
-
-def assemble_rollout_batch(rows: Batch, responses: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor | None,
-                           pad_token_id: int) -> Batch:
-    """The output Batch of every engine (keys in ``posttrain.rollout.base``) from prompt rows ``[N, P]``,
-    generated ``responses`` ``[N, R]``, their ``mask`` ``[N, R]`` and log-probs (or None): tokens
-    outside the mask become ``pad_token_id``, log-probs 0; response positions continue the prompt's."""
-    prompt_ids, prompt_mask = rows["input_ids"], rows["attention_mask"]
-    dev = prompt_ids.device
-    responses = responses.masked_fill(mask == 0, pad_token_id)
-    prompt_pos = rows["position_ids"] if "position_ids" in rows else _positions(prompt_mask)
-    resp_pos = prompt_pos[:, -1:] + torch.arange(1, responses.shape[1] + 1, device=dev)  # continue after the prompt (verl)
-    tensors = {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "response_mask": mask,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1),
-        "position_ids": torch.cat([prompt_pos, resp_pos], dim=1),
-    }
-    if log_probs is not None:
-        tensors["rollout_log_probs"] = log_probs * mask
-    return Batch.from_dict(tensors, dict(rows.non_tensor_batch), dict(rows.meta_info))
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams, want_log_probs: bool):
@@ -303,17 +278,3 @@ class _ModelStepper:
 
     def decode(self, tokens, attention_mask, position_ids) -> torch.Tensor:
         return self._run(tokens, attention_mask, position_ids)
-
-
-def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``clip(cumsum(mask) - 1, 0)``: position ids of a left-padded prompt ``[N, P]``."""
-    return torch.clamp(torch.cumsum(attention_mask, dim=-1) - 1, min=0)
-
-
-def _with_uids(prompts: Batch) -> Batch:
-    """The prompts with a ``uid`` per row (kept when present, fresh uuid4 strings otherwise)."""
-    if "uid" in prompts.non_tensor_batch:
-        return prompts
-    out = Batch(prompts.batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))
-    out.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-    return out

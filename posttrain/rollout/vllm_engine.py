@@ -26,7 +26,7 @@ wakes before the next push, so training gets the memory back. vLLM's CPU build h
 there the KV cache (``kv_cache_memory_bytes``, see `cpu_kv_cache_bytes`) stays allocated for the
 engine's life. The GPU path is untested here (no GPU on the development machines).
 
-Output: the same Batch as the ``hf`` engine (`posttrain.rollout.hf.assemble_rollout_batch`): left
+Output: the same Batch as the ``hf`` engine (`posttrain.rollout.base.assemble_rollout_batch`): left
 padding stripped before the prompt goes in, stop tokens = the tokenizer's EOS plus the model's
 generation-config EOS, response mask up to and including the first EOS. ``rollout_log_probs`` are
 vLLM's ``logprobs_mode`` values of the sampled tokens (``processed_logprobs``: after temperature
@@ -58,8 +58,7 @@ import torch
 from torch import nn
 
 from posttrain.batch import Batch
-from posttrain.rollout.base import SamplingParams
-from posttrain.rollout.hf import _with_uids, assemble_rollout_batch
+from posttrain.rollout.base import SamplingParams, assemble_rollout_batch, with_uids
 
 __all__ = ["VLLMRolloutEngine", "import_vllm", "install_hint", "cpu_kv_cache_bytes"]
 
@@ -251,7 +250,7 @@ class VLLMRolloutEngine:
         """``N`` prompts -> ``N * sampling.n`` rows (keys in ``posttrain.rollout.base``)."""
         if self._broken:
             raise RuntimeError(self._broken)
-        prompts = _with_uids(prompts)
+        prompts = with_uids(prompts)
         rows = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()
         requests = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(len(prompts))]

@@ -88,12 +88,33 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     import torch
 
     from posttrain.data import RLHFDataset, build_val_loader
-    from posttrain.models import autocast_context, load_causal_lm, load_tokenizer
-    from posttrain.models.compute_dtype import resolve_param_dtype
-    from posttrain.rollout import SamplingParams, get_rollout_engine
-    from posttrain.trainer.setup import build_reward_fn, data_files, resolve_device
+    from posttrain.rollout import SamplingParams
+    from posttrain.trainer.setup import build_reward_fn, data_files
     from posttrain.trainer.validation import run_validation
 
+    _check_model_flags(model, tokenizer)
+    with resolve_model(model) as path:
+        config = _config(path, data, max_response_length, batch_size, list(overrides))
+        tok, module, device = _load_model(config, path, tokenizer)
+    files = data_files(config)[1]
+    dataset = RLHFDataset(files, tok, config.data)
+    if n is not None:
+        dataset.rows, dataset.input_ids = dataset.rows[:n], dataset.input_ids[:n]
+    loader = build_val_loader(dataset, config.data)
+    engine = _greedy_engine(config, module, tok, device)
+    length = int(config.data.max_response_length)
+    sampling = SamplingParams(n=1, temperature=0.0, do_sample=False, response_length=length,
+                              calculate_log_probs=False)
+    reward_fn = build_reward_fn(config, tok)
+    with torch.no_grad():
+        metrics, samples = run_validation(list(loader), lambda p: engine.generate(p, sampling), reward_fn, 1,
+                                          config.data.reward_fn_key)
+    rows = _rows(samples, tok, config.data.reward_fn_key)
+    return _result(model, files, length, metrics, rows)
+
+
+def _check_model_flags(model: str, tokenizer: str | None) -> None:
+    """``--model`` / ``--tokenizer`` name a model (or a checkpoint): a `ConfigError` naming the flag otherwise."""
     from posttrain.config import ConfigError
     from posttrain.trainer.preflight import model_path_problem
 
@@ -101,31 +122,38 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
         problem = None if value is None or _is_checkpoint(value) else model_path_problem(value)
         if problem is not None:
             raise ConfigError(f"{flag} {value}: {problem}")
-    with resolve_model(model) as path:
-        config = _config(path, data, max_response_length, batch_size, list(overrides))
-        m = config.actor_rollout_ref.model
-        tok = load_tokenizer(tokenizer or path, trust_remote_code=m.trust_remote_code,
-                             custom_chat_template=m.custom_chat_template)
-        device = resolve_device(config)
-        actor = config.actor_rollout_ref.actor
-        module = load_causal_lm(path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
-                                dtype=actor.fsdp_config.model_dtype, device=device)
-    module.eval()
-    files = data_files(config)[1]
-    dataset = RLHFDataset(files, tok, config.data)
-    if n is not None:
-        dataset.rows, dataset.input_ids = dataset.rows[:n], dataset.input_ids[:n]
-    loader = build_val_loader(dataset, config.data)
-    param_dtype = resolve_param_dtype(actor.fsdp_config.mixed_precision.param_dtype, module, device)
-    engine = get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
-                                autocast=functools.partial(autocast_context, device, param_dtype))
-    length = int(config.data.max_response_length)
-    sampling = SamplingParams(n=1, temperature=0.0, do_sample=False, response_length=length,
-                              calculate_log_probs=False)
-    reward_fn = build_reward_fn(config, tok)
-    key = config.data.reward_fn_key
-    with torch.no_grad():
-        metrics, samples = run_validation(list(loader), lambda p: engine.generate(p, sampling), reward_fn, 1, key)
+
+
+def _load_model(config: Any, path: str, tokenizer: str | None):
+    """(tokenizer, the policy on the run's device in eval mode, the device), loaded as a role is
+    (`posttrain.workers.prepare.load_role_model`)."""
+    from posttrain.models import load_tokenizer
+    from posttrain.trainer.setup import resolve_device
+    from posttrain.workers.prepare import load_role_model
+
+    m = config.actor_rollout_ref.model
+    tok = load_tokenizer(tokenizer or path, trust_remote_code=m.trust_remote_code,
+                         custom_chat_template=m.custom_chat_template)
+    device = resolve_device(config)
+    module = load_role_model("policy", m, config.actor_rollout_ref.actor.fsdp_config.model_dtype).to(device)
+    return tok, module.eval(), device
+
+
+def _greedy_engine(config: Any, module: Any, tok: Any, device: Any):
+    """The trainer's rollout engine on ``module``, computing in the actor's ``param_dtype`` (``auto``:
+    decided as for training, `posttrain.workers.prepare.decide_param_dtype`)."""
+    from posttrain.models import autocast_context
+    from posttrain.rollout import get_rollout_engine
+    from posttrain.workers.prepare import decide_param_dtype
+
+    param_dtype = decide_param_dtype(config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype,
+                                     module, device)
+    return get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
+                              autocast=functools.partial(autocast_context, device, param_dtype))
+
+
+def _rows(samples: list[dict], tok: Any, key: str) -> list[dict[str, Any]]:
+    """One row per response: data source, prompt, response text, ground truth, score."""
     rows = []
     for sample in samples:
         out = sample["batch"]
@@ -138,6 +166,11 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
             rows.append({"data_source": str(out.non_tensor_batch[key][i]), "prompt": prompts[i], "response": texts[i],
                          "ground_truth": out.non_tensor_batch["reward_model"][i].get("ground_truth"),
                          "score": float(score)})
+    return rows
+
+
+def _result(model: str, files: Any, length: int, metrics: dict[str, float], rows: list[dict]) -> dict[str, Any]:
+    """Accuracy per data source and overall (the mean score), with the rows."""
     per: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         per[r["data_source"]].append(r["score"])

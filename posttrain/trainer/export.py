@@ -34,7 +34,7 @@ from posttrain.checkpoint import (
     verify_checkpoint,
 )
 from posttrain.models.lora import ADAPTER_DIR
-from posttrain.workers.role_state import DCP_DIR, read_full_weights
+from posttrain.checkpoint.role import DCP_DIR, read_full_weights
 
 __all__ = ["export_actor", "main", "resolve_checkpoint"]
 

@@ -3,6 +3,7 @@
 - every model path exists (a local folder or ``.gguf`` file), or is a hub id or the smollm2 alias;
 - with ``reward_model.enable``: the reward model's config names a sequence-classification head with
   one label, its tokenizer (and ``input_tokenizer``) load, and ``external_lib`` imports;
+- each LoRA role's target and exclude module names exist in its model (built on the meta device);
 - every data file exists and is a ``.parquet`` / ``.jsonl`` / ``.json`` file (rows are read and
   checked when the datasets are built, still before the models);
 - the checkpoint folder can be created and written, no other run writes to it (a lock naming the
@@ -20,10 +21,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ConfigError, PostTrainConfig, uses_critic
+from posttrain.config import PostTrainConfig, uses_critic
+from posttrain.errors import ConfigError
 from posttrain.checkpoint import CheckpointManager
 
-__all__ = ["check_data_files", "check_model_paths", "check_reward_model", "claim_checkpoint_folder",
+__all__ = ["check_data_files", "check_lora_config", "check_model_paths", "check_reward_model", "claim_checkpoint_folder",
            "model_path_problem", "preflight"]
 
 # owner/name (or a bare legacy name such as gpt2): what the hub accepts as a repository id.
@@ -197,6 +199,30 @@ def claim_checkpoint_folder(config: PostTrainConfig, manager: CheckpointManager)
     except BaseException:
         manager.unlock()
         raise
+
+
+def check_lora_config(config: Any, actor_module: Any = None, critic_module: Any = None) -> None:
+    """Start-up check of both roles' LoRA module names against the models' structure, built from
+    their configs on the meta device (no weights loaded); in-memory modules are checked as given."""
+    from posttrain.models.lora import check_lora_targets, lora_settings, meta_model
+
+    roles = [("actor_rollout_ref.model", config.actor_rollout_ref.model, actor_module, True)]
+    if uses_critic(config):
+        roles.append(("critic.model", config.critic.model, critic_module, False))
+    for section, model_config, module, causal_lm in roles:
+        settings = lora_settings(model_config, section)
+        if settings is None or settings.adapter_path:
+            continue
+        if module is None:
+            module = meta_model(model_config)
+            if not causal_lm:  # the critic adapts the causal LM's backbone
+                from posttrain.models.value_model import backbone_of
+
+                module = backbone_of(module)
+        elif not causal_lm:
+            module = module.backbone
+        head = module.get_output_embeddings() if causal_lm and hasattr(module, "get_output_embeddings") else None
+        check_lora_targets(module, settings, head)
 
 
 def preflight(config: PostTrainConfig, actor_module: Any = None, critic_module: Any = None,

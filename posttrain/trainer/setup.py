@@ -48,7 +48,7 @@ def check_rollout_engine(config: PostTrainConfig) -> None:
     """Fail at start-up, not mid-run, when the named engine or ``algorithm.rollout_correction`` cannot run."""
     from posttrain.algorithms.rollout_correction import check_rollout_correction_config
     from posttrain.rollout import ROLLOUT_ENGINES
-    from posttrain.rollout.base import SGLANG_MISSING
+    from posttrain.rollout.engines import SGLANG_MISSING
 
     rollout = config.actor_rollout_ref.rollout
     if rollout.name not in ROLLOUT_ENGINES:
@@ -146,14 +146,11 @@ def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, devic
 
     `worker_config` holds per-rank batch sizes (`posttrain.config.worker_config`).
     """
-    from posttrain.models.lora import check_lora_config
-
-    check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
     if world_size(config) == 1:
         from posttrain.workers.group import build_local_group
 
         return build_local_group(worker_config, device, seed, actor_module, critic_module, tokenizer)
-    from posttrain.distributed.group import RankWorkerGroup
+    from posttrain.distributed.rank_group import RankWorkerGroup
 
     return RankWorkerGroup(config, worker_config, seed, tokenizer)
 

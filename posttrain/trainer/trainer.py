@@ -37,7 +37,7 @@ from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        scoring_in_progress)
-from posttrain.rewards.reward_model import score_responses, validation_skip_reason
+from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -97,6 +97,7 @@ class RLTrainer:
         for optim in (wcfg.actor_rollout_ref.actor.optim, wcfg.critic.optim):
             if optim.total_training_steps < 0:
                 optim.total_training_steps = self.total_steps
+        preflight.check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
         self.workers = setup.build_workers(config, wcfg, self.device, config.trainer.seed, actor_module, critic_module,
                                            tokenizer)
         algo = config.algorithm
@@ -228,9 +229,12 @@ class RLTrainer:
 
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """token_level_scores ``[N, R]`` and the reward's extra output: the reward model's score when
-        reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum),
-        else the reward function's (`posttrain.rewards.reward_model.score_responses`)."""
-        return score_responses(batch, self.reward_fn, self.workers, self.config.reward_model.combine)
+        reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum,
+        `posttrain.rewards.rm_combine.combine_rm_scores`), else the reward function's."""
+        if not self.workers.has_rm:
+            return self.reward_fn(batch)
+        rm_scores = self.workers.compute_rm_score(batch)  # the reward model's forward, on the workers
+        return combine_rm_scores(batch, rm_scores, self.reward_fn, self.config.reward_model.combine)
 
     def _rewards_with_kl(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """token_level_scores - beta * KL(old || ref) when algorithm.use_kl_in_reward (verl's apply_kl_penalty)."""

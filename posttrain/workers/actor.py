@@ -20,23 +20,16 @@ import torch
 from torch import nn
 
 from posttrain.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
-from posttrain.models import (
-    autocast_context,
-    compute_response_logprobs,
-    default_device,
-    enable_activation_checkpointing,
-    load_causal_lm,
-    load_tokenizer,
-    parse_dtype,
-    response_logprobs,
-)
+from posttrain.checkpoint.ranks import process_rank
+from posttrain.checkpoint.role import load_role_into, save_role
+from posttrain.models import autocast_context, compute_response_logprobs, default_device, load_tokenizer, parse_dtype
+from posttrain.models import response_logprobs
 from posttrain.models.compile import enable_layer_compile
-from posttrain.models.compute_dtype import resolve_param_dtype
-from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings, merged_for_generation
+from posttrain.models.lora import LoraAdapter, merged_for_generation
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
-from posttrain.workers.optim import build_lr_scheduler, build_optimizer
-from posttrain.workers.role_state import load_role_state, process_rank, save_role_state, trainable_parameters
+from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
+from posttrain.workers.prepare import InProcess, decide_param_dtype, load_role_model, prepare
 from posttrain.workers.update import ppo_update
 
 __all__ = ["ActorWorker", "LoraReference", "RefWorker"]
@@ -53,17 +46,6 @@ def _temperature(batch: Any, rollout_config: Any) -> float:
     return float(temp)
 
 
-def _load_policy(model_config: Any, fsdp_config: Any, device: torch.device) -> nn.Module:
-    return load_causal_lm(
-        model_config.path,
-        trust_remote_code=model_config.trust_remote_code,
-        override_config=model_config.override_config,
-        enable_gradient_checkpointing=model_config.enable_gradient_checkpointing,
-        dtype=fsdp_config.model_dtype,
-        device=device,
-    )
-
-
 class ActorWorker:
     """Policy model + AdamW + lr schedule; log-probs, PPO-style updates and the hybrid rollout.
 
@@ -74,36 +56,34 @@ class ActorWorker:
         rollout_config: ``actor_rollout_ref.rollout`` (temperature, log-prob micro-batches, sampling).
         device: defaults to cuda when present, else cpu.
         module, tokenizer: use these instead of loading ``model_config.path`` (tests, sharing).
-        seed: seeds the mini-batch shuffle generator.
-        lora: the adapters already injected into ``module`` (a sharded rank applies them before
-            sharding); by default they are added here when ``model_config`` asks for LoRA
-            (``lora_rank > 0`` or ``lora_adapter_path``). With LoRA only the adapters train (the
-            optimizer holds nothing else) and `compute_ref_log_prob` is the reference policy.
+        seed: seeds the mini-batch shuffle generator (and the LoRA adapters drawn here).
+        lora: the adapters already injected into ``module``.
+        param_dtype: the compute precision `posttrain.workers.build` decided; given, ``module`` is
+            ready (loaded, adapted, placed) and used as it is. Without it (a worker built directly,
+            in tests and notebooks) ``module`` is made ready here by the builder's own steps
+            (`posttrain.workers.prepare.prepare` in this process): loaded when None, LoRA added
+            when ``model_config`` asks (``lora_rank > 0`` or ``lora_adapter_path``) and ``lora``
+            is None, ``auto`` precision decided, moved to ``device``. With LoRA only the adapters
+            train (the optimizer holds nothing else) and `compute_ref_log_prob` is the reference policy.
     """
 
     def __init__(self, model_config: Any, actor_config: Any, rollout_config: Any = None, *,
                  device: str | torch.device | None = None, module: nn.Module | None = None,
-                 tokenizer: Any = None, seed: int = 0, lora: LoraAdapter | None = None):
+                 tokenizer: Any = None, seed: int = 0, lora: LoraAdapter | None = None,
+                 param_dtype: str | None = None):
         self.config, self.rollout_config = actor_config, rollout_config
         self.device = torch.device(device) if device is not None else default_device()
-        if module is None:
-            module = _load_policy(model_config, actor_config.fsdp_config, self.device)
-        elif model_config is not None and model_config.enable_gradient_checkpointing:
-            enable_activation_checkpointing(module)
-        settings = lora_settings(model_config, "actor_rollout_ref.model") if model_config is not None else None
-        if lora is None and settings is not None:
-            lora = apply_lora(module, settings, model_path=model_config.path,
-                              model_dtype=actor_config.fsdp_config.model_dtype, seed=seed)
-        self.lora = lora
-        self.module = module.to(self.device)
+        if param_dtype is None:
+            ready = prepare("policy", model_config, actor_config.fsdp_config, InProcess(self.device),
+                            section="actor_rollout_ref.model", module=module, lora=lora, seed=seed)
+            module, lora, param_dtype = ready.module, ready.lora, ready.param_dtype
+        self.lora, self.module, self.param_dtype = lora, module, param_dtype
         if model_config is not None and model_config.compile_layers:
             enable_layer_compile(self.module)
         if tokenizer is None and model_config is not None:
             tokenizer = load_tokenizer(model_config.path, trust_remote_code=model_config.trust_remote_code,
                                        custom_chat_template=model_config.custom_chat_template)
         self.tokenizer = tokenizer
-        self.param_dtype = resolve_param_dtype(actor_config.fsdp_config.mixed_precision.param_dtype, self.module,
-                                               self.device)  # "auto": the faster of bf16 / fp32 here
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
         # frozen parameters (a LoRA base) stay out of the optimizer: no state, no weight decay
         self.optimizer = build_optimizer(trainable_parameters(self.module), actor_config.optim)
@@ -242,36 +222,16 @@ class ActorWorker:
     # ------------------------------------------------------------------ checkpoint state
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config and
-        tokenizer for export) into
-        the new folder ``folder``; sharded models: every rank calls it (see ``role_state``).
+        tokenizer for export) into the new folder ``folder``; sharded models: every rank calls it.
         With LoRA the weights are the adapters alone (the base reloads from ``model.path``), plus
-        ``lora_adapter/`` (a peft folder) and ``lora_base.json`` (which base they belong to)."""
-        save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
-                        hf_config=self.module.config, tokenizer=self.tokenizer, trainable_only=self.lora is not None)
-        if self.lora is not None:
-            self.lora.write(folder, rank=process_rank())
+        ``lora_adapter/`` (a peft folder) and ``lora_base.json`` (`posttrain.checkpoint.role.save_role`)."""
+        save_role(folder, self, tokenizer=self.tokenizer, adapter_folder=True)
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, at this or another world size (never executes code).
         LoRA: refused when the adapters were trained on other base weights."""
-        if self.lora is not None:
-            self.lora.check_base(folder)
-        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
-                        trainable_only=self.lora is not None)
+        load_role_into(folder, self)
         self.weights_version += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, lr scheduler and shuffle-generator state."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(), "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.weights_version += 1
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if "generator" in state:
-            self.generator.set_state(state["generator"])
 
 
 class RefWorker:
@@ -292,8 +252,8 @@ class RefWorker:
         self.device = torch.device(device) if device is not None else default_device()
         module = module.to(self.device)
         # the actor's precision when given (log-probs comparable with the old ones), else the config's
-        self.param_dtype = param_dtype or resolve_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
-                                                              module, self.device)
+        self.param_dtype = param_dtype or decide_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
+                                                             module, self.device)
         self.module = module.eval().requires_grad_(False)
         if compile_layers:
             enable_layer_compile(self.module)
@@ -304,9 +264,7 @@ class RefWorker:
                     device: str | torch.device | None = None, param_dtype: str | None = None) -> "RefWorker":
         """Load ``model_config.path`` (no gradient checkpointing: the reference never trains)."""
         dev = torch.device(device) if device is not None else default_device()
-        module = load_causal_lm(model_config.path, trust_remote_code=model_config.trust_remote_code,
-                                override_config=model_config.override_config,
-                                dtype=ref_config.fsdp_config.model_dtype, device=dev)
+        module = load_role_model("policy", model_config, ref_config.fsdp_config.model_dtype)
         return cls(module, ref_config, rollout_config, device=dev, remove_padding=bool(model_config.use_remove_padding),
                    param_dtype=param_dtype, compile_layers=bool(model_config.compile_layers))
 

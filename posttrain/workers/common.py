@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.batch import response_mask_of
 from posttrain.models.microbatch import forward_micro_batches
 from posttrain.models.shared_prefix import prompt_key
 
@@ -34,13 +35,6 @@ __all__ = [
     "select_rows",
     "step_scheduler",
 ]
-
-
-def response_mask_of(data: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``response_mask`` ``[B, R]`` if present, else the response part of ``attention_mask``."""
-    if "response_mask" in data:
-        return data["response_mask"]
-    return data["attention_mask"][:, -data["responses"].shape[1]:]
 
 
 def select_rows(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, device: torch.device) -> dict:

@@ -14,23 +14,15 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import compute_value_loss, masked_mean
-from posttrain.models import (
-    ValueModel,
-    autocast_context,
-    default_device,
-    enable_activation_checkpointing,
-    load_value_model,
-    micro_batch_indices,
-    response_hidden_states,
-    split_for_padding,
-)
+from posttrain.checkpoint.role import load_role_into, save_role
+from posttrain.models import ValueModel, autocast_context, default_device, micro_batch_indices, response_hidden_states
+from posttrain.models import split_for_padding
 from posttrain.models.compile import compiled_layers, enable_layer_compile
-from posttrain.models.compute_dtype import resolve_param_dtype
-from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
+from posttrain.models.lora import LoraAdapter
 from posttrain.models.microbatch import equal_micro_batch_count
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
-from posttrain.workers.optim import build_lr_scheduler, build_optimizer
-from posttrain.workers.role_state import load_role_state, process_rank, save_role_state, trainable_parameters
+from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
+from posttrain.workers.prepare import InProcess, prepare
 from posttrain.workers.update import ppo_update
 
 __all__ = ["CriticWorker", "response_values"]
@@ -59,11 +51,14 @@ class CriticWorker:
             use_dynamic_bsz, ppo_max_token_len_per_gpu, forward_max_token_len_per_gpu).
         device: defaults to cuda when present, else cpu.
         module: a :class:`ValueModel` to use instead of loading ``config.model.path``.
-        seed: seeds the mini-batch shuffle generator.
-        lora: LoRA adapters already injected into ``module.backbone`` (a sharded rank applies them
-            before sharding); by default added here when ``critic.model.lora_rank > 0``. The value
-            head stays trainable beside them (verl's LoRA critic keeps its score head in peft's
-            ``modules_to_save``).
+        seed: seeds the mini-batch shuffle generator (and the LoRA adapters drawn here).
+        lora: LoRA adapters already injected into ``module.backbone``. The value head stays trainable
+            beside them (verl's LoRA critic keeps its score head in peft's ``modules_to_save``).
+        param_dtype: the compute precision `posttrain.workers.build` decided (the actor's, when the
+            critic's is ``auto``); given, ``module`` is ready and used as it is. Without it the module
+            is made ready here by the builder's own steps (`posttrain.workers.prepare.prepare`, in
+            this process): loaded when None, LoRA added when ``critic.model.lora_rank > 0`` and
+            ``lora`` is None, ``auto`` timed on the backbone, moved to ``device``.
     """
 
     def __init__(self, config: Any, *, device: str | torch.device | None = None,
@@ -72,24 +67,13 @@ class CriticWorker:
         self.config = config
         self.device = torch.device(device) if device is not None else default_device()
         mcfg = config.model
-        if module is None:
-            module = load_value_model(
-                mcfg.path, trust_remote_code=mcfg.trust_remote_code, override_config=mcfg.override_config,
-                enable_gradient_checkpointing=mcfg.enable_gradient_checkpointing,
-                dtype=mcfg.fsdp_config.model_dtype, device=self.device)
-        elif mcfg.enable_gradient_checkpointing:
-            enable_activation_checkpointing(module.backbone)
-        settings = lora_settings(mcfg, "critic.model")
-        if lora is None and settings is not None:
-            lora = apply_lora(module.backbone, settings, model_path=mcfg.path,
-                              model_dtype=mcfg.fsdp_config.model_dtype, causal_lm=False, seed=seed)
-        self.lora = lora
-        self.module = module.to(self.device)
+        if param_dtype is None:
+            ready = prepare("value", mcfg, mcfg.fsdp_config, InProcess(self.device), section="critic.model",
+                            module=module, lora=lora, seed=seed)
+            module, lora, param_dtype = ready.module, ready.lora, ready.param_dtype
+        self.lora, self.module, self.param_dtype = lora, module, param_dtype
         if mcfg.compile_layers:
             enable_layer_compile(self.module, "critic.model.compile_layers")
-        # the actor's precision when given, else the config's ("auto": timed on the backbone)
-        self.param_dtype = param_dtype or resolve_param_dtype(mcfg.fsdp_config.mixed_precision.param_dtype,
-                                                              self.module.backbone, self.device)
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
         self.optimizer = build_optimizer(trainable_parameters(self.module), config.optim)  # LoRA: adapters + head
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
@@ -143,27 +127,10 @@ class CriticWorker:
 
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config) into
-        the new folder ``folder``; sharded models: every rank calls it (see ``role_state``)."""
-        save_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
-                        hf_config=self.module.config, trainable_only=self.lora is not None)
-        if self.lora is not None:  # which base the adapters belong to (the adapter folder is the actor's export)
-            self.lora.write_base_record(folder, rank=process_rank())
+        the new folder ``folder``; sharded models: every rank calls it (`posttrain.checkpoint.role.save_role`;
+        with LoRA the adapters and value head alone, plus ``lora_base.json``)."""
+        save_role(folder, self)
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, at this or another world size (never executes code)."""
-        if self.lora is not None:
-            self.lora.check_base(folder)
-        load_role_state(Path(folder), self.module, self.optimizer, self.lr_scheduler, self.generator,
-                        trainable_only=self.lora is not None)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, lr scheduler and shuffle-generator state."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(), "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if "generator" in state:
-            self.generator.set_state(state["generator"])
+        load_role_into(folder, self)

@@ -20,13 +20,14 @@ across the data-parallel ranks and gathering the results back in order.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from posttrain.batch import Batch
+from posttrain.workers.build import Roles, build_roles
+from posttrain.workers.prepare import InProcess
 
 __all__ = ["LocalWorkerGroup", "WorkerGroup", "build_local_group"]
 
@@ -68,6 +69,7 @@ class LocalWorkerGroup:
 
     def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None):
         self.actor, self.ref, self.critic, self.rm = actor, ref, critic, rm
+        self.roles = Roles(actor, ref, critic, rm)
         self.has_ref, self.has_critic, self.has_rm = ref is not None, critic is not None, rm is not None
 
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
@@ -92,66 +94,22 @@ class LocalWorkerGroup:
         return self.critic.update_critic(batch)
 
     def save_checkpoint(self, folder: Path) -> list[str]:
-        roles = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        roles = self.roles.trained()
         for name, worker in roles.items():
             worker.save_checkpoint(Path(folder) / name)
         return list(roles)
 
     def load_checkpoint(self, folder: Path) -> None:
-        self.actor.load_checkpoint(Path(folder) / "actor")
-        if self.critic is not None:
-            self.critic.load_checkpoint(Path(folder) / "critic")
+        for name, worker in self.roles.trained().items():
+            worker.load_checkpoint(Path(folder) / name)
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
 
 
-def follow_actor(fsdp_config: Any, actor_dtype: str) -> str | None:
-    """A role whose ``param_dtype`` is ``auto`` computes in the precision chosen for the actor."""
-    return actor_dtype if fsdp_config.mixed_precision.param_dtype == "auto" else None
-
-
 def build_local_group(config: Any, device: torch.device, seed: int, actor_module: Any = None,
                       critic_module: Any = None, tokenizer: Any = None) -> LocalWorkerGroup:
-    """Actor (+ hybrid rollout), reference when KL is used, critic for GAE, reward model when
-    ``reward_model.enable``, in this process.
-
-    `config` holds per-rank batch sizes (`posttrain.config.worker_config`). The reference is loaded
-    from ``actor_rollout_ref.model.path`` like the actor; only when the caller hands in an in-memory
-    ``actor_module`` (tests, notebooks) is the reference a copy of that module's initial weights.
-    With LoRA no reference model is loaded at all: the actor with its adapters disabled is the
-    reference (`LoraReference`, verl's "ref in actor").
-    """
-    from posttrain.config import uses_critic, uses_reference
-    from posttrain.models.lora import lora_settings
-    from posttrain.workers import ActorWorker, CriticWorker, RefWorker
-    from posttrain.workers.actor import LoraReference
-
-    arr = config.actor_rollout_ref
-    ref_in_actor = lora_settings(arr.model, "actor_rollout_ref.model") is not None
-    copy_initial = actor_module is not None and uses_reference(config) and not ref_in_actor
-    initial = copy.deepcopy(actor_module) if copy_initial else None
-    actor = ActorWorker(arr.model, arr.actor, arr.rollout, device=device, module=actor_module,
-                        tokenizer=tokenizer, seed=seed)
-    ref = critic = None
-    if uses_reference(config) and ref_in_actor:
-        ref = LoraReference(actor, arr.ref)
-    elif uses_reference(config):
-        dtype = follow_actor(arr.ref.fsdp_config, actor.param_dtype)
-        if initial is None:
-            ref = RefWorker.from_config(arr.model, arr.ref, arr.rollout, device=device, param_dtype=dtype)
-        else:
-            ref = RefWorker(initial, arr.ref, arr.rollout, device=device, param_dtype=dtype,
-                            remove_padding=bool(arr.model.use_remove_padding),
-                            compile_layers=bool(arr.model.compile_layers))
-    if uses_critic(config):
-        critic = CriticWorker(config.critic, device=device, module=critic_module, seed=seed,
-                              param_dtype=follow_actor(config.critic.model.fsdp_config, actor.param_dtype))
-    rm = None
-    if config.reward_model.enable:  # frozen, scored right after generation (posttrain.workers.reward_model)
-        from posttrain.workers.reward_model import RewardModelWorker
-
-        rm = RewardModelWorker.from_config(config.reward_model, actor.tokenizer, arr.model.path, device=device,
-                                           param_dtype=follow_actor(config.reward_model.model.fsdp_config,
-                                                                    actor.param_dtype))
-    return LocalWorkerGroup(actor, ref, critic, rm)
+    """Every role of the run in this process (`posttrain.workers.build.build_roles`, placed on ``device``)."""
+    roles = build_roles(config, InProcess(device), seed, tokenizer=tokenizer, actor_module=actor_module,
+                        critic_module=critic_module)
+    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm)

@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = [
     "build_optimizer",
     "build_lr_scheduler",
+    "trainable_parameters",
     "constant_schedule_with_warmup",
     "cosine_schedule_with_warmup",
     "scheduler_type",
@@ -97,3 +98,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: Any) -> LambdaLR
         factor = cosine_schedule_with_warmup(warm, total, float(optim.min_lr_ratio), float(optim.num_cycles))
         return LambdaLR(optimizer, factor)
     raise ValueError(f"unknown lr schedule {kind!r} (optim.lr_scheduler_type / optim.warmup_style): constant, cosine")
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer updates: those with ``requires_grad`` (all, in full fine-tuning)."""
+    return [p for p in module.parameters() if p.requires_grad]

@@ -29,7 +29,7 @@ from posttrain.batch import Batch
 from posttrain.models.logprobs import forget_forward_record  # the reference's forward-only FSDP care
 from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices
 from posttrain.models.precision import autocast_context
-from posttrain.models.reward_model import import_external_lib, last_token_scores, load_reward_model
+from posttrain.models.reward_model import import_external_lib, last_token_scores
 from posttrain.rewards.manager import place_on_last_token, response_mask_of
 
 __all__ = ["RewardModelWorker", "per_rank_micro_batch", "render_for_reward_model"]
@@ -66,8 +66,9 @@ class RewardModelWorker:
         rm_tokenizer: the reward model's tokenizer (its chat template renders the inputs).
         input_tokenizer: decodes the actor's responses; None feeds the actor's ids unchanged.
         micro_batch_size: rows per forward on this rank (`per_rank_micro_batch`).
-        param_dtype: compute precision (bf16 autocast or fp32); None: the config's, ``auto`` -> the
-            device's usual choice (bf16 on CUDA, fp32 on CPU).
+        param_dtype: compute precision (bf16 autocast or fp32) that `posttrain.workers.build` decided
+            (the actor's, when the reward model's is ``auto``); None: the config's, which must then
+            not be ``auto`` (``auto`` follows the actor, which only the builder knows).
     """
 
     def __init__(self, module: nn.Module, config: Any, *, rm_tokenizer: Any, input_tokenizer: Any = None,
@@ -80,18 +81,19 @@ class RewardModelWorker:
         text_config = self.module.config.get_text_config()
         if text_config.pad_token_id is None:  # transformers refuses batches of > 1 row without one
             text_config.pad_token_id = rm_tokenizer.pad_token_id
-        requested = param_dtype or config.model.fsdp_config.mixed_precision.param_dtype
-        if requested == "auto":
-            requested = "bf16" if self.device.type == "cuda" else "fp32"
-        self.param_dtype = requested
+        self.param_dtype = param_dtype or config.model.fsdp_config.mixed_precision.param_dtype
+        if self.param_dtype == "auto":
+            raise ValueError("RewardModelWorker: reward_model.model.fsdp_config.mixed_precision.param_dtype=auto "
+                             "follows the actor's precision; pass param_dtype (posttrain.workers.build does)")
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
         self._shown_example = self._warned_cut = False
 
     @classmethod
-    def from_config(cls, config: Any, actor_tokenizer: Any, actor_path: str, *, device: str | torch.device = "cpu",
-                    param_dtype: str | None = None, world_size: int = 1,
-                    module: nn.Module | None = None) -> "RewardModelWorker":
-        """Load the tokenizers (and the model, unless ``module`` is given) named by ``config.model``.
+    def from_config(cls, config: Any, actor_tokenizer: Any, actor_path: str, module: nn.Module, *,
+                    device: str | torch.device = "cpu", param_dtype: str | None = None,
+                    world_size: int = 1) -> "RewardModelWorker":
+        """The worker of the ready ``module`` (`posttrain.workers.build`), with the tokenizers named by
+        ``config.model``.
 
         ``input_tokenizer`` equal to the actor's path reuses the actor's tokenizer object (its custom
         chat template included); another path loads that tokenizer.
@@ -106,9 +108,6 @@ class RewardModelWorker:
             same = str(m.input_tokenizer) == str(actor_path) and actor_tokenizer is not None
             input_tokenizer = actor_tokenizer if same else load_tokenizer(m.input_tokenizer,
                                                                           trust_remote_code=m.trust_remote_code)
-        if module is None:
-            module = load_reward_model(m.path, trust_remote_code=m.trust_remote_code, override_config=m.override_config,
-                                       dtype=m.fsdp_config.model_dtype, device=device)
         return cls(module, config, rm_tokenizer=rm_tokenizer, input_tokenizer=input_tokenizer,
                    micro_batch_size=per_rank_micro_batch(config, world_size), device=device, param_dtype=param_dtype)
 

@@ -368,7 +368,6 @@ def test_every_estimator_accepts_the_uniform_call():
 
 def test_registry_rules(monkeypatch):
     monkeypatch.setattr(adv_mod, "_ADV_ESTIMATORS", dict(adv_mod._ADV_ESTIMATORS))
-    monkeypatch.setattr(adv_mod, "_SPECS", dict(adv_mod._SPECS))
 
     def mine(**kwargs):
         return None, None
@@ -393,7 +392,6 @@ def test_a_registered_estimator_declares_its_needs_once(monkeypatch):
     from posttrain.trainer.trainer import GREEDY_BASELINE_ESTIMATORS
 
     monkeypatch.setattr(adv_mod, "_ADV_ESTIMATORS", dict(adv_mod._ADV_ESTIMATORS))
-    monkeypatch.setattr(adv_mod, "_SPECS", dict(adv_mod._SPECS))
 
     @register_adv_est("my_grouped", needs_groups=True, needs_greedy_baseline=True, summary="my grouped baseline")
     def my_grouped(**kwargs):

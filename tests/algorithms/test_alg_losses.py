@@ -274,7 +274,6 @@ def test_masked_positions_never_change_policy_losses(name, mode):
 
 def test_policy_loss_registry_rules(monkeypatch):
     monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
-    monkeypatch.setattr(pl_mod, "_LOSS_SPECS", dict(pl_mod._LOSS_SPECS))
 
     def mine(*args, **kwargs):
         return torch.tensor(0.0), {}
@@ -322,7 +321,6 @@ def test_a_policy_loss_declares_the_keys_it_reads(monkeypatch):
     from posttrain.diff import consequences
 
     monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
-    monkeypatch.setattr(pl_mod, "_LOSS_SPECS", dict(pl_mod._LOSS_SPECS))
     builtin = "posttrain/config/builtin.yaml"
     assert policy_loss_spec("sapo").keys == ("tau_pos", "tau_neg")
     with pytest.raises(ConfigError, match=r"loss_mode=sapo reads actor_rollout_ref.actor.tau_pos"):

@@ -1,5 +1,5 @@
 """Per-node resource checks against made-up clusters (no Ray started); the checks against the real
-local cluster are in test_ray_group.py, where Ray runs."""
+local cluster are in test_ray_pool.py, where Ray runs."""
 
 import pytest
 

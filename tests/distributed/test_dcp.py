@@ -1,4 +1,4 @@
-"""DCP checkpoints (posttrain/distributed/dcp.py): resharding 2 ranks <-> 1 plain module, HF export,
+"""DCP checkpoints (posttrain/checkpoint/dcp.py): resharding 2 ranks <-> 1 plain module, HF export,
 and loads that refuse to execute code planted in a checkpoint."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.config.actor_rollout_ref import OptimConfig
 from helpers.tokenizer import build_tiny_tokenizer
-from posttrain.distributed.dcp import (SafeFileSystemReader, UnsafeCheckpointError, full_state_dict_for_export,
+from posttrain.checkpoint.dcp import (SafeFileSystemReader, UnsafeCheckpointError, full_state_dict_for_export,
                                        load_sharded, save_sharded)
 from posttrain.distributed.fsdp import build_mesh, run_local_ranks, shard_model
 from posttrain.workers.optim import build_optimizer

@@ -187,7 +187,7 @@ def test_grpo_runs_and_a_dead_rank_stops_the_run_fast(ray_cluster, tmp_path, whe
     rollout) or while they save: the run must end with an error naming the rank within 30 s, and the
     checkpoint of step 2 stays the latest, complete, with no half-written folder left."""
     from posttrain.checkpoint import CheckpointManager
-    from posttrain.distributed.ray_group import WorkerGroupError
+    from posttrain.distributed.ray_pool import WorkerGroupError
     from posttrain.trainer.trainer import RLTrainer
 
     cfg = tiny_config(tmp_path, ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=4", "trainer.save_freq=2",

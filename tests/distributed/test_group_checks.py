@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from posttrain.distributed.group import unshared_ranks_message
-from posttrain.distributed.ray_group import RankInfo
+from posttrain.distributed.rank_group import unshared_ranks_message
+from posttrain.distributed.ray_pool import RankInfo
 
 
 def _rank(r: int, host: str, ip: str) -> RankInfo:
@@ -34,18 +34,17 @@ def test_one_rank_trains_without_ray(tmp_path, monkeypatch):
 def _agreed_dtype_on_rank(rank, world, cache_dir):
     """Rank 0 times its model (each rank's own timing could differ); every rank gets rank 0's answer."""
     import os
-    from types import SimpleNamespace
 
     import torch
 
     from helpers.tiny_models import tiny_llama
     from helpers.tokenizer import build_tiny_tokenizer
-    from posttrain.distributed.rank import RankWorker
+    from posttrain.distributed.rank import RankPlacement
+    from posttrain.workers.prepare import decide_param_dtype
 
     os.environ["POSTTRAIN_CACHE_DIR"] = f"{cache_dir}/rank{rank}"  # no shared cache: rank 0 really measures
-    me = SimpleNamespace(rank=rank, device=torch.device("cpu"))
-    fsdp = SimpleNamespace(mixed_precision=SimpleNamespace(param_dtype="auto"))
-    choice = RankWorker._agreed_param_dtype(me, fsdp, tiny_llama(build_tiny_tokenizer()))
+    place = RankPlacement(None, torch.device("cpu"), rank, world)
+    choice = decide_param_dtype("auto", tiny_llama(build_tiny_tokenizer()), place.device, place.agree)
     measured = os.path.exists(f"{cache_dir}/rank{rank}/precision.json")
     return {"choice": choice, "measured": measured}
 

@@ -14,7 +14,7 @@ from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.batch import Batch, to_object_array
 from posttrain.config import ConfigError
 from posttrain.config.critic import RewardModelConfig
-from posttrain.rewards.reward_model import RM_SCORE_KEY, score_responses, validation_skip_reason
+from posttrain.rewards.rm_combine import RM_SCORE_KEY, score_responses, validation_skip_reason
 from posttrain.workers.group import LocalWorkerGroup
 from posttrain.workers.reward_model import RewardModelWorker
 

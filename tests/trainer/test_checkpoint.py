@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain import checkpoint as ckpt
+from posttrain.checkpoint import layout as ckpt
 from posttrain.checkpoint import CheckpointError, CheckpointManager, RoleState, restore_rng
 from posttrain.trainer.resume import check_compatible, config_fingerprint, resolve_resume
 
@@ -78,9 +78,8 @@ def test_round_trip_restores_model_optimizer_scheduler_extra_and_rng(tmp_path):
     tok = build_tiny_tokenizer()
     hf_config = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=64)
-    role = RoleState.from_worker({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                  "lr_scheduler": scheduler.state_dict(), "generator": generator.get_state()},
-                                 hf_config=hf_config, tokenizer=tok)
+    role = RoleState(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                     generator=generator.get_state(), hf_config=hf_config, tokenizer=tok)
     extra = {"step": 3, "sampler": {"epoch": 1, "index": 17}, "kl_ctrl": {"value": 0.05},
              "config_fingerprint": {"adv_estimator": "grpo", "critic": False}, "np": np.float32(0.5)}
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
@@ -108,7 +107,6 @@ def test_round_trip_restores_model_optimizer_scheduler_extra_and_rng(tmp_path):
     assert fresh_opt.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
     assert actor.scheduler == scheduler.state_dict()
     assert torch.equal(actor.generator, generator.get_state())
-    assert set(actor.worker_state()) == {"model", "optimizer", "lr_scheduler", "generator"}
     assert actor.hf_config.hidden_size == 32 and actor.tokenizer.encode("1+2") == tok.encode("1+2")
     assert loaded.extra == {**extra, "np": 0.5}
 

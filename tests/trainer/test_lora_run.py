@@ -227,7 +227,7 @@ def test_unknown_target_module_fails_before_any_weights_load(tmp_path, monkeypat
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the LoRA check")
 
-    for where in ("posttrain.workers.actor.load_causal_lm", "posttrain.workers.critic.load_value_model"):
+    for where in ("posttrain.workers.prepare.load_causal_lm", "posttrain.workers.prepare.load_value_model"):
         monkeypatch.setattr(where, no_weights)
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.target_modules=\['q_proj', 'qv_proj'\]: "
                                           r"'qv_proj' matches no module of LlamaForCausalLM; valid names include: "

@@ -152,14 +152,14 @@ def test_compute_log_prob_micro_batching_and_dynamic(tok, train_batch):
     torch.testing.assert_close(lp_dyn, lp3, rtol=1e-5, atol=1e-6)
 
 
-def test_state_dict_resume_matches_uninterrupted(tok, train_batch):
+def test_checkpoint_resume_matches_uninterrupted(tok, train_batch, tmp_path):
     kw = dict(mini_batch_size=4, micro_batch_size=2, actor=dict(shuffle=True))
     a, _ = make_actor(tok, **kw)
     a.update_policy(train_batch)
-    saved = copy.deepcopy(a.state_dict())
+    a.save_checkpoint(tmp_path / "actor")
     a.update_policy(train_batch)
     b, _ = make_actor(tok, **kw)
-    b.load_state_dict(saved)
+    b.load_checkpoint(tmp_path / "actor")
     b.update_policy(train_batch)
     for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)

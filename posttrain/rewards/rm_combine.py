@@ -23,7 +23,7 @@ import torch
 
 from posttrain.batch import Batch
 
-__all__ = ["COMBINE_MODES", "RM_SCORE_KEY", "score_responses", "validation_skip_reason"]
+__all__ = ["COMBINE_MODES", "RM_SCORE_KEY", "combine_rm_scores", "score_responses", "validation_skip_reason"]
 
 COMBINE_MODES = ("replace", "sum")
 RM_SCORE_KEY = "reward_model/score"
@@ -36,9 +36,22 @@ def score_responses(batch: Batch, reward_fn: Callable[[Batch], tuple], workers: 
     with one, its scores (``replace``) or their sum with the reward function's (``sum``)."""
     if not getattr(workers, "has_rm", False):
         return reward_fn(batch)
+    check_combine(combine)
+    return combine_rm_scores(batch, workers.compute_rm_score(batch), reward_fn, combine)
+
+
+def check_combine(combine: str) -> None:
     if combine not in COMBINE_MODES:
         raise ValueError(f"reward_model.combine={combine!r}; valid: {', '.join(COMBINE_MODES)}")
-    rm_scores = workers.compute_rm_score(batch).to(torch.float32)
+
+
+def combine_rm_scores(batch: Batch, rm_scores: torch.Tensor, reward_fn: Callable[[Batch], tuple],
+                      combine: str = "replace") -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """``(token_level_scores [N, R], extra)`` from the reward model's ``rm_scores`` ``[N, R]``: they
+    alone (``replace``, verl's rule: the reward function is not called) or their sum with the reward
+    function's (``sum``); ``extra`` carries each row's reward-model score (`RM_SCORE_KEY`)."""
+    check_combine(combine)
+    rm_scores = rm_scores.to(torch.float32)
     extra = {RM_SCORE_KEY: rm_scores.sum(-1).to(torch.float64).cpu().numpy()}
     if combine == "replace":
         return rm_scores, extra

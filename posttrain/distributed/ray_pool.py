@@ -1,4 +1,4 @@
-"""``RayWorkerGroup``: ``W = nnodes * n_gpus_per_node`` Ray actors, one per device, each hosting one
+"""``RayActorPool``: ``W = nnodes * n_gpus_per_node`` Ray actors, one per device, each hosting one
 instance of a user-supplied worker class; calls go to every rank and results come back in rank order.
 
 Placement (verl's ``RayResourcePool``): one placement group per node, ``STRICT_PACK``, with one
@@ -39,7 +39,7 @@ from posttrain.errors import PosttrainError
 from posttrain.distributed.cluster import (ClusterResourceError, bundle_for, check_resources, describe_nodes,
                                            free_resources_per_node, ip_sort_key)
 
-__all__ = ["RankInfo", "RayWorkerGroup", "WorkerGroupError", "assign_ranks", "node_visible_devices"]
+__all__ = ["RankInfo", "RayActorPool", "WorkerGroupError", "assign_ranks", "node_visible_devices"]
 
 _POLL_S = 1.0  # how often a waiting driver wakes to check the overall call timeout
 
@@ -112,7 +112,7 @@ class _RankHost:
 
 
 # ------------------------------------------------------------------------------------------ on the driver
-class RayWorkerGroup:
+class RayActorPool:
     """``nnodes * n_gpus_per_node`` ranks, each an actor hosting ``worker_cls(*args, **kwargs)``.
 
     Args:
@@ -327,7 +327,7 @@ class RayWorkerGroup:
         self._actors, self._pgs = [], []
         _await_released(held, before)
 
-    def __enter__(self) -> "RayWorkerGroup":
+    def __enter__(self) -> "RayActorPool":
         return self
 
     def __exit__(self, *exc: Any) -> None:

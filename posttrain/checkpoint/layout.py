@@ -101,18 +101,6 @@ class RoleState:
     tokenizer: Any = None
     """Tokenizer -> huggingface/."""
 
-    @classmethod
-    def from_worker(cls, state: Mapping[str, Any], hf_config: Any = None, tokenizer: Any = None) -> "RoleState":
-        """From a worker's ``state_dict()`` (keys model, optimizer, lr_scheduler, generator)."""
-        return cls(model=state["model"], optimizer=state.get("optimizer"), scheduler=state.get("lr_scheduler"),
-                   generator=state.get("generator"), hf_config=hf_config, tokenizer=tokenizer)
-
-    def worker_state(self) -> dict[str, Any]:
-        """The inverse of `from_worker`: a dict for the worker's ``load_state_dict``."""
-        state = {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.scheduler,
-                 "generator": self.generator}
-        return {k: v for k, v in state.items() if v is not None}
-
 
 @dataclass
 class LoadedCheckpoint:

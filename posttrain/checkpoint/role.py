@@ -2,23 +2,25 @@
 
 Two layouts of a role folder, both loadable at any world size:
 
-- one process: ``model.safetensors`` + ``optimizer.pt`` (`posttrain.checkpoint.write_role`);
+- one process: ``model.safetensors`` + ``optimizer.pt`` (`posttrain.checkpoint.layout.write_role`);
 - FSDP2 ranks: ``dcp/`` (`torch.distributed.checkpoint`: every rank writes its own shards, keyed
   by parameter name) + ``lr_scheduler.pt`` / ``generator.pt`` from rank 0.
 
-Both carry ``huggingface/`` (config, tokenizer) for export. With ``trainable_only`` (LoRA) the weights
+Both carry ``huggingface/`` (config, tokenizer) for export. With LoRA (``trainable_only``) the weights
 and optimizer state are those of the trainable parameters alone (adapters, a critic's value head):
-the frozen base is reloaded from the model path, and `posttrain.models.lora` records which base it
-was. A sharded role loads a one-process
-folder by reading the full tensors on every rank and letting FSDP keep its shard; a one-process
-role loads a ``dcp/`` folder through DCP's resharding (no process group needed). Nothing here
-executes code from a checkpoint: safetensors, ``torch.load(weights_only=True)`` and DCP behind a
-restricted metadata reader (`posttrain.distributed.dcp`).
+the frozen base is reloaded from the model path, and the adapter records which base it was
+(`posttrain.models.lora`). A sharded role loads a one-process folder by reading the full tensors
+on every rank and letting FSDP keep its shard; a one-process role loads a ``dcp/`` folder through
+DCP's resharding (no process group needed). Nothing here executes code from a checkpoint:
+safetensors, ``torch.load(weights_only=True)`` and DCP behind a restricted metadata reader
+(`posttrain.checkpoint.dcp`).
+
+`save_role` / `load_role_into` take a role by what it holds (``module``, ``optimizer``,
+``lr_scheduler``, ``generator``, ``lora``), so storage imports no worker class.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +28,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.checkpoint import (GENERATOR_FILE, HF_DIR, MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, CheckpointError,
-                                  RoleState, load_role, safe_torch_load, write_role)
-from posttrain.models.microbatch import is_sharded
+from posttrain.checkpoint.dcp import load_sharded, save_sharded
+from posttrain.checkpoint.layout import (GENERATOR_FILE, HF_DIR, MODEL_FILE, SCHEDULER_FILE, CheckpointError, RoleState,
+                                         load_role, safe_torch_load, write_role)
+from posttrain.checkpoint.ranks import is_sharded, process_rank
 
-__all__ = ["DCP_DIR", "load_role_state", "read_full_weights", "process_rank", "save_role_state",
-           "trainable_parameters"]
+__all__ = ["DCP_DIR", "load_role_into", "load_role_state", "read_full_weights", "save_role", "save_role_state"]
 
 DCP_DIR = "dcp"
 
 
-def process_rank() -> int:
-    """This process's rank in the default process group (0 in one process)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def save_role(folder: str | Path, role: Any, *, tokenizer: Any = None, adapter_folder: bool = False) -> None:
+    """Write ``role`` (its module, optimizer, lr schedule, shuffle generator and HF config) into the new
+    ``folder``; sharded models: every rank calls it. With LoRA (``role.lora``) the weights are the
+    trainable parameters alone, plus ``lora_base.json`` (which base they belong to), and with
+    ``adapter_folder`` also ``lora_adapter/`` (a peft folder: the actor's export)."""
+    lora = role.lora
+    save_role_state(Path(folder), role.module, role.optimizer, role.lr_scheduler, role.generator,
+                    hf_config=role.module.config, tokenizer=tokenizer, trainable_only=lora is not None)
+    if lora is not None:
+        write = lora.write if adapter_folder else lora.write_base_record
+        write(folder, rank=process_rank())
 
 
-def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters an optimizer updates: those with ``requires_grad`` (all, in full fine-tuning)."""
-    return [p for p in module.parameters() if p.requires_grad]
+def load_role_into(folder: str | Path, role: Any) -> None:
+    """Restore what `save_role` wrote, at this or another world size (never executes code). LoRA:
+    refused when the adapters were trained on other base weights."""
+    if role.lora is not None:
+        role.lora.check_base(folder)
+    load_role_state(Path(folder), role.module, role.optimizer, role.lr_scheduler, role.generator,
+                    trainable_only=role.lora is not None)
 
 
 def _trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -62,15 +76,10 @@ def save_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
                                      scheduler=lr_scheduler.state_dict(), generator=generator.get_state(),
                                      hf_config=hf_config, tokenizer=tokenizer))
         return
-    from posttrain.distributed.dcp import save_sharded
-
     if process_rank() == 0:
         folder.mkdir()
     dist.barrier()
-    if trainable_only:
-        _save_trainable_sharded(folder / DCP_DIR, module, optimizer)
-    else:
-        save_sharded(folder / DCP_DIR, module, optimizer)
+    save_sharded(folder / DCP_DIR, module, optimizer, trainable_only=trainable_only)
     if process_rank() == 0:
         torch.save(lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         torch.save(generator.get_state(), folder / GENERATOR_FILE)
@@ -87,12 +96,7 @@ def load_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
     the folder holds the trainable parameters' weights alone (the frozen ones keep their values)."""
     folder = Path(folder)
     if (folder / DCP_DIR).is_dir():
-        from posttrain.distributed.dcp import load_sharded
-
-        if trainable_only:
-            _load_trainable_sharded(folder / DCP_DIR, module, optimizer)
-        else:
-            load_sharded(folder / DCP_DIR, module, optimizer)
+        load_sharded(folder / DCP_DIR, module, optimizer, trainable_only=trainable_only)
         lr_scheduler.load_state_dict(safe_torch_load(folder / SCHEDULER_FILE))
         if (folder / GENERATOR_FILE).exists():
             generator.set_state(safe_torch_load(folder / GENERATOR_FILE))
@@ -143,56 +147,11 @@ def _load_full_into_sharded(module: nn.Module, optimizer: torch.optim.Optimizer,
                    options=StateDictOptions(full_state_dict=True, strict=not trainable_only))
 
 
-def _trainable_dcp_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, Any]:
-    """(state, options) of the trainable parameters and their optimizer state, keyed by parameter names."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    options = StateDictOptions(ignore_frozen_params=True)
-    model_sd, optim_sd = get_state_dict(module, (optimizer,), options=options)
-    return {"model": model_sd, "optimizer": optim_sd}, options
-
-
-def _save_trainable_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """`posttrain.distributed.dcp.save_sharded` for the trainable parameters alone (frozen ones left out)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    state, _ = _trainable_dcp_state(module, optimizer)
-    dcp.save(state, storage_writer=FileSystemWriter(str(path)))
-
-
-def _load_trainable_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load what `_save_trainable_sharded` wrote, at any world size (one plain process too), through the
-    same code-free reader as `posttrain.distributed.dcp.load_sharded`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from posttrain.distributed.dcp import (SafeFileSystemReader, WeightsOnlyLoadPlanner, _distributed,
-                                           _refusals_unwrapped, _single_process_is_intended)
-
-    reader = SafeFileSystemReader(str(path))
-    reader.read_metadata()  # refused here, on every rank, if it asks for anything but checkpoint data
-    state, options = _trainable_dcp_state(module, optimizer)
-    saved = set(reader.read_metadata().state_dict_metadata)
-    wanted = {f"model.{name}" for name in state["model"]}
-    if not wanted <= saved:
-        raise CheckpointError(f"{path} does not hold this model's trainable parameters (LoRA adapters), e.g. "
-                              f"{sorted(wanted - saved)[:2]}; was it saved with other LoRA settings?")
-    with _single_process_is_intended(), _refusals_unwrapped():
-        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(source=str(path)),
-                 no_dist=not _distributed())
-    # strict=False: the frozen parameters are absent on purpose (their presence was checked above)
-    set_state_dict(module, (optimizer,), model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=dataclasses.replace(options, strict=False))
-
-
 def read_full_weights(folder: Path, module: nn.Module) -> dict[str, torch.Tensor]:
     """The full weights of a role folder (either layout) loaded into the unsharded ``module``; returns its
     state dict. Used by the export, in one process."""
     folder = Path(folder)
     if (folder / DCP_DIR).is_dir():
-        from posttrain.distributed.dcp import load_sharded
-
         load_sharded(folder / DCP_DIR, module)
         return module.state_dict()
     return load_role(folder).model

@@ -18,6 +18,7 @@ allowing only DCP's own metadata classes, torch dtypes/sizes/layouts and plain c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import warnings
@@ -27,8 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-
-from posttrain.checkpoint import CheckpointError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -40,6 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+from posttrain.checkpoint.layout import CheckpointError
 
 __all__ = [
     "SafeFileSystemReader",
@@ -139,15 +140,15 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def _role_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                extra: Mapping[str, Any] | None) -> dict[str, Any]:
+def _role_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Any] | None,
+                options: StateDictOptions) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ..., "extra": ...}`` keyed by parameter names (FQNs).
 
     A fresh optimizer has no state yet; ``get_state_dict`` initialises it (a zero-lr step with
     zero gradients) so that a load has tensors to fill.
     """
     optimizers = (optimizer,) if optimizer is not None else ()
-    model_sd, optim_sd = get_state_dict(module, optimizers, options=StateDictOptions())
+    model_sd, optim_sd = get_state_dict(module, optimizers, options=options)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optim_sd
@@ -156,38 +157,61 @@ def _role_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     return state
 
 
+def _options(trainable_only: bool) -> StateDictOptions:
+    """``trainable_only``: the parameters with ``requires_grad`` alone (LoRA adapters, a value head)."""
+    return StateDictOptions(ignore_frozen_params=trainable_only)
+
+
 def save_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 extra: Mapping[str, Any] | None = None) -> None:
+                 extra: Mapping[str, Any] | None = None, *, trainable_only: bool = False) -> None:
     """Write ``module`` (+ ``optimizer``) state into the folder ``path``, every rank its own shards.
 
     A collective when ``torch.distributed`` is initialised: call on every rank with the same path
     (a filesystem all ranks see). ``extra``: further state saved alongside (tensors, numbers,
     lists, dicts, e.g. ``{"lr_scheduler": sched.state_dict()}``), replicated entries written once.
+    ``trainable_only``: the trainable parameters and their optimizer state alone (the frozen base
+    of a LoRA model reloads from its model path).
     """
-    state = _role_state(module, optimizer, extra)
+    state = _role_state(module, optimizer, extra, _options(trainable_only))
     with _single_process_is_intended():
         dcp.save(state, storage_writer=FileSystemWriter(os.fspath(path)), no_dist=not _distributed())
 
 
 def load_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+                 extra: Mapping[str, Any] | None = None, *, trainable_only: bool = False) -> dict[str, Any] | None:
     """Load what :func:`save_sharded` wrote into ``module`` (+ ``optimizer``), at any world size.
 
     ``extra``: a template with the keys to read back (e.g. ``{"lr_scheduler": sched.state_dict()}``);
     returns the loaded extra dict (None without a template). Never unpickles code (module docstring);
     a tampered ``.metadata`` raises :class:`UnsafeCheckpointError` naming the file.
+    ``trainable_only``: the folder holds the trainable parameters alone (saved with the same flag);
+    the frozen ones keep their values, and a folder lacking any trainable one is refused.
     """
     reader = SafeFileSystemReader(os.fspath(path))
     # checked here, on every rank, so a refused file raises this error (dcp.load would wrap it and
     # fall back to per-rank metadata files)
-    reader.read_metadata()
-    state = _role_state(module, optimizer, extra)
+    metadata = reader.read_metadata()
+    options = _options(trainable_only)
+    state = _role_state(module, optimizer, extra, options)
+    if trainable_only:
+        _check_trainable_saved(path, state["model"], metadata)
     planner = WeightsOnlyLoadPlanner(source=os.fspath(path))
     with _single_process_is_intended(), _refusals_unwrapped():
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _distributed())
     optimizers = (optimizer,) if optimizer is not None else ()
-    set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    # trainable-only: strict=False, the frozen parameters are absent on purpose (the rest was checked)
+    set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
+                   options=dataclasses.replace(options, strict=not trainable_only))
     return state.get("extra")
+
+
+def _check_trainable_saved(path: str | os.PathLike, model_state: Mapping[str, Any], metadata: Metadata) -> None:
+    """Every trainable parameter of this model is in the folder (the same LoRA adapters were saved)."""
+    saved = set(metadata.state_dict_metadata)
+    wanted = {f"model.{name}" for name in model_state}
+    if not wanted <= saved:
+        raise CheckpointError(f"{path} does not hold this model's trainable parameters (LoRA adapters), e.g. "
+                              f"{sorted(wanted - saved)[:2]}; was it saved with other LoRA settings?")
 
 
 def full_state_dict_for_export(module: nn.Module) -> dict[str, torch.Tensor]:

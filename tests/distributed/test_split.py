@@ -9,7 +9,7 @@ import torch
 
 from posttrain.algorithms import LOSS_AGG_MODES, agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from posttrain.batch import Batch
-from posttrain.distributed.dispatch import (
+from posttrain.distributed.split import (
     balance_batch,
     balanced_partition,
     combine_metrics,

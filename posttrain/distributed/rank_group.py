@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from posttrain.batch import Batch
-from posttrain.distributed.dispatch import (balance_batch, combine_metrics, gather_from_ranks, inverse_permutation,
+from posttrain.distributed.split import (balance_batch, combine_metrics, gather_from_ranks, inverse_permutation,
                                             split_for_ranks)
 
 __all__ = ["RankWorkerGroup"]
@@ -38,13 +38,13 @@ class RankWorkerGroup:
         from posttrain.config import uses_critic, uses_reference
         from posttrain.distributed.cluster import connect, resolve_device
         from posttrain.distributed.rank import RankWorker
-        from posttrain.distributed.ray_group import RayWorkerGroup
+        from posttrain.distributed.ray_pool import RayActorPool
 
         t = config.trainer
         device = resolve_device(t.device)
         ray_init = OmegaConf.to_container(OmegaConf.structured(config.ray_kwargs.ray_init), resolve=True)
         connect(ray_init, device)
-        self._ranks = RayWorkerGroup(RankWorker, (worker_config, seed, tokenizer, device), nnodes=t.nnodes,
+        self._ranks = RayActorPool(RankWorker, (worker_config, seed, tokenizer, device), nnodes=t.nnodes,
                                      n_gpus_per_node=t.n_gpus_per_node, device=device,
                                      placement_timeout_s=t.ray_wait_register_center_timeout)
         self.world_size = self._ranks.world_size

@@ -1,4 +1,4 @@
-"""RayWorkerGroup on a local 2-CPU Ray cluster: 2 CPU ranks with gloo. Ray starts once for the module
+"""RayActorPool on a local 2-CPU Ray cluster: 2 CPU ranks with gloo. Ray starts once for the module
 (~10 s on the 2-core machine) and each group start costs a few seconds (a process per rank that
 imports torch), so the tests share one group and only the failure tests start their own."""
 
@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 from posttrain.config import ConfigError  # noqa: E402
 from posttrain.distributed import cluster  # noqa: E402
 from posttrain.distributed.cluster import ClusterResourceError, check_resources, connect  # noqa: E402
-from posttrain.distributed.ray_group import (RayWorkerGroup, WorkerGroupError, assign_ranks,  # noqa: E402
+from posttrain.distributed.ray_pool import (RayActorPool, WorkerGroupError, assign_ranks,  # noqa: E402
                                             node_visible_devices)
 
 # The test module is not importable inside Ray's worker processes: ship its classes by value.
@@ -79,7 +79,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def group(local_ray):
-    g = RayWorkerGroup(TinyWorker, (2.0,), {"tag": "t"}, nnodes=1, n_gpus_per_node=2, device="cpu")
+    g = RayActorPool(TinyWorker, (2.0,), {"tag": "t"}, nnodes=1, n_gpus_per_node=2, device="cpu")
     yield g
     g.shutdown()
 
@@ -102,12 +102,12 @@ def test_resource_check_refuses_cuda_and_a_second_node_here(local_ray):
 
 
 def test_a_placement_that_cannot_happen_times_out_with_an_explanation(local_ray, monkeypatch):
-    import posttrain.distributed.ray_group as ray_group
+    import posttrain.distributed.ray_pool as ray_group
 
     monkeypatch.setattr(ray_group, "check_resources", lambda *a: [])  # pretend the check passed
     start = time.monotonic()
     with pytest.raises(ClusterResourceError, match=r"did not place.*STRICT_PACK.*within 1 s.*ray status"):
-        RayWorkerGroup(TinyWorker, (1.0,), nnodes=1, n_gpus_per_node=3, device="cpu", placement_timeout_s=1)
+        RayActorPool(TinyWorker, (1.0,), nnodes=1, n_gpus_per_node=3, device="cpu", placement_timeout_s=1)
     assert time.monotonic() - start < 15
 
 
@@ -156,7 +156,7 @@ def test_a_worker_error_names_rank_host_and_message(group):
 
 
 def test_a_dying_rank_fails_the_call_within_seconds(local_ray):
-    g = RayWorkerGroup(TinyWorker, (1.0,), nnodes=1, n_gpus_per_node=2, device="cpu")
+    g = RayActorPool(TinyWorker, (1.0,), nnodes=1, n_gpus_per_node=2, device="cpu")
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as err:
         g.call_all("exit_on", 1)
@@ -167,7 +167,7 @@ def test_a_dying_rank_fails_the_call_within_seconds(local_ray):
 
 
 def test_a_call_past_its_time_limit_names_the_running_ranks(local_ray):
-    g = RayWorkerGroup(TinyWorker, (1.0,), nnodes=1, n_gpus_per_node=2, device="cpu", call_timeout_s=1)
+    g = RayActorPool(TinyWorker, (1.0,), nnodes=1, n_gpus_per_node=2, device="cpu", call_timeout_s=1)
     start = time.monotonic()
     with pytest.raises(WorkerGroupError, match=r"sleep did not finish within 1 s on rank 0 .*rank 1 "):
         g.call_all("sleep", 20)

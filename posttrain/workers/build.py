@@ -1,0 +1,104 @@
+"""Every role of a run built once, for one process and for ranks alike.
+
+Per role: load on CPU -> LoRA -> compute precision -> ``place.shard`` -> the worker, which receives
+the ready module (`posttrain.workers.prepare` holds the steps). The placement is the only thing
+that differs: `posttrain.workers.prepare.InProcess` moves modules to the device; a rank's
+placement (`posttrain.distributed.rank`) shards them with FSDP2 and lets rank 0 decide ``auto``.
+
+    actor      the policy and its hybrid rollout engine; its ``param_dtype`` is decided (``auto``: timed)
+    reference  when KL is used: the actor with its adapters disabled under LoRA (`LoraReference`,
+               verl's "ref in actor"), else a frozen copy of the initial weights
+    critic     for GAE
+    reward     when ``reward_model.enable``, frozen
+Each role but the actor computes in its own ``param_dtype``, or the actor's when its own is ``auto``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.config import uses_critic, uses_reference
+from posttrain.models.lora import lora_settings
+from posttrain.workers.actor import ActorWorker, LoraReference, RefWorker
+from posttrain.workers.critic import CriticWorker
+from posttrain.workers.prepare import Placement, prepare
+from posttrain.workers.reward_model import RewardModelWorker
+
+__all__ = ["Roles", "build_roles"]
+
+
+@dataclass
+class Roles:
+    """The roles one process (or one rank) holds; None where the run has no such role."""
+
+    actor: Any
+    ref: Any = None
+    critic: Any = None
+    rm: Any = None
+
+    def trained(self) -> dict[str, Any]:
+        """The roles a checkpoint holds, by folder name: the actor, and the critic when there is one."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+
+def build_roles(config: Any, place: Placement, seed: int, *, tokenizer: Any = None, actor_module: Any = None,
+                critic_module: Any = None) -> Roles:
+    """Every role ``config`` asks for, placed by ``place``.
+
+    `config` holds per-rank batch sizes (`posttrain.config.worker_config`). The reference is loaded
+    from ``actor_rollout_ref.model.path`` like the actor; only when the caller hands in an in-memory
+    ``actor_module`` (tests, notebooks) is it a copy of that module's initial weights. ``tokenizer``:
+    the actor's (loaded from the model path when None); ``seed`` draws the LoRA adapters and seeds
+    the workers' shuffles.
+    """
+    arr = config.actor_rollout_ref
+    ref_in_actor = lora_settings(arr.model, "actor_rollout_ref.model") is not None
+    copy_initial = actor_module is not None and uses_reference(config) and not ref_in_actor
+    initial = copy.deepcopy(actor_module) if copy_initial else None
+    actor = _actor(config, place, seed, tokenizer, actor_module)
+    roles = Roles(actor)
+    if uses_reference(config):
+        roles.ref = LoraReference(actor, arr.ref) if ref_in_actor else _reference(config, place, actor, initial)
+    if uses_critic(config):
+        roles.critic = _critic(config, place, seed, actor, critic_module)
+    if config.reward_model.enable:  # frozen, scored right after generation (posttrain.workers.reward_model)
+        roles.rm = _reward_model(config, place, actor)
+    return roles
+
+
+def _actor(config: Any, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:
+    arr = config.actor_rollout_ref
+    ready = prepare("policy", arr.model, arr.actor.fsdp_config, place, section="actor_rollout_ref.model",
+                    module=module, seed=seed)
+    return ActorWorker(arr.model, arr.actor, arr.rollout, device=place.device, module=ready.module,
+                       tokenizer=tokenizer, seed=seed, lora=ready.lora, param_dtype=ready.param_dtype)
+
+
+def _reference(config: Any, place: Placement, actor: ActorWorker, initial: Any) -> RefWorker:
+    """The frozen initial policy (no gradient checkpointing: the reference never trains)."""
+    arr = config.actor_rollout_ref
+    m = arr.model
+    ready = prepare("policy", m, arr.ref.fsdp_config, place, module=initial, actor_dtype=actor.param_dtype,
+                    forward_only=True)
+    return RefWorker(ready.module, arr.ref, arr.rollout, device=place.device, param_dtype=ready.param_dtype,
+                     remove_padding=bool(m.use_remove_padding), compile_layers=bool(m.compile_layers))
+
+
+def _critic(config: Any, place: Placement, seed: int, actor: ActorWorker, module: Any) -> CriticWorker:
+    c = config.critic.model
+    ready = prepare("value", c, c.fsdp_config, place, section="critic.model", module=module, seed=seed,
+                    actor_dtype=actor.param_dtype)
+    return CriticWorker(config.critic, device=place.device, module=ready.module, seed=seed, lora=ready.lora,
+                        param_dtype=ready.param_dtype)
+
+
+def _reward_model(config: Any, place: Placement, actor: ActorWorker) -> RewardModelWorker:
+    """Frozen and placed like the reference: on ranks each scores its own rows (data parallel)."""
+    rm = config.reward_model
+    ready = prepare("reward", rm.model, rm.model.fsdp_config, place, actor_dtype=actor.param_dtype,
+                    forward_only=True)
+    return RewardModelWorker.from_config(rm, actor.tokenizer, config.actor_rollout_ref.model.path, ready.module,
+                                         device=place.device, param_dtype=ready.param_dtype,
+                                         world_size=place.world_size)
