@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
     a.set_defaults(func=_prep_arithmetic)
+
+    from posttrain.data.prep_sft import add_parsers  # SFT rows (worked answers)
+
+    add_parsers(sub)
     return ap
 
 

@@ -1,0 +1,535 @@
+"""The SFT and DPO trainers' config trees: verl's `sft_trainer.yaml` keys, plus TRL's DPO knobs.
+
+`SFTConfig` holds verl's keys for `python -m verl.trainer.fsdp_sft_trainer` (defaults are verl's,
+except where marked "(posttrain)"); `DPOConfig` is the same tree with `data.chosen_key` /
+`data.rejected_key` and a `dpo` section under TRL's names. Both are loaded with the RL loader's
+rules (dotted overrides, unknown keys refused with "did you mean", types checked) and validated
+before any model loads (`validate_sft_config`).
+
+The trainers run on the RL workers: `rl_config_for` writes the tree as the RL config the worker
+builders read (`actor_rollout_ref.model.path` = `model.partial_pretrain`, the actor's optimizer and
+FSDP settings, `trainer.*`), so models, LoRA, FSDP2 ranks and checkpoints are the RL trainer's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from posttrain.config.actor_rollout_ref import FSDPConfig, MixedPrecisionConfig
+from posttrain.errors import ConfigError, read_utf8
+
+__all__ = ["DPOConfig", "SFTConfig", "load_dpo_config", "load_sft_config", "rl_config_for", "validate_sft_config",
+           "sft_markdown_reference"]
+
+TRUNCATION_MODES = ("error", "left", "right")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+
+
+def _cfg(**kwargs):
+    return dataclass(kw_only=True, **kwargs)
+
+
+def _sft_fsdp() -> FSDPConfig:
+    """verl's SFT trains fp32 master weights; posttrain computes in fp32 unless told otherwise."""
+    return FSDPConfig(mixed_precision=MixedPrecisionConfig(param_dtype="fp32"))
+
+
+@_cfg()
+class SFTMultiTurnConfig:
+    enable: bool = False
+    """Rows hold a list of chat messages (data.multiturn.messages_key); every assistant message is trained."""
+    messages_key: str = "messages"
+    """Column holding the messages ([{role, content}, ...])."""
+    tools_key: str = "tools"
+    """Column holding the tool schemas passed to the chat template (optional per row)."""
+    enable_thinking_key: str = "enable_thinking"
+    """Column whose value is passed to the chat template as enable_thinking (optional per row)."""
+
+
+@_cfg()
+class SFTArithmeticConfig:
+    n_train: int = 1024
+    """(posttrain) Training problems of the built-in arithmetic SFT data (used when data.train_files is null)."""
+    n_test: int = 128
+    """(posttrain) Held-out problems (data.val_files null)."""
+    digits: int = 2
+    """(posttrain) Digits per operand."""
+    seed: int = 0
+    """(posttrain) Seed of the problems."""
+
+
+@_cfg()
+class SFTDataConfig:
+    train_files: Any = "~/data/gsm8k/train.parquet"
+    """Training rows: a parquet/jsonl file or a list of them (null: the built-in arithmetic task, posttrain)."""
+    val_files: Any = "~/data/gsm8k/test.parquet"
+    """Held-out rows for the validation loss (null: none, or the built-in task's when train_files is null)."""
+    train_batch_size: int = 256
+    """Rows per optimizer step, over all ranks."""
+    micro_batch_size: Optional[int] = None
+    """Deprecated verl name: rows per forward over all ranks; use micro_batch_size_per_gpu."""
+    micro_batch_size_per_gpu: int = 4
+    """Rows per forward/backward on one rank (gradient accumulation up to the batch); also the validation batch."""
+    train_max_samples: int = -1
+    """Use only the first N training rows (-1: all)."""
+    val_max_samples: int = -1
+    """Use only the first N validation rows (-1: all)."""
+    prompt_key: str = "question"
+    """Column holding the prompt: text (templated as one user turn) or a list of chat messages."""
+    response_key: str = "answer"
+    """Column holding the response text."""
+    prompt_dict_keys: Optional[list[str]] = None
+    """Keys into a dict-valued prompt column (e.g. prompt_key=extra_info prompt_dict_keys=[question])."""
+    response_dict_keys: Optional[list[str]] = None
+    """Keys into a dict-valued response column (e.g. response_key=extra_info response_dict_keys=[answer])."""
+    multiturn: SFTMultiTurnConfig = field(default_factory=SFTMultiTurnConfig)
+    """Multi-turn rows."""
+    max_length: int = 1024
+    """Most tokens of prompt + response in one row."""
+    truncation: str = "error"
+    """A row over max_length: error (names file and row), left (drop the prompt's first tokens), right (drop the response's last tokens)."""
+    balance_dp_token: bool = False
+    """Accepted for verl compatibility (ranks get contiguous rows)."""
+    chat_template: Optional[str] = None
+    """Jinja chat template replacing the tokenizer's."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the chat template (e.g. enable_thinking)."""
+    shuffle: bool = True
+    """(posttrain) Shuffle the training rows each epoch."""
+    seed: Optional[int] = None
+    """(posttrain) Seed of the shuffle (null: trainer.seed)."""
+    arithmetic: SFTArithmeticConfig = field(default_factory=SFTArithmeticConfig)
+    """(posttrain) The built-in arithmetic SFT data."""
+
+
+@_cfg()
+class DPODataConfig(SFTDataConfig):
+    prompt_key: str = "prompt"
+    """Column holding the prompt: text or a list of chat messages (TRL's name)."""
+    chosen_key: str = "chosen"
+    """Column holding the preferred response: text or chat messages (TRL's name)."""
+    rejected_key: str = "rejected"
+    """Column holding the dispreferred response: text or chat messages (TRL's name)."""
+
+
+@_cfg()
+class SFTModelConfig:
+    partial_pretrain: str = "~/models/gemma-1.1-7b-it"
+    """Model to train: a local HF folder, a hub id, a .gguf file, or smollm2-135m-instruct."""
+    fsdp_config: FSDPConfig = field(default_factory=_sft_fsdp)
+    """FSDP2 sharding and precision (the RL actor's keys; posttrain computes in fp32 by default here)."""
+    external_lib: Optional[str] = None
+    """Module to import before loading (registers custom models)."""
+    enable_gradient_checkpointing: bool = True
+    """Recompute activations in backward to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint folder to run."""
+    lora_rank: int = 0
+    """LoRA rank (0: full fine-tuning)."""
+    lora_alpha: int = 16
+    """LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank."""
+    target_modules: Any = "all-linear"
+    """Layers given adapters: all-linear or a list of module names."""
+    exclude_modules: Any = None
+    """(posttrain) Modules kept without adapters."""
+    lora_adapter_path: Optional[str] = None
+    """(posttrain) A peft LoRA adapter folder to start from."""
+    use_liger: bool = False
+    """Liger kernels (not available: true is refused)."""
+    strategy: str = "fsdp2"
+    """Sharding strategy: fsdp2 (fsdp is read as fsdp2)."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """(posttrain) Entries that override the model's HF config."""
+
+
+@_cfg()
+class SFTOptimConfig:
+    lr: float = 1e-5
+    """Learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    lr_warmup_steps_ratio: float = 0.1
+    """Warm-up steps as a fraction of the total steps."""
+    warmup_steps_ratio: Optional[float] = None
+    """Deprecated verl name of lr_warmup_steps_ratio; when set it wins."""
+    lr_warmup_steps: int = -1
+    """(posttrain) Warm-up steps; -1: use lr_warmup_steps_ratio."""
+    clip_grad: float = 1.0
+    """Clip the gradient norm to this (0: no clipping)."""
+    lr_scheduler: str = "cosine"
+    """Schedule after warm-up: cosine or constant."""
+    min_lr_ratio: float = 0.0
+    """(posttrain) Cosine floor as a fraction of lr."""
+
+
+@_cfg()
+class SFTCheckpointConfig:
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """Accepted for verl compatibility: posttrain always saves model, optimizer and loader position."""
+    load_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """Accepted for verl compatibility."""
+
+
+@_cfg()
+class SFTTrainerConfig:
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Checkpoint folder (global_step_N/actor, as RL runs)."""
+    default_hdfs_dir: Optional[str] = None
+    """Remote checkpoint copy (not supported)."""
+    project_name: str = "gsm8k-sft"
+    """Project name for trackers and the checkpoint folder."""
+    experiment_name: str = "test"
+    """Run name for trackers and the checkpoint folder."""
+    total_epochs: int = 4
+    """Passes over the training rows."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps (null: total_epochs x steps per epoch)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "wandb"])
+    """Metric back ends: console, file, tensorboard, wandb, mlflow."""
+    seed: int = 1
+    """Seed of initialisation and shuffling."""
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (-1: only none; the last step saves when > 0)."""
+    test_freq: int = -1
+    """Validation loss every this many steps (-1: never; the last step validates when > 0)."""
+    nnodes: int = 1
+    """Machines (Ray ranks; under torchrun the launcher's world size wins)."""
+    n_gpus_per_node: int = 8
+    """Devices (data-parallel ranks) per machine."""
+    device: str = "auto"
+    """cuda, cpu or auto (cuda when present)."""
+    max_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N checkpoints (null: all)."""
+    resume_mode: str = "auto"
+    """auto (latest checkpoint if any), disable, or resume_path."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint folder (global_step_N) for resume_mode=resume_path."""
+    resume_path: Optional[str] = None
+    """Old verl name of resume_from_path (implies resume_mode=resume_path)."""
+    checkpoint: SFTCheckpointConfig = field(default_factory=SFTCheckpointConfig)
+    """What checkpoints hold."""
+    start_over: bool = False
+    """(posttrain) Start at step 0 although default_local_dir holds checkpoints (they are moved aside)."""
+    run_dir: Optional[str] = None
+    """(posttrain) Folder for metrics.jsonl and tracker files (null: outputs/<project>/<experiment>)."""
+
+
+@_cfg()
+class DPOSection:
+    beta: float = 0.1
+    """Strength of the implicit KL to the reference: rewards are beta x (log pi - log pi_ref) (TRL)."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO), ipo, hinge (SLiC) or robust (TRL's names)."""
+    label_smoothing: float = 0.0
+    """Probability that a pair's labels are flipped (conservative DPO / robust); 0 <= x < 0.5."""
+    precompute_ref_log_probs: bool = False
+    """Compute the reference log-probs of every pair once before training (no reference model kept)."""
+
+
+@_cfg()
+class SFTConfig:
+    """`python -m posttrain.trainer.fsdp_sft_trainer` / `posttrain sft`: verl's `sft_trainer.yaml`."""
+
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    """Training and validation rows."""
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    """The model trained."""
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
+    """AdamW and the lr schedule."""
+    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
+    """The training loop, checkpoints and loggers."""
+    ulysses_sequence_parallel_size: int = 1
+    """Sequence parallelism (not implemented: values > 1 are refused)."""
+    use_remove_padding: bool = False
+    """Pack the valid tokens of a micro-batch into one row (no padding computed)."""
+    use_prefix_grouper: bool = False
+    """(posttrain) Rows sharing a prompt encode it once (DPO's chosen/rejected pairs)."""
+
+
+@_cfg()
+class DPOConfig(SFTConfig):
+    """`posttrain dpo` / `posttrain.DPOTrainer`: the SFT tree plus `dpo.*` (TRL's names)."""
+
+    data: DPODataConfig = field(default_factory=DPODataConfig)
+    """Preference rows: prompt, chosen, rejected."""
+    dpo: DPOSection = field(default_factory=DPOSection)
+    """DPO loss and reference."""
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _keys(cls: type) -> dict[str, Any]:
+    from posttrain.config.docs import iter_keys
+
+    return {info.key: info for info in iter_keys(cls)}
+
+
+def _check_key(keys: dict, key: str, where: str, allow_new: bool, prog: str) -> None:
+    if key in keys:
+        return
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        if parent in keys and not keys[parent].is_section:
+            if parent.endswith(("override_config", "apply_chat_template_kwargs")):
+                return
+            raise ConfigError(f"{where}: '{parent}' is a value, not a section, so '{key}' cannot be set")
+    if allow_new:
+        raise ConfigError(f"{where}: '{key}' cannot be added to the {prog} config")
+    suffix = [k for k in keys if k.endswith("." + key)]
+    close = difflib.get_close_matches(key, list(keys), n=3, cutoff=0.6)
+    picks = list(dict.fromkeys(suffix + close))[:3]
+    hint = f"; did you mean {', '.join(picks)}?" if picks else ""
+    rl = " (an RL key: the SFT/DPO trainers read the keys of verl's sft_trainer.yaml)" if key.startswith(
+        ("actor_rollout_ref.", "algorithm.", "critic.")) else ""
+    raise ConfigError(f"{where}: unknown {prog} config key '{key}'{rl}{hint}")
+
+
+def _set(cfg: DictConfig, keys: dict, key: str, value: Any, where: str) -> None:
+    from posttrain.config.load import _type_name
+
+    info = keys.get(key)
+    if info is not None and info.is_section and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{where}: '{key}' is a section of keys; set its keys instead, e.g. {key}.<name>=...")
+    if info is not None and not info.is_section and info.type.startswith(("list", "Optional[list")) \
+            and isinstance(value, (str, int, float)):
+        value = [value]  # `trainer.logger=console` means a list of one
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=False)
+    except OmegaConfBaseException as err:
+        expected = info.type if info is not None else "?"
+        raise ConfigError(f"{where}: {key}={value!r} has the wrong type: expected {_type_name(expected)} "
+                          f"({str(err).splitlines()[0]})") from None
+
+
+def _flatten(node: Any, keys: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for name, value in node.items():
+        if name in ("defaults", "hydra", "_target_"):
+            continue
+        key = f"{prefix}{name}"
+        info = keys.get(key)
+        if isinstance(value, dict) and value and (info is None or info.is_section):
+            yield from _flatten(value, keys, key + ".")
+        else:
+            yield key, value
+
+
+def _load(cls: type, path: str | Path | None, overrides: Iterable[str], base: str | Path | None,
+          prog: str) -> Any:
+    import yaml
+
+    from posttrain.config.load import parse_value, split_override
+
+    keys = _keys(cls)
+    cfg = OmegaConf.structured(cls)
+    for layer in (base, path):
+        if layer is None:
+            continue
+        layer = Path(layer).expanduser()
+        if not layer.is_file():
+            raise ConfigError(f"config file {layer} does not exist")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(io.StringIO(read_utf8(layer, ConfigError))), resolve=False) or {}
+        except (yaml.YAMLError, OmegaConfBaseException) as err:
+            raise ConfigError(f"config file {layer} is not valid YAML: {err}") from None
+        for key, value in _flatten(raw, keys):
+            _check_key(keys, key, str(layer), False, prog)
+            _set(cfg, keys, key, value, str(layer))
+    for item in overrides:
+        key, text, plus = split_override(item)
+        where = f"override '{item}'"
+        _check_key(keys, key, where, plus and key not in keys and not _free(key), prog)
+        _set(cfg, keys, key, text if text == "" else _parse(parse_value, key, text, keys), where)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config key '{getattr(err, 'full_key', '?')}': {str(err).splitlines()[0]}") from None
+
+
+def _free(key: str) -> bool:
+    return ".override_config." in key or ".apply_chat_template_kwargs." in key
+
+
+def _parse(parse_value, key: str, text: str, keys: dict) -> Any:
+    info = keys.get(key)
+    try:
+        value = parse_value(text)
+    except ConfigError:
+        if info is None or "str" in info.type or info.type in ("Any", "typing.Any"):
+            return text
+        raise
+    return value
+
+
+def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
+                    base: str | Path | None = None, validate: bool = True) -> SFTConfig:
+    """verl's SFT defaults <- `base` YAML <- `path` YAML <- dotted overrides; validated unless told not to."""
+    config = _load(SFTConfig, path, overrides, base, "SFT")
+    if validate:
+        validate_sft_config(config)
+    return config
+
+
+def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
+                    base: str | Path | None = None, validate: bool = True) -> DPOConfig:
+    """The SFT tree with DPO's data keys and `dpo.*`; validated unless told not to."""
+    config = _load(DPOConfig, path, overrides, base, "DPO")
+    if validate:
+        validate_sft_config(config)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def sft_problems(config: SFTConfig) -> list[str]:
+    """Every inconsistency of the tree, each naming its key and what would be valid."""
+    d, m, o, t = config.data, config.model, config.optim, config.trainer
+    out = []
+    world = t.nnodes * t.n_gpus_per_node
+    if d.truncation not in TRUNCATION_MODES:
+        out.append(f"data.truncation={d.truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
+    for key, value in (("data.train_batch_size", d.train_batch_size), ("data.micro_batch_size_per_gpu",
+                       d.micro_batch_size_per_gpu), ("data.max_length", d.max_length),
+                       ("trainer.total_epochs", t.total_epochs), ("trainer.nnodes", t.nnodes),
+                       ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
+        if not isinstance(value, int) or value <= 0:
+            out.append(f"{key}={value!r} must be a positive integer")
+    if t.total_training_steps is not None and t.total_training_steps <= 0:
+        out.append(f"trainer.total_training_steps={t.total_training_steps} must be positive or null")
+    if isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and d.train_batch_size % world:
+        out.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the ranks (trainer.nnodes x "
+                   f"trainer.n_gpus_per_node = {world})")
+    if o.lr <= 0:
+        out.append(f"optim.lr={o.lr} must be positive")
+    if o.lr_scheduler not in ("cosine", "constant"):
+        out.append(f"optim.lr_scheduler={o.lr_scheduler!r}; valid: cosine, constant")
+    ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
+    if not 0.0 <= ratio < 1.0:
+        out.append(f"optim.lr_warmup_steps_ratio={ratio} must be in [0, 1)")
+    if len(o.betas) != 2:
+        out.append(f"optim.betas={o.betas} must hold two numbers")
+    if o.clip_grad < 0:
+        out.append(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping)")
+    if t.resume_mode not in ("auto", "disable", "resume_path"):
+        out.append(f"trainer.resume_mode={t.resume_mode!r}; valid: auto, disable, resume_path")
+    if t.device not in ("auto", "cpu", "cuda"):
+        out.append(f"trainer.device={t.device!r}; valid: auto, cpu, cuda")
+    if config.ulysses_sequence_parallel_size != 1:
+        out.append(f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size}: sequence parallelism "
+                   "is not implemented in posttrain; set 1")
+    if config.use_remove_padding and config.use_prefix_grouper:
+        out.append("use_remove_padding and use_prefix_grouper are two layouts of a micro-batch; set one of them")
+    if m.use_liger:
+        out.append("model.use_liger=True: Liger kernels are not available in posttrain; set False")
+    if m.strategy not in ("fsdp", "fsdp2"):
+        out.append(f"model.strategy={m.strategy!r}; valid: fsdp2 (fsdp is read as fsdp2)")
+    if m.lora_rank < 0 or m.lora_alpha <= 0:
+        out.append(f"model.lora_rank={m.lora_rank}, model.lora_alpha={m.lora_alpha}: rank >= 0 and alpha > 0")
+    if t.default_hdfs_dir:
+        out.append("trainer.default_hdfs_dir: remote checkpoint copies are not supported; set null")
+    unknown = [name for name in t.logger if name not in ("console", "file", "tensorboard", "wandb", "mlflow")]
+    if unknown:
+        out.append(f"trainer.logger has {unknown}; valid: console, file, tensorboard, wandb, mlflow")
+    if isinstance(config, DPOConfig):
+        p = config.dpo
+        if p.loss_type not in DPO_LOSS_TYPES:
+            out.append(f"dpo.loss_type={p.loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}")
+        if p.beta <= 0:
+            out.append(f"dpo.beta={p.beta} must be positive")
+        if not 0.0 <= p.label_smoothing < 0.5:
+            out.append(f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5)")
+        if config.data.multiturn.enable:
+            out.append("data.multiturn.enable=True: DPO rows hold prompt/chosen/rejected (text or messages); set False")
+    return out
+
+
+def validate_sft_config(config: SFTConfig) -> None:
+    """Raise one ConfigError listing every problem (`sft_problems`), before anything loads."""
+    problems = sft_problems(config)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
+
+
+def steps_per_epoch(config: SFTConfig, rows: int) -> int:
+    return rows // config.data.train_batch_size
+
+
+# ---------------------------------------------------------------------------------------------- on the RL workers
+def rl_config_for(config: SFTConfig, total_steps: int, *, reference: bool = False) -> Any:
+    """The RL config the worker builders read, from an SFT/DPO tree: the actor is the trained model,
+    its optimizer and schedule are `optim.*`, its micro-batch is `data.micro_batch_size_per_gpu`; a
+    reference is built when ``reference`` (DPO without precomputed log-probs: a frozen copy, or the
+    actor with its adapters disabled under LoRA). Batch sizes are per rank."""
+    from posttrain.config.schema import PostTrainConfig
+
+    rl = PostTrainConfig()
+    m, o, t = config.model, config.optim, config.trainer
+    arr = rl.actor_rollout_ref
+    mc = arr.model
+    mc.path = m.partial_pretrain
+    mc.trust_remote_code = m.trust_remote_code
+    mc.external_lib = m.external_lib
+    mc.override_config = dict(m.override_config)
+    mc.enable_gradient_checkpointing = m.enable_gradient_checkpointing
+    mc.use_remove_padding = config.use_remove_padding
+    mc.custom_chat_template = config.data.chat_template
+    mc.lora_rank, mc.lora_alpha, mc.target_modules = m.lora_rank, m.lora_alpha, m.target_modules
+    mc.exclude_modules, mc.lora_adapter_path = m.exclude_modules, m.lora_adapter_path
+    actor = arr.actor
+    actor.fsdp_config = m.fsdp_config
+    actor.use_remove_padding = config.use_remove_padding
+    actor.use_prefix_grouper = config.use_prefix_grouper
+    actor.ppo_micro_batch_size_per_gpu = config.data.micro_batch_size_per_gpu
+    actor.ppo_mini_batch_size = config.data.train_batch_size
+    actor.grad_clip = o.clip_grad
+    actor.use_kl_loss = reference
+    ao = actor.optim
+    ao.lr, ao.betas, ao.weight_decay = o.lr, list(o.betas), o.weight_decay
+    ao.lr_warmup_steps = o.lr_warmup_steps
+    ao.lr_warmup_steps_ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
+    ao.lr_scheduler_type, ao.min_lr_ratio, ao.total_training_steps = o.lr_scheduler, o.min_lr_ratio, total_steps
+    arr.ref.fsdp_config.mixed_precision.param_dtype = m.fsdp_config.mixed_precision.param_dtype
+    arr.ref.fsdp_config.model_dtype = m.fsdp_config.model_dtype
+    arr.ref.use_prefix_grouper = config.use_prefix_grouper
+    for section in (arr.rollout, arr.ref):
+        section.log_prob_micro_batch_size_per_gpu = config.data.micro_batch_size_per_gpu
+    arr.rollout.name = "hf"
+    tr = rl.trainer
+    tr.nnodes, tr.n_gpus_per_node, tr.device, tr.seed = t.nnodes, t.n_gpus_per_node, t.device, t.seed
+    tr.default_local_dir, tr.resume_mode, tr.start_over = t.default_local_dir, t.resume_mode, t.start_over
+    tr.resume_from_path = t.resume_from_path or t.resume_path
+    if t.resume_path and t.resume_mode == "auto":
+        tr.resume_mode = "resume_path"
+    tr.save_freq, tr.test_freq, tr.balance_batch = t.save_freq, t.test_freq, False
+    tr.max_actor_ckpt_to_keep = t.max_ckpt_to_keep
+    tr.project_name, tr.experiment_name, tr.run_dir = t.project_name, t.experiment_name, t.run_dir
+    return rl
+
+
+# ---------------------------------------------------------------------------------------------- docs
+def sft_markdown_reference() -> str:
+    """The SFT / DPO section of `docs/config.md` (appended to the RL reference)."""
+    from posttrain.config.docs import format_value
+
+    out = ["", "# SFT and DPO trainers (`posttrain sft`, `posttrain dpo`, `python -m posttrain.trainer.fsdp_sft_trainer`)",
+           "", "Their own tree: verl's `sft_trainer.yaml` keys (DPO adds TRL's names). Keys marked (posttrain) are ours.",
+           "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    seen = set()
+    for cls, only in ((SFTConfig, None), (DPOConfig, ("data.prompt_key", "data.chosen_key", "data.rejected_key", "dpo."))):
+        for key, info in _keys(cls).items():
+            if info.is_section or (only is None and key in seen):
+                continue
+            if only is not None and not key.startswith(only):
+                continue
+            label = f"`{key}` (DPO)" if only is not None else f"`{key}`"
+            default = format_value(info.default).replace("|", "\\|")
+            out.append(f"| {label} | {info.type.replace('|', chr(92) + '|')} | `{default}` | {info.doc} |")
+            seen.add(key)
+    return "\n".join(out) + "\n"
