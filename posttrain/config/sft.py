@@ -63,6 +63,8 @@ class SFTArithmeticConfig:
     """(posttrain) Digits per operand."""
     seed: int = 0
     """(posttrain) Seed of the problems."""
+    prompt_style: str = "fewshot"
+    """(posttrain) How each problem is asked (the RL built-in run's style, so an SFT model continues with GRPO on the same prompts)."""
 
 
 @_cfg()

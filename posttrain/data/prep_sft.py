@@ -48,14 +48,16 @@ def write_arithmetic_sft(out_dir: str, n_train: int, n_test: int, digits: int, o
 
 
 def default_arithmetic_sft_files(digits: int = 2, n_train: int = 1024, n_test: int = 128, seed: int = 0,
-                                 ops: Sequence[str] = ("+",)) -> tuple[str, str]:
-    """(train, test) of the built-in SFT data, written once into ``~/.cache/posttrain/arithmetic_sft``."""
-    tag = f"d{digits}_{''.join({'+': 'add', '-': 'sub', '*': 'mul'}[o] for o in ops)}_tr{n_train}_te{n_test}_s{seed}"
+                                 ops: Sequence[str] = ("+",), prompt_style: str = "fewshot") -> tuple[str, str]:
+    """(train, test) of the built-in SFT data, written once into ``~/.cache/posttrain/arithmetic_sft``.
+    The same problems as the RL built-in task with the same knobs (`arithmetic.generate_problems`)."""
+    ops_tag = "".join({"+": "add", "-": "sub", "*": "mul"}[o] for o in ops)
+    tag = f"d{digits}_{ops_tag}_tr{n_train}_te{n_test}_s{seed}_{prompt_style}"
     out_dir = os.path.join(os.path.expanduser(os.path.join("~", ".cache", "posttrain", "arithmetic_sft")), tag)
     train, test = os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet")
     if not (os.path.exists(train) and os.path.exists(test)):
         tmp = f"{out_dir}.tmp{os.getpid()}"
-        write_arithmetic_sft(tmp, n_train, n_test, digits, ops, seed)
+        write_arithmetic_sft(tmp, n_train, n_test, digits, ops, seed, prompt_style)
         os.makedirs(out_dir, exist_ok=True)
         for name in ("train.parquet", "test.parquet"):
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))

@@ -40,6 +40,15 @@ class DPOTrainer(SFTTrainer):
     def _needs_reference(self) -> bool:
         return not self.config.dpo.precompute_ref_log_probs
 
+    def _build_datasets(self) -> tuple[Any, Any]:
+        if self.config.data.train_files is None:
+            from posttrain.errors import ConfigError
+
+            raise ConfigError("data.train_files is null: DPO needs preference rows (prompt, chosen, rejected); build "
+                              "them from the model's own samples with `posttrain prep pairs ...`, or point "
+                              "data.train_files at a parquet/jsonl file of pairs")
+        return super()._build_datasets()
+
     def _dataset(self, files: Any, max_samples: int) -> Any:
         from posttrain.data.sft import PairDataset
 

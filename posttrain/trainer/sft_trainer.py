@@ -47,6 +47,7 @@ class SFTTrainer:
             raise ConfigError(f"an in-memory model trains in one process, and this run has trainer.nnodes x "
                               f"trainer.n_gpus_per_node = {world} ranks: save it to a folder and set "
                               "model.partial_pretrain")
+        self._preflight(model, tokenizer)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.train_data, self.val_data = self._build_datasets()
         rows = len(self.train_data)
@@ -76,6 +77,25 @@ class SFTTrainer:
         self.stopped_by: int | None = None
         self._stop_signal: int | None = None
         self._saved_step: int | None = None
+
+    def _preflight(self, model: Any, tokenizer: Any) -> None:
+        """The model path and the data files, checked before anything loads (one error listing all)."""
+        from posttrain.data.schema import SUPPORTED_SUFFIXES
+
+        d, problems = self.config.data, []
+        if model is None or tokenizer is None:
+            problem = preflight.model_path_problem(self.config.model.partial_pretrain)
+            if problem:
+                problems.append(f"model.partial_pretrain: {problem}")
+        for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+            for file in [] if files is None else files if isinstance(files, (list, tuple)) else [files]:
+                path = Path(str(file)).expanduser()
+                if not path.is_file():
+                    problems.append(f"{key}: {path} {'is a folder' if path.is_dir() else 'does not exist'}")
+                elif not str(path).endswith(SUPPORTED_SUFFIXES):
+                    problems.append(f"{key}: {path} is not a {'/'.join(SUPPORTED_SUFFIXES)} file")
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     # ------------------------------------------------------------------ parts (overridden by DPO)
     def _needs_reference(self) -> bool:
@@ -202,4 +222,5 @@ def builtin_sft_files(config: SFTConfig) -> tuple[str, str]:
     from posttrain.data.prep_sft import default_arithmetic_sft_files
 
     a = config.data.arithmetic
-    return default_arithmetic_sft_files(digits=a.digits, n_train=a.n_train, n_test=a.n_test, seed=a.seed)
+    return default_arithmetic_sft_files(digits=a.digits, n_train=a.n_train, n_test=a.n_test, seed=a.seed,
+                                        prompt_style=a.prompt_style)
