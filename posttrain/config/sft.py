@@ -530,7 +530,7 @@ def sft_markdown_reference() -> str:
                 continue
             if only is not None and not key.startswith(only):
                 continue
-            label = f"`{key}` (DPO)" if only is not None else f"`{key}`"
+            label = f"`{key}` (DPO)" if only is not None else f"`{key}` (SFT, DPO)"
             default = format_value(info.default).replace("|", "\\|")
             out.append(f"| {label} | {info.type.replace('|', chr(92) + '|')} | `{default}` | {info.doc} |")
             seen.add(key)
