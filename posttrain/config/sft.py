@@ -392,9 +392,11 @@ def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (
 # ---------------------------------------------------------------------------------------------- checks
 def sft_problems(config: SFTConfig) -> list[str]:
     """Every inconsistency of the tree, each naming its key and what would be valid."""
+    from posttrain.distributed.torchrun import launched_by_torchrun, torchrun_world_size
+
     d, m, o, t = config.data, config.model, config.optim, config.trainer
     out = []
-    world = t.nnodes * t.n_gpus_per_node
+    world = torchrun_world_size() if launched_by_torchrun() else t.nnodes * t.n_gpus_per_node
     if d.truncation not in TRUNCATION_MODES:
         out.append(f"data.truncation={d.truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
     for key, value in (("data.train_batch_size", d.train_batch_size), ("data.micro_batch_size_per_gpu",
@@ -406,8 +408,8 @@ def sft_problems(config: SFTConfig) -> list[str]:
     if t.total_training_steps is not None and t.total_training_steps <= 0:
         out.append(f"trainer.total_training_steps={t.total_training_steps} must be positive or null")
     if isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and d.train_batch_size % world:
-        out.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the ranks (trainer.nnodes x "
-                   f"trainer.n_gpus_per_node = {world})")
+        out.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the ranks ({world}: torchrun's "
+                   "WORLD_SIZE, or trainer.nnodes x trainer.n_gpus_per_node)")
     if o.lr <= 0:
         out.append(f"optim.lr={o.lr} must be positive")
     if o.lr_scheduler not in ("cosine", "constant"):

@@ -12,6 +12,7 @@ RL run, and a resumed run continues exactly where the stopped one was, at an epo
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,13 @@ class SFTTrainer:
     stage = "sft"
 
     def __init__(self, config: SFTConfig, *, model: Any = None, tokenizer: Any = None):
+        from posttrain.distributed.torchrun import launched_by_torchrun, torchrun_world_size
+
         validate_sft_config(config)
         self.config = config
         t = config.trainer
-        world = t.nnodes * t.n_gpus_per_node
+        self.torchrun = launched_by_torchrun()  # every process a rank (module docstring of distributed.torchrun)
+        world = torchrun_world_size() if self.torchrun else t.nnodes * t.n_gpus_per_node
         if model is not None and world > 1:
             raise ConfigError(f"an in-memory model trains in one process, and this run has trainer.nnodes x "
                               f"trainer.n_gpus_per_node = {world} ranks: save it to a folder and set "
@@ -60,23 +64,69 @@ class SFTTrainer:
         self.total_steps = t.total_training_steps or t.total_epochs * len(self.train_loader)
         self.rl = rl_config_for(config, self.total_steps, reference=self._needs_reference())
         self.rl.algorithm.adv_estimator = "grpo"  # no critic
+        self.rank = 0
+        if self.torchrun:
+            from posttrain.distributed.torchrun import join
+
+            self.rank, _ = join(t.device, self.rl.actor_rollout_ref.nccl_timeout)
+            self.rl.trainer.nnodes, self.rl.trainer.n_gpus_per_node = 1, world
         self.device = setup.resolve_device(self.rl)
         self.checkpoints = CheckpointManager(Path(self.rl.trainer.default_local_dir).expanduser(),
                                              t.max_ckpt_to_keep)
-        preflight.claim_checkpoint_folder(self.rl, self.checkpoints)
+        self._claim_checkpoint_folder()
         from posttrain.trainer.trainer import seed_everything
 
         seed_everything(t.seed)
         try:
-            self.workers = setup.build_workers(self.rl, self.rl, self.device, t.seed, model, None, self.tokenizer)
+            if self.torchrun:
+                from posttrain.distributed.torchrun import TorchrunGroup
+
+                self.workers = TorchrunGroup(self.rl, t.seed, self.tokenizer, t.device)
+            else:
+                self.workers = setup.build_workers(self.rl, self.rl, self.device, t.seed, model, None, self.tokenizer)
         except BaseException:
-            self.checkpoints.unlock()
+            self._unlock()
             raise
         self.global_step = 0
         self.history: list[dict[str, float]] = []
         self.stopped_by: int | None = None
         self._stop_signal: int | None = None
         self._saved_step: int | None = None
+
+    def _claim_checkpoint_folder(self) -> None:
+        """Lock ``trainer.default_local_dir`` and apply its rule (`resume.prepare_folder`): rank 0's job
+        under torchrun, whose verdict every rank then shares (one error, on every rank)."""
+        problem = None
+        if self.rank == 0:
+            try:
+                preflight.claim_checkpoint_folder(self.rl, self.checkpoints)
+            except Exception as err:  # ConfigError, CheckpointError: shared with the other ranks as text
+                problem = err
+        if self.torchrun:
+            message = self.workers_agree(None if problem is None else f"{problem}")
+            if problem is None and message is not None:
+                raise ConfigError(f"rank 0: {message}")
+        if problem is not None:
+            raise problem
+
+    def workers_agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every torchrun rank (before the worker group exists)."""
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _unlock(self) -> None:
+        if self.rank == 0:
+            self.checkpoints.unlock()
+
+    def _should_stop(self) -> bool:
+        """A signal arrived (on any torchrun rank: the ranks stop after the same step)."""
+        stop = self._stop_signal is not None
+        if self.torchrun and self.workers.any_rank(stop) and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM
+        return self._stop_signal is not None
 
     def _preflight(self, model: Any, tokenizer: Any) -> None:
         """The model path and the data files, checked before anything loads (one error listing all)."""
@@ -157,8 +207,8 @@ class SFTTrainer:
         from posttrain.trainer.trainer import _config_dict, _stop_on_signals
 
         t = self.config.trainer
-        tracker = Tracking(t.logger, setup.run_dir(self.rl), t.project_name, t.experiment_name,
-                           _config_dict(self.config), self.total_steps)
+        tracker = Tracking(t.logger if self.rank == 0 else [], setup.run_dir(self.rl), t.project_name,
+                           t.experiment_name, _config_dict(self.config), self.total_steps)
         self._phase = "resume"
         try:
             with _stop_on_signals(self):
@@ -167,15 +217,15 @@ class SFTTrainer:
                 self._loop(tracker)
         finally:
             self.workers.shutdown()
-            self.checkpoints.unlock()
-        if t.save_freq > 0 and self.global_step == self.total_steps and self.stopped_by is None:
+            self._unlock()
+        if t.save_freq > 0 and self.global_step == self.total_steps and self.stopped_by is None and self.rank == 0:
             resume.export_final(self.checkpoints)
         tracker.finish()
         return self.history
 
     def _loop(self, tracker: Any) -> None:
         t = self.config.trainer
-        while self.global_step < self.total_steps and self._stop_signal is None:
+        while self.global_step < self.total_steps and not self._should_stop():
             epoch = self.train_loader.epoch
             metrics = self.train_step(self.train_loader.next_batch())
             self.global_step += 1
@@ -196,6 +246,10 @@ class SFTTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """``global_step_N/actor`` (weights, optimizer, schedule) + the loader's position and RNG."""
+        if self.rank != 0:  # torchrun: rank 0 seals the folder; this rank writes its shards into it
+            self.workers.follow_save()
+            self._saved_step = self.global_step
+            return self.checkpoints.step_dir(self.global_step)
         run = resume.RunState(self.global_step)
         path = resume.save_run(self.checkpoints, self.workers, run, self.train_loader, None, self._fingerprint())
         self._saved_step = self.global_step
