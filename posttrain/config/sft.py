@@ -371,10 +371,30 @@ def _parse(parse_value, key: str, text: str, keys: dict) -> Any:
     return value
 
 
+def _ranks(config: SFTConfig) -> int:
+    from posttrain.distributed.torchrun import launched_by_torchrun, torchrun_world_size
+
+    return torchrun_world_size() if launched_by_torchrun() else config.trainer.nnodes * config.trainer.n_gpus_per_node
+
+
+def _apply_deprecated(config: SFTConfig) -> SFTConfig:
+    """verl's deprecated ``data.micro_batch_size`` (rows over all ranks) becomes rows per rank, as verl does."""
+    d = config.data
+    if d.micro_batch_size is not None:
+        world = _ranks(config)
+        if d.micro_batch_size <= 0 or d.micro_batch_size % world:
+            raise ConfigError(f"data.micro_batch_size={d.micro_batch_size} (deprecated: rows over all ranks) must be "
+                              f"a positive multiple of the {world} ranks; or set data.micro_batch_size_per_gpu")
+        d.micro_batch_size_per_gpu = d.micro_batch_size // world
+        print(f"note: data.micro_batch_size={d.micro_batch_size} is deprecated; using data.micro_batch_size_per_gpu="
+              f"{d.micro_batch_size_per_gpu}", flush=True)
+    return config
+
+
 def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
                     base: str | Path | None = None, validate: bool = True) -> SFTConfig:
     """verl's SFT defaults <- `base` YAML <- `path` YAML <- dotted overrides; validated unless told not to."""
-    config = _load(SFTConfig, path, overrides, base, "SFT")
+    config = _apply_deprecated(_load(SFTConfig, path, overrides, base, "SFT"))
     if validate:
         validate_sft_config(config)
     return config
@@ -383,7 +403,7 @@ def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = (
 def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
                     base: str | Path | None = None, validate: bool = True) -> DPOConfig:
     """The SFT tree with DPO's data keys and `dpo.*`; validated unless told not to."""
-    config = _load(DPOConfig, path, overrides, base, "DPO")
+    config = _apply_deprecated(_load(DPOConfig, path, overrides, base, "DPO"))
     if validate:
         validate_sft_config(config)
     return config
@@ -392,11 +412,9 @@ def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (
 # ---------------------------------------------------------------------------------------------- checks
 def sft_problems(config: SFTConfig) -> list[str]:
     """Every inconsistency of the tree, each naming its key and what would be valid."""
-    from posttrain.distributed.torchrun import launched_by_torchrun, torchrun_world_size
-
     d, m, o, t = config.data, config.model, config.optim, config.trainer
     out = []
-    world = torchrun_world_size() if launched_by_torchrun() else t.nnodes * t.n_gpus_per_node
+    world = _ranks(config)
     if d.truncation not in TRUNCATION_MODES:
         out.append(f"data.truncation={d.truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
     for key, value in (("data.train_batch_size", d.train_batch_size), ("data.micro_batch_size_per_gpu",

@@ -103,13 +103,14 @@ class SFTTrainer:
             except Exception as err:  # ConfigError, CheckpointError: shared with the other ranks as text
                 problem = err
         if self.torchrun:
-            message = self.workers_agree(None if problem is None else f"{problem}")
+            message = self._rank0_value(None if problem is None else f"{problem}")
             if problem is None and message is not None:
                 raise ConfigError(f"rank 0: {message}")
         if problem is not None:
             raise problem
 
-    def workers_agree(self, value: Any) -> Any:
+    @staticmethod
+    def _rank0_value(value: Any) -> Any:
         """Rank 0's ``value`` on every torchrun rank (before the worker group exists)."""
         import torch.distributed as dist
 

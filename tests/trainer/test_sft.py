@@ -181,3 +181,26 @@ def test_config_errors_name_the_key_before_anything_loads(tmp_path):
         load_sft_config(overrides=["ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=1"])
     with pytest.raises(ConfigError, match="an RL key"):
         load_sft_config(overrides=["actor_rollout_ref.actor.optim.lr=1"])
+
+
+def test_padding_free_forward_gives_the_same_step(tmp_path):
+    """use_remove_padding packs a micro-batch's tokens into one row: the same loss and weights."""
+    from posttrain.trainer.sft_trainer import SFTTrainer
+
+    runs = []
+    for packed in (False, True):
+        trainer = SFTTrainer(tiny_sft_config(tmp_path / str(packed), [f"use_remove_padding={packed}",
+                                                                       "trainer.total_training_steps=2"]))
+        runs.append((trainer.fit(), trainer.workers.actor.module.state_dict()))
+    (plain, plain_w), (packed, packed_w) = runs
+    for a, b in zip(plain, packed):
+        assert math.isclose(a["train/loss"], b["train/loss"], rel_tol=1e-5)
+    for name, value in plain_w.items():
+        torch.testing.assert_close(packed_w[name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_deprecated_micro_batch_size_is_rows_over_all_ranks():
+    from posttrain.config.sft import load_sft_config
+
+    config = load_sft_config(overrides=["data.micro_batch_size=8", "trainer.n_gpus_per_node=2"])
+    assert config.data.micro_batch_size_per_gpu == 4
