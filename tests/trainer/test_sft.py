@@ -204,3 +204,15 @@ def test_deprecated_micro_batch_size_is_rows_over_all_ranks():
 
     config = load_sft_config(overrides=["data.micro_batch_size=8", "trainer.n_gpus_per_node=2"])
     assert config.data.micro_batch_size_per_gpu == 4
+
+
+def test_plan_describes_the_run_without_loading_a_model(capsys):
+    from posttrain.plan import main
+
+    code = main(["dpo", "trainer.n_gpus_per_node=2", "data.train_batch_size=16", "model.lora_rank=8",
+                 "data.micro_batch_size_per_gpu=4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "16 pairs -> 8 per rank -> 2 micro-batch(es)" in out
+    assert "adapters disabled (no second model)" in out
+    assert main(["sft", "data.train_batch_size=7", "trainer.n_gpus_per_node=2"]) == 1
+    assert "must be divisible by the ranks" in capsys.readouterr().out
