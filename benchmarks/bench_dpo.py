@@ -53,7 +53,7 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def posttrain_step_s(model_dir: str, pairs: Path, per_step: int, steps: int, precision: str, work: Path) -> float:
-    from posttrain.config.sft import load_dpo_config
+    from posttrain.config.sft_load import load_dpo_config
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
     config = load_dpo_config(overrides=[

@@ -29,10 +29,10 @@ def _rows(files: Any, max_samples: int) -> int | None:
 
 def describe(config: Any, stage: str) -> str:
     """The plan as text (`main`)."""
-    from posttrain.config.sft import _ranks, sft_problems
+    from posttrain.config.sft_load import ranks, sft_problems
 
     d, m, o, t = config.data, config.model, config.optim, config.trainer
-    world = _ranks(config)
+    world = ranks(config)
     per_rank = d.train_batch_size // max(world, 1)
     unit = "pairs" if stage == "dpo" else "rows"
     micro = d.micro_batch_size_per_gpu
@@ -70,7 +70,7 @@ def describe(config: Any, stage: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from posttrain.config.sft import load_dpo_config, load_sft_config
+    from posttrain.config.sft_load import load_dpo_config, load_sft_config
     from posttrain.errors import ConfigError
 
     stage, rest = argv[0], argv[1:]

@@ -39,7 +39,7 @@ def _summary(history: list[dict]) -> None:
 
 
 def sft_cli(argv: list[str], builtin: bool) -> int:
-    from posttrain.config.sft import load_sft_config
+    from posttrain.config.sft_load import load_sft_config
     from posttrain.trainer.sft_trainer import SFTTrainer
 
     parser = argparse.ArgumentParser(prog="posttrain sft" if builtin else "python -m posttrain.trainer.fsdp_sft_trainer",
@@ -52,7 +52,7 @@ def sft_cli(argv: list[str], builtin: bool) -> int:
 
 
 def dpo_cli(argv: list[str]) -> int:
-    from posttrain.config.sft import load_dpo_config
+    from posttrain.config.sft_load import load_dpo_config
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
     parser = argparse.ArgumentParser(prog="posttrain dpo", description="Offline DPO on preference pairs (prompt, "

@@ -21,7 +21,8 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.checkpoint import CheckpointManager
-from posttrain.config.sft import SFTConfig, rl_config_for, validate_sft_config
+from posttrain.config.sft import SFTConfig
+from posttrain.config.sft_load import rl_config_for, validate_sft_config
 from posttrain.data.loader import PromptLoader
 from posttrain.errors import ConfigError
 from posttrain.trainer import preflight, resume, setup
@@ -33,7 +34,7 @@ class SFTTrainer:
     """SFT on one process or ``trainer.nnodes x trainer.n_gpus_per_node`` Ray ranks.
 
     Args:
-        config: `posttrain.config.sft.load_sft_config(...)`.
+        config: `posttrain.config.sft_load.load_sft_config(...)`.
         model, tokenizer: use these instead of loading ``model.partial_pretrain`` (tests; one process).
     """
 

@@ -31,7 +31,7 @@ def tiny_sft_overrides(tmp_path: Path, extra: list[str] = (), n_train: int = 32,
 
 
 def tiny_sft_config(tmp_path: Path, extra: list[str] = (), **kw):
-    from posttrain.config.sft import load_sft_config
+    from posttrain.config.sft_load import load_sft_config
 
     return load_sft_config(overrides=tiny_sft_overrides(tmp_path, extra, **kw))
 
@@ -45,7 +45,7 @@ def write_pairs(path: Path, n: int = 16) -> Path:
 
 
 def tiny_dpo_config(tmp_path: Path, extra: list[str] = ()):
-    from posttrain.config.sft import load_dpo_config
+    from posttrain.config.sft_load import load_dpo_config
 
     data = Path(tmp_path) / "pairs"
     if not (data / "train.jsonl").exists():

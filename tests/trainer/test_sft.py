@@ -172,7 +172,7 @@ def test_truncation_right_keeps_the_prompt_and_cuts_the_answer(tmp_path):
 
 
 def test_config_errors_name_the_key_before_anything_loads(tmp_path):
-    from posttrain.config.sft import load_sft_config
+    from posttrain.config.sft_load import load_sft_config
     from posttrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="did you mean data.max_length"):
@@ -200,7 +200,7 @@ def test_padding_free_forward_gives_the_same_step(tmp_path):
 
 
 def test_deprecated_micro_batch_size_is_rows_over_all_ranks():
-    from posttrain.config.sft import load_sft_config
+    from posttrain.config.sft_load import load_sft_config
 
     config = load_sft_config(overrides=["data.micro_batch_size=8", "trainer.n_gpus_per_node=2"])
     assert config.data.micro_batch_size_per_gpu == 4

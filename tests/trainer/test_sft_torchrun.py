@@ -22,7 +22,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_torchrun_two_cpu_ranks_equal_one_process(tmp_path):
-    from posttrain.config.sft import load_sft_config
+    from posttrain.config.sft_load import load_sft_config
     from posttrain.trainer.sft_trainer import SFTTrainer
 
     SFTTrainer(load_sft_config(overrides=tiny_sft_overrides(tmp_path / "one", EXTRA))).fit()
