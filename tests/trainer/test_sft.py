@@ -118,6 +118,15 @@ def test_tiny_sft_run_lowers_the_validation_loss_and_exports(tmp_path):
         torch.testing.assert_close(exported.state_dict()[name], value)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("val/loss" in line for line in lines)
+    # the export starts an RL run (GRPO, one step) as its actor_rollout_ref.model.path
+    from helpers.tiny_run import tiny_config
+    from posttrain.trainer.trainer import RLTrainer
+
+    rl = RLTrainer(tiny_config(tmp_path / "rl", [f"actor_rollout_ref.model.path={ckpt / 'hf_model'}",
+                                                 "trainer.total_training_steps=1"]))
+    torch.testing.assert_close(rl.workers.actor.module.state_dict()["lm_head.weight"],
+                               exported.state_dict()["lm_head.weight"])
+    assert len(rl.fit()) == 1
 
 
 def test_resume_at_an_epoch_boundary_trains_the_next_epoch_exactly(tmp_path):
