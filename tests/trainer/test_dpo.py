@@ -102,3 +102,17 @@ def test_pairs_share_their_prompt_in_adjacent_rows(tmp_path):
     assert len(batch) == 16 and torch.equal(batch["prompts"][0::2], batch["prompts"][1::2])
     assert list(batch.non_tensor_batch["uid"][0::2]) == list(batch.non_tensor_batch["uid"][1::2])
     assert (batch["responses"][0::2] != batch["responses"][1::2]).any(-1).all()
+
+
+def test_the_tutorials_names_import():
+    import posttrain
+    from posttrain.rollout.hf import HFRolloutEngine
+    from posttrain.trainer import DPOTrainer, GRPOTrainer, PPOTrainer
+    from posttrain.trainer.dpo_trainer import DPOTrainer as Dpo
+    from posttrain.trainer.trainer import RLTrainer
+    from posttrain.workers.rollout import HFRollout, vLLMRollout
+
+    assert DPOTrainer is Dpo is posttrain.DPOTrainer and GRPOTrainer is PPOTrainer is RLTrainer
+    assert HFRollout is HFRolloutEngine and vLLMRollout.__name__ == "VLLMRolloutEngine"
+    with pytest.raises(ImportError, match="SGLang engine.*Use HFRollout"):
+        from posttrain.workers.rollout import SGLangRollout  # noqa: F401

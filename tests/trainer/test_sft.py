@@ -118,6 +118,11 @@ def test_tiny_sft_run_lowers_the_validation_loss_and_exports(tmp_path):
         torch.testing.assert_close(exported.state_dict()[name], value)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("val/loss" in line for line in lines)
+    from posttrain.trainer.export import main as export_main  # `posttrain export` on the SFT checkpoints
+
+    assert export_main([str(ckpt), "--output", str(tmp_path / "exported")]) == 0
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    torch.testing.assert_close(again.state_dict()["lm_head.weight"], exported.state_dict()["lm_head.weight"])
     # the export starts an RL run (GRPO, one step) as its actor_rollout_ref.model.path
     from helpers.tiny_run import tiny_config
     from posttrain.trainer.trainer import RLTrainer
