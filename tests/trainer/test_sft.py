@@ -230,3 +230,24 @@ def test_plan_describes_the_run_without_loading_a_model(capsys):
     assert "adapters disabled (no second model)" in out
     assert main(["sft", "data.train_batch_size=7", "trainer.n_gpus_per_node=2"]) == 1
     assert "must be divisible by the ranks" in capsys.readouterr().out
+
+
+def test_prepared_gsm8k_and_arithmetic_rows_are_sft_rows(tmp_path):
+    """`posttrain prep gsm8k` rows read with verl's SFT keys (extra_info.question -> extra_info.answer), and
+    `posttrain prep arithmetic-sft` rows with the RL prompt -> the worked answer."""
+    from posttrain.data.prep import gsm8k_rows, main as prep_main
+    from posttrain.data.schema import read_rows
+
+    record = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}
+    write_rows(gsm8k_rows([record], "train"), str(tmp_path / "gsm8k.parquet"))
+    ds = SFTDataset(str(tmp_path / "gsm8k.parquet"), TOK, replace(
+        SFTDataConfig(), prompt_key="extra_info", prompt_dict_keys=["question"], response_key="extra_info",
+        response_dict_keys=["answer"]))
+    assert TOK.decode(ds[0].response) == record["answer"] + "<|im_end|>"
+    assert record["question"] in TOK.decode(ds[0].prompt)
+    assert prep_main(["arithmetic-sft", "--output", str(tmp_path / "arith"), "--n-train", "4", "--n-test", "2",
+                      "--digits", "1"]) == 0
+    row = read_rows(str(tmp_path / "arith" / "train.parquet"))[0]
+    a, b = row["extra_info"]["question"].removeprefix("What is ").removesuffix("?").split(" + ")
+    assert row["extra_info"]["answer"] == f"{a} + {b} = {int(a) + int(b)}\n#### {int(a) + int(b)}"
+    assert row["reward_model"]["ground_truth"] == str(int(a) + int(b))  # still an RL / evaluation row
