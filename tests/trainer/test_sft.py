@@ -251,3 +251,21 @@ def test_prepared_gsm8k_and_arithmetic_rows_are_sft_rows(tmp_path):
     a, b = row["extra_info"]["question"].removeprefix("What is ").removesuffix("?").split(" + ")
     assert row["extra_info"]["answer"] == f"{a} + {b} = {int(a) + int(b)}\n#### {int(a) + int(b)}"
     assert row["reward_model"]["ground_truth"] == str(int(a) + int(b))  # still an RL / evaluation row
+
+
+def test_command_line_errors_are_one_line_with_the_exit_code(tmp_path, capsys):
+    from posttrain.cli import main
+    from helpers.sft import tiny_sft_overrides
+
+    assert main(["sft", "data.max_lenght=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "data.max_length" in err[0]
+    write_rows([{"prompt": [{"role": "user", "content": "q"}], "extra_info": {"answer": "a" * 400}}],
+               str(tmp_path / "long.jsonl"))
+    overrides = tiny_sft_overrides(tmp_path, ["trainer.total_training_steps=1"])
+    overrides = [o for o in overrides if not o.startswith("data.train_files")] + [f"data.train_files={tmp_path / 'long.jsonl'}"]
+    capsys.readouterr()  # the tiny model's files were written: their progress lines are not the run's
+    assert main(["sft", *overrides]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "it/s" not in line]  # model-loading bars
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path / 'long.jsonl'}: row 0: 421 tokens")
+    assert "data.max_length=256" in err[0]
