@@ -253,6 +253,8 @@ class DPOConfig(SFTConfig):
 
     data: DPODataConfig = field(default_factory=DPODataConfig)
     """Preference rows: prompt, chosen, rejected."""
+    use_prefix_grouper: bool = True
+    """(posttrain) A pair's chosen and rejected rows encode their shared prompt once (exact; on by default for DPO)."""
     dpo: DPOSection = field(default_factory=DPOSection)
     """DPO loss and reference."""
 
