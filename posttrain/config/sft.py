@@ -103,6 +103,10 @@ class SFTDataConfig:
 
 @_cfg()
 class DPODataConfig(SFTDataConfig):
+    train_files: Any = None
+    """Preference rows (prompt, chosen, rejected): parquet/jsonl file(s), e.g. from `posttrain prep pairs`."""
+    val_files: Any = None
+    """Held-out preference rows for eval_loss and eval_rewards/* (null: none)."""
     prompt_key: str = "prompt"
     """Column holding the prompt: text or a list of chat messages (TRL's name)."""
     chosen_key: str = "chosen"

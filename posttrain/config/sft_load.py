@@ -298,7 +298,8 @@ def sft_markdown_reference() -> str:
            "", "Their own tree: verl's `sft_trainer.yaml` keys (DPO adds TRL's names). Keys marked (posttrain) are ours.",
            "", "| key | type | default | meaning |", "|---|---|---|---|"]
     seen = set()
-    dpo_only = ("data.prompt_key", "data.chosen_key", "data.rejected_key", "dpo.", "use_prefix_grouper")
+    dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key", "dpo.",
+                "use_prefix_grouper")
     for cls, only in ((SFTConfig, None), (DPOConfig, dpo_only)):
         for key, info in _keys(cls).items():
             if info.is_section or (only is None and key in seen):
