@@ -65,26 +65,13 @@ class SFTTrainer:
         self.total_steps = t.total_training_steps or t.total_epochs * len(self.train_loader)
         self.rl = rl_config_for(config, self.total_steps, reference=self._needs_reference())
         self.rl.algorithm.adv_estimator = "grpo"  # no critic
-        self.rank = 0
-        if self.torchrun:
-            from posttrain.distributed.torchrun import join
-
-            self.rank, _ = join(t.device, self.rl.actor_rollout_ref.nccl_timeout)
-            self.rl.trainer.nnodes, self.rl.trainer.n_gpus_per_node = 1, world
+        self.rank = self._join_torchrun(world)
         self.device = setup.resolve_device(self.rl)
         self.checkpoints = CheckpointManager(Path(self.rl.trainer.default_local_dir).expanduser(),
                                              t.max_ckpt_to_keep)
         self._claim_checkpoint_folder()
-        from posttrain.trainer.trainer import seed_everything
-
-        seed_everything(t.seed)
         try:
-            if self.torchrun:
-                from posttrain.distributed.torchrun import TorchrunGroup
-
-                self.workers = TorchrunGroup(self.rl, t.seed, self.tokenizer, t.device)
-            else:
-                self.workers = setup.build_workers(self.rl, self.rl, self.device, t.seed, model, None, self.tokenizer)
+            self.workers = self._build_workers(model)
         except BaseException:
             self._unlock()
             raise
@@ -93,6 +80,29 @@ class SFTTrainer:
         self.stopped_by: int | None = None
         self._stop_signal: int | None = None
         self._saved_step: int | None = None
+
+    def _join_torchrun(self, world: int) -> int:
+        """This process's rank: 0 in one process or as the Ray driver; under torchrun, its rank in the
+        process group it joins now (the RL config then names torchrun's world as its ranks)."""
+        if not self.torchrun:
+            return 0
+        from posttrain.distributed.torchrun import join
+
+        rank, _ = join(self.config.trainer.device, self.rl.actor_rollout_ref.nccl_timeout)
+        self.rl.trainer.nnodes, self.rl.trainer.n_gpus_per_node = 1, world
+        return rank
+
+    def _build_workers(self, model: Any) -> Any:
+        """The RL worker group: in this process, on Ray ranks, or this torchrun rank's share."""
+        from posttrain.trainer.trainer import seed_everything
+
+        seed = self.config.trainer.seed
+        seed_everything(seed)
+        if self.torchrun:
+            from posttrain.distributed.torchrun import TorchrunGroup
+
+            return TorchrunGroup(self.rl, seed, self.tokenizer, self.config.trainer.device)
+        return setup.build_workers(self.rl, self.rl, self.device, seed, model, None, self.tokenizer)
 
     def _claim_checkpoint_folder(self) -> None:
         """Lock ``trainer.default_local_dir`` and apply its rule (`resume.prepare_folder`): rank 0's job
