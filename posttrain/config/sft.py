@@ -194,9 +194,9 @@ class SFTTrainerConfig:
     seed: int = 1
     """Seed of initialisation and shuffling."""
     save_freq: int = -1
-    """Save a checkpoint every this many steps (-1: only none; the last step saves when > 0)."""
+    """Save a checkpoint every this many steps, and at the last step (-1: never; the last save also exports hf_model/)."""
     test_freq: int = -1
-    """Validation loss every this many steps (-1: never; the last step validates when > 0)."""
+    """Validation loss every this many steps, and at the last step (-1: never)."""
     nnodes: int = 1
     """Machines (Ray ranks; under torchrun the launcher's world size wins)."""
     n_gpus_per_node: int = 8
