@@ -13,8 +13,12 @@ def __getattr__(name):
         from posttrain.trainer import trainer as _trainer
 
         return getattr(_trainer, name)
+    if name in ("DPOTrainer", "SFTTrainer"):
+        import posttrain.trainer as _trainers
+
+        return getattr(_trainers, name)
     raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
 
 
 __all__ = ["ConfigError", "PosttrainError", "PostTrainConfig", "load_config", "GRPOTrainer", "PPOTrainer", "RayPPOTrainer",
-           "RLTrainer", "__version__"]
+           "RLTrainer", "DPOTrainer", "SFTTrainer", "__version__"]

@@ -1,4 +1,4 @@
-"""`posttrain` command line: train | config | prep | plan | diff | eval | export.
+"""`posttrain` command line: train | sft | dpo | config | prep | plan | diff | eval | export.
 
 Each sub-command lives in the module that owns its work; this file only routes.
 """
@@ -42,6 +42,8 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 COMMANDS = {
     "train": ("posttrain.trainer.main_ppo", "train with overrides (no arguments: the built-in default run)"),
+    "sft": ("posttrain.trainer.fsdp_sft_trainer", "supervised fine-tuning (no arguments: the built-in SFT run)"),
+    "dpo": ("posttrain.trainer.fsdp_sft_trainer", "offline DPO on preference pairs (prompt, chosen, rejected)"),
     "config": (None, "print the resolved config, --keys for the key reference"),
     "prep": ("posttrain.data.prep", "prepare datasets: gsm8k, math, arithmetic"),
     "plan": ("posttrain.plan", "explain a run before it starts: batch flow, models, memory, problems"),
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from posttrain.trainer.main_ppo import train_cli
 
         return run_cli(lambda a: train_cli(a, builtin=True), rest)
+    if command in ("sft", "dpo"):
+        from posttrain.trainer.fsdp_sft_trainer import dpo_cli, sft_cli
+
+        return run_cli(lambda a: sft_cli(a, builtin=True) if command == "sft" else dpo_cli(a), rest)
     return run_cli(lambda a: _delegate(COMMANDS[command][0], a), rest)
 
 

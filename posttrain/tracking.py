@@ -40,7 +40,8 @@ class ConsoleBackend:
     """One readable line per step, with the headline metrics first, plus elapsed time and ETA."""
 
     HEADLINE = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss",
-                "response_length/mean", "timing_s/step", "perf/throughput")
+                "response_length/mean", "train/loss", "val/loss", "loss", "rewards/margins", "rewards/accuracies",
+                "eval_rewards/accuracies", "timing_s/step", "perf/throughput")
 
     def __init__(self, total_steps: int | None):
         self.total, self.start = total_steps, time.monotonic()

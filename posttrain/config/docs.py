@@ -139,4 +139,6 @@ def markdown_reference() -> str:
         default = format_value(info.default).replace("|", "\\|")
         typ = info.type.replace("|", "\\|")
         out.append(f"| `{info.key}` | {typ} | `{default}` | {info.doc} |")
-    return "\n".join(out) + "\n"
+    from posttrain.config.sft_load import sft_markdown_reference  # the SFT / DPO trainers' own tree
+
+    return "\n".join(out) + "\n" + sft_markdown_reference()

@@ -170,9 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
     a.set_defaults(func=_prep_arithmetic)
 
-    from posttrain.data.pairs import add_pairs_parser
+    from posttrain.data.pairs import add_pairs_parser  # preference pairs from a model's own samples
+    from posttrain.data.prep_sft import add_parsers  # SFT rows (worked answers)
 
     add_pairs_parser(sub)
+    add_parsers(sub)
     return ap
 
 

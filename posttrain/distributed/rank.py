@@ -109,6 +109,26 @@ class RankWorker:
         with self._resident(self.critic, with_optimizer=True):
             return self.critic.update_critic(batch)
 
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        with self._resident(self.actor, with_optimizer=True):
+            return self.actor.update_sft(batch)
+
+    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
+        with self._resident(self.actor):
+            return self.actor.compute_sft_loss(batch)
+
+    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        with self._resident(self.actor):
+            return self.actor.compute_sequence_logps(batch)
+
+    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        with self._resident(self.ref):
+            return self.ref.compute_sequence_logps(batch)
+
+    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
+        with self._resident(self.actor, with_optimizer=True):
+            return self.actor.update_dpo(batch, beta, loss_type, label_smoothing)
+
     def save_checkpoint(self, folder: str) -> list[str]:
         """Every rank writes its shards of each role into ``folder/<role>/`` (a collective)."""
         roles = self.roles.trained()

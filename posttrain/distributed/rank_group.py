@@ -119,6 +119,27 @@ class RankWorkerGroup:
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self._update("update_critic", batch)
 
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        return self._update("update_sft", batch)
+
+    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_sft_loss", batch)
+
+    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_sequence_logps", batch)
+
+    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_ref_sequence_logps", batch)
+
+    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
+        """Pairs stay whole and in order: the batch is padded with zero-weight pairs to a multiple of
+        2 x ranks rows and cut into contiguous chunks (no token balancing, which would split pairs)."""
+        from posttrain.workers.sft import pad_pairs
+
+        chunks = pad_pairs(batch, self.world_size).chunk(self.world_size)
+        return combine_metrics(self._ranks.call_each("update_dpo", chunks, beta=beta, loss_type=loss_type,
+                                                     label_smoothing=label_smoothing))
+
     def save_checkpoint(self, folder: Path) -> list[str]:
         return self._ranks.call_all("save_checkpoint", str(folder))[0]
 

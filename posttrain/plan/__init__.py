@@ -143,6 +143,11 @@ def _source(args: argparse.Namespace) -> tuple[ConfigSource, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from posttrain.plan.report import render
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("sft", "dpo"):  # the SFT / DPO trainers' own tree
+        from posttrain.plan.sft import main as plan_sft
+
+        return plan_sft(argv)
     args = _parser().parse_args(argv)
     try:
         source, overrides = _source(args)

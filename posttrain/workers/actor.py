@@ -219,6 +219,37 @@ class ActorWorker:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return metrics
 
+    # ------------------------------------------------------------------ SFT / DPO (posttrain.workers.sft)
+    def update_sft(self, batch: Any) -> dict[str, float]:
+        """One optimizer step of token-mean NLL on ``response_mask`` tokens (`posttrain.workers.sft`)."""
+        from posttrain.workers.sft import sft_update
+
+        return sft_update(self, batch)
+
+    def compute_sft_loss(self, batch: Any) -> torch.Tensor:
+        """``[N, 2]``: NLL summed over each row's trained tokens, and their count; no grad."""
+        from posttrain.workers.sft import sft_loss_sums
+
+        return sft_loss_sums(self, batch)
+
+    def compute_sequence_logps(self, batch: Any, reference: bool = False) -> torch.Tensor:
+        """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens and their count; with
+        ``reference`` (LoRA only) under the base model, the adapters disabled."""
+        from posttrain.workers.sft import actor_sequence_logps
+
+        if not reference:
+            return actor_sequence_logps(self, batch)
+        if self.lora is None:
+            raise RuntimeError("the actor is its own reference only with LoRA (adapters disabled)")
+        with self.lora.disabled():
+            return actor_sequence_logps(self, batch)
+
+    def update_dpo(self, batch: Any, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
+        """One optimizer step of the DPO loss on chosen/rejected row pairs (`posttrain.workers.sft`)."""
+        from posttrain.workers.sft import dpo_update
+
+        return dpo_update(self, batch, beta, loss_type, label_smoothing)
+
     # ------------------------------------------------------------------ checkpoint state
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config and
@@ -280,6 +311,15 @@ class RefWorker:
         return log_probs
 
 
+    def compute_sequence_logps(self, batch: Any) -> torch.Tensor:
+        """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens under the reference, and their count."""
+        from posttrain.workers.sft import sequence_logps
+
+        return sequence_logps(self.module, batch, micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
+                              autocast=self.autocast, remove_padding=self.remove_padding,
+                              shared_prefix=bool(self.config.use_prefix_grouper))
+
+
 class LoraReference:
     """The reference policy of a LoRA actor: the actor's own module with its adapters disabled
     (verl's ``ref_in_actor``), so no second copy of the model is loaded. Same call as `RefWorker`.
@@ -302,3 +342,7 @@ class LoraReference:
     def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
         """``ref_log_prob`` ``[N, R]`` of ``batch['responses']`` under the base model."""
         return self.actor.compute_ref_log_prob(batch, self.config)
+
+    def compute_sequence_logps(self, batch: Any) -> torch.Tensor:
+        """``[N, 2]`` as `RefWorker.compute_sequence_logps`, under the base model."""
+        return self.actor.compute_sequence_logps(batch, reference=True)

@@ -13,6 +13,11 @@ across the data-parallel ranks and gathering the results back in order.
     compute_rm_score(batch) -> rm_scores                    reward model        [N, R] (score on the last token)
     update_actor(batch) -> metrics                          PPO epochs on the actor
     update_critic(batch) -> metrics                         PPO epochs on the critic
+    update_sft(batch) -> metrics                            SFT: one step of token-mean NLL (posttrain.workers.sft)
+    compute_sft_loss(batch) -> [N, 2]                       per row: NLL sum over trained tokens, token count
+    compute_sequence_logps(batch) -> [N, 2]                 per row: summed log-prob of trained tokens, count
+    compute_ref_sequence_logps(batch) -> [N, 2]             the same under the reference (DPO)
+    update_dpo(batch, beta, loss_type, label_smoothing)     DPO: one step on chosen/rejected row pairs
     save_checkpoint(folder) -> role names                   each role writes folder/<role>/
     load_checkpoint(folder)                                 each role reads folder/<role>/
     shutdown()
@@ -92,6 +97,21 @@ class LocalWorkerGroup:
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         return self.critic.update_critic(batch)
+
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        return self.actor.update_sft(batch)
+
+    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
+        return self.actor.compute_sft_loss(batch)
+
+    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self.actor.compute_sequence_logps(batch)
+
+    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self.ref.compute_sequence_logps(batch)
+
+    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
+        return self.actor.update_dpo(batch, beta, loss_type, label_smoothing)
 
     def save_checkpoint(self, folder: Path) -> list[str]:
         roles = self.roles.trained()

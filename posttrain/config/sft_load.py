@@ -1,0 +1,313 @@
+"""Load, check and map the SFT / DPO config trees (`posttrain.config.sft`).
+
+Loading follows the RL loader's rules (dotted overrides as verl scripts write them, YAML layers,
+unknown keys refused with "did you mean", types checked); `sft_problems` lists every inconsistency
+before any model loads. The trainers run on the RL workers: `rl_config_for` writes the tree as the
+RL config the worker builders read (`actor_rollout_ref.model.path` = `model.partial_pretrain`, the
+actor's optimizer and FSDP settings, `trainer.*`), so models, LoRA, FSDP2 ranks and checkpoints are
+the RL trainer's.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from posttrain.config.sft import DPO_LOSS_TYPES, TRUNCATION_MODES, DPOConfig, SFTConfig
+from posttrain.errors import ConfigError, read_utf8
+
+__all__ = ["load_dpo_config", "load_sft_config", "ranks", "rl_config_for", "sft_markdown_reference", "sft_problems",
+           "validate_sft_config"]
+
+
+def _keys(cls: type) -> dict[str, Any]:
+    from posttrain.config.docs import iter_keys
+
+    return {info.key: info for info in iter_keys(cls)}
+
+
+def _check_key(keys: dict, key: str, where: str, allow_new: bool, prog: str) -> None:
+    if key in keys:
+        return
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        if parent in keys and not keys[parent].is_section:
+            if parent.endswith(("override_config", "apply_chat_template_kwargs")):
+                return
+            raise ConfigError(f"{where}: '{parent}' is a value, not a section, so '{key}' cannot be set")
+    if allow_new:
+        raise ConfigError(f"{where}: '{key}' cannot be added to the {prog} config")
+    suffix = [k for k in keys if k.endswith("." + key)]
+    close = difflib.get_close_matches(key, list(keys), n=3, cutoff=0.6)
+    picks = list(dict.fromkeys(suffix + close))[:3]
+    hint = f"; did you mean {', '.join(picks)}?" if picks else ""
+    rl = " (an RL key: the SFT/DPO trainers read the keys of verl's sft_trainer.yaml)" if key.startswith(
+        ("actor_rollout_ref.", "algorithm.", "critic.")) else ""
+    raise ConfigError(f"{where}: unknown {prog} config key '{key}'{rl}{hint}")
+
+
+def _set(cfg: DictConfig, keys: dict, key: str, value: Any, where: str) -> None:
+    from posttrain.config.load import _type_name
+
+    info = keys.get(key)
+    if info is not None and info.is_section and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{where}: '{key}' is a section of keys; set its keys instead, e.g. {key}.<name>=...")
+    if info is not None and not info.is_section and info.type.startswith(("list", "Optional[list")) \
+            and isinstance(value, (str, int, float)):
+        value = [value]  # `trainer.logger=console` means a list of one
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=False)
+    except OmegaConfBaseException as err:
+        expected = info.type if info is not None else "?"
+        raise ConfigError(f"{where}: {key}={value!r} has the wrong type: expected {_type_name(expected)} "
+                          f"({str(err).splitlines()[0]})") from None
+
+
+def _flatten(node: Any, keys: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for name, value in node.items():
+        if name in ("defaults", "hydra", "_target_"):
+            continue
+        key = f"{prefix}{name}"
+        info = keys.get(key)
+        if isinstance(value, dict) and value and (info is None or info.is_section):
+            yield from _flatten(value, keys, key + ".")
+        else:
+            yield key, value
+
+
+def _load(cls: type, path: str | Path | None, overrides: Iterable[str], base: str | Path | None,
+          prog: str) -> Any:
+    import yaml
+
+    from posttrain.config.load import parse_value, split_override
+
+    keys = _keys(cls)
+    cfg = OmegaConf.structured(cls)
+    for layer in (base, path):
+        if layer is None:
+            continue
+        layer = Path(layer).expanduser()
+        if not layer.is_file():
+            raise ConfigError(f"config file {layer} does not exist")
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(io.StringIO(read_utf8(layer, ConfigError))), resolve=False) or {}
+        except (yaml.YAMLError, OmegaConfBaseException) as err:
+            raise ConfigError(f"config file {layer} is not valid YAML: {err}") from None
+        for key, value in _flatten(raw, keys):
+            _check_key(keys, key, str(layer), False, prog)
+            _set(cfg, keys, key, value, str(layer))
+    for item in overrides:
+        key, text, plus = split_override(item)
+        where = f"override '{item}'"
+        _check_key(keys, key, where, plus and key not in keys and not _free(key), prog)
+        _set(cfg, keys, key, text if text == "" else _parse(parse_value, key, text, keys), where)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config key '{getattr(err, 'full_key', '?')}': {str(err).splitlines()[0]}") from None
+
+
+def _free(key: str) -> bool:
+    return ".override_config." in key or ".apply_chat_template_kwargs." in key
+
+
+def _parse(parse_value, key: str, text: str, keys: dict) -> Any:
+    info = keys.get(key)
+    try:
+        value = parse_value(text)
+    except ConfigError:
+        if info is None or "str" in info.type or info.type in ("Any", "typing.Any"):
+            return text
+        raise
+    return value
+
+
+def ranks(config: SFTConfig) -> int:
+    """Data-parallel ranks: torchrun's WORLD_SIZE, else trainer.nnodes x trainer.n_gpus_per_node."""
+    from posttrain.distributed.torchrun import launched_by_torchrun, torchrun_world_size
+
+    return torchrun_world_size() if launched_by_torchrun() else config.trainer.nnodes * config.trainer.n_gpus_per_node
+
+
+def _apply_deprecated(config: SFTConfig) -> SFTConfig:
+    """verl's deprecated ``data.micro_batch_size`` (rows over all ranks) becomes rows per rank, as verl does."""
+    d = config.data
+    if d.micro_batch_size is not None:
+        world = ranks(config)
+        if d.micro_batch_size <= 0 or d.micro_batch_size % world:
+            raise ConfigError(f"data.micro_batch_size={d.micro_batch_size} (deprecated: rows over all ranks) must be "
+                              f"a positive multiple of the {world} ranks; or set data.micro_batch_size_per_gpu")
+        d.micro_batch_size_per_gpu = d.micro_batch_size // world
+        print(f"note: data.micro_batch_size={d.micro_batch_size} is deprecated; using data.micro_batch_size_per_gpu="
+              f"{d.micro_batch_size_per_gpu}", flush=True)
+    return config
+
+
+def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
+                    base: str | Path | None = None, validate: bool = True) -> SFTConfig:
+    """verl's SFT defaults <- `base` YAML <- `path` YAML <- dotted overrides; validated unless told not to."""
+    config = _apply_deprecated(_load(SFTConfig, path, overrides, base, "SFT"))
+    if validate:
+        validate_sft_config(config)
+    return config
+
+
+def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (), *,
+                    base: str | Path | None = None, validate: bool = True) -> DPOConfig:
+    """The SFT tree with DPO's data keys and `dpo.*`; validated unless told not to."""
+    config = _apply_deprecated(_load(DPOConfig, path, overrides, base, "DPO"))
+    if validate:
+        validate_sft_config(config)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def sft_problems(config: SFTConfig) -> list[str]:
+    """Every inconsistency of the tree, each naming its key and what would be valid."""
+    d, m, o, t = config.data, config.model, config.optim, config.trainer
+    out = []
+    world = ranks(config)
+    if d.truncation not in TRUNCATION_MODES:
+        out.append(f"data.truncation={d.truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
+    for key, value in (("data.train_batch_size", d.train_batch_size), ("data.micro_batch_size_per_gpu",
+                       d.micro_batch_size_per_gpu), ("data.max_length", d.max_length),
+                       ("trainer.total_epochs", t.total_epochs), ("trainer.nnodes", t.nnodes),
+                       ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
+        if not isinstance(value, int) or value <= 0:
+            out.append(f"{key}={value!r} must be a positive integer")
+    if t.total_training_steps is not None and t.total_training_steps <= 0:
+        out.append(f"trainer.total_training_steps={t.total_training_steps} must be positive or null")
+    if isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and d.train_batch_size % world:
+        out.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the ranks ({world}: torchrun's "
+                   "WORLD_SIZE, or trainer.nnodes x trainer.n_gpus_per_node)")
+    if o.lr <= 0:
+        out.append(f"optim.lr={o.lr} must be positive")
+    if o.lr_scheduler not in ("cosine", "constant"):
+        out.append(f"optim.lr_scheduler={o.lr_scheduler!r}; valid: cosine, constant")
+    ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
+    if not 0.0 <= ratio < 1.0:
+        out.append(f"optim.lr_warmup_steps_ratio={ratio} must be in [0, 1)")
+    if len(o.betas) != 2:
+        out.append(f"optim.betas={o.betas} must hold two numbers")
+    if o.clip_grad < 0:
+        out.append(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping)")
+    if t.resume_mode not in ("auto", "disable", "resume_path"):
+        out.append(f"trainer.resume_mode={t.resume_mode!r}; valid: auto, disable, resume_path")
+    if t.device not in ("auto", "cpu", "cuda"):
+        out.append(f"trainer.device={t.device!r}; valid: auto, cpu, cuda")
+    if config.ulysses_sequence_parallel_size != 1:
+        out.append(f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size}: sequence parallelism "
+                   "is not implemented in posttrain; set 1")
+    if config.use_remove_padding and config.use_prefix_grouper:
+        out.append("use_remove_padding and use_prefix_grouper are two layouts of a micro-batch; set one of them")
+    if m.use_liger:
+        out.append("model.use_liger=True: Liger kernels are not available in posttrain; set False")
+    if m.strategy not in ("fsdp", "fsdp2"):
+        out.append(f"model.strategy={m.strategy!r}; valid: fsdp2 (fsdp is read as fsdp2)")
+    if m.lora_rank < 0 or m.lora_alpha <= 0:
+        out.append(f"model.lora_rank={m.lora_rank}, model.lora_alpha={m.lora_alpha}: rank >= 0 and alpha > 0")
+    if t.default_hdfs_dir:
+        out.append("trainer.default_hdfs_dir: remote checkpoint copies are not supported; set null")
+    unknown = [name for name in t.logger if name not in ("console", "file", "tensorboard", "wandb", "mlflow")]
+    if unknown:
+        out.append(f"trainer.logger has {unknown}; valid: console, file, tensorboard, wandb, mlflow")
+    if isinstance(config, DPOConfig):
+        p = config.dpo
+        if p.loss_type not in DPO_LOSS_TYPES:
+            out.append(f"dpo.loss_type={p.loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}")
+        if p.beta <= 0:
+            out.append(f"dpo.beta={p.beta} must be positive")
+        if not 0.0 <= p.label_smoothing < 0.5:
+            out.append(f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5)")
+        if config.data.multiturn.enable:
+            out.append("data.multiturn.enable=True: DPO rows hold prompt/chosen/rejected (text or messages); set False")
+    return out
+
+
+def validate_sft_config(config: SFTConfig) -> None:
+    """Raise one ConfigError listing every problem (`sft_problems`), before anything loads."""
+    problems = sft_problems(config)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
+
+
+# ---------------------------------------------------------------------------------------------- on the RL workers
+def rl_config_for(config: SFTConfig, total_steps: int, *, reference: bool = False) -> Any:
+    """The RL config the worker builders read, from an SFT/DPO tree: the actor is the trained model,
+    its optimizer and schedule are `optim.*`, its micro-batch is `data.micro_batch_size_per_gpu`; a
+    reference is built when ``reference`` (DPO without precomputed log-probs: a frozen copy, or the
+    actor with its adapters disabled under LoRA). Batch sizes are per rank."""
+    from posttrain.config.schema import PostTrainConfig
+
+    rl = PostTrainConfig()
+    m, o, t = config.model, config.optim, config.trainer
+    arr = rl.actor_rollout_ref
+    mc = arr.model
+    mc.path = m.partial_pretrain
+    mc.trust_remote_code = m.trust_remote_code
+    mc.external_lib = m.external_lib
+    mc.override_config = dict(m.override_config)
+    mc.enable_gradient_checkpointing = m.enable_gradient_checkpointing
+    mc.use_remove_padding = config.use_remove_padding
+    mc.custom_chat_template = config.data.chat_template
+    mc.lora_rank, mc.lora_alpha, mc.target_modules = m.lora_rank, m.lora_alpha, m.target_modules
+    mc.exclude_modules, mc.lora_adapter_path = m.exclude_modules, m.lora_adapter_path
+    actor = arr.actor
+    actor.fsdp_config = m.fsdp_config
+    actor.use_remove_padding = config.use_remove_padding
+    actor.use_prefix_grouper = config.use_prefix_grouper
+    actor.ppo_micro_batch_size_per_gpu = config.data.micro_batch_size_per_gpu
+    actor.ppo_mini_batch_size = config.data.train_batch_size
+    actor.grad_clip = o.clip_grad
+    actor.use_kl_loss = reference
+    ao = actor.optim
+    ao.lr, ao.betas, ao.weight_decay = o.lr, list(o.betas), o.weight_decay
+    ao.lr_warmup_steps = o.lr_warmup_steps
+    ao.lr_warmup_steps_ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
+    ao.lr_scheduler_type, ao.min_lr_ratio, ao.total_training_steps = o.lr_scheduler, o.min_lr_ratio, total_steps
+    arr.ref.fsdp_config.mixed_precision.param_dtype = m.fsdp_config.mixed_precision.param_dtype
+    arr.ref.fsdp_config.model_dtype = m.fsdp_config.model_dtype
+    arr.ref.use_prefix_grouper = config.use_prefix_grouper
+    for section in (arr.rollout, arr.ref):
+        section.log_prob_micro_batch_size_per_gpu = config.data.micro_batch_size_per_gpu
+    arr.rollout.name = "hf"
+    tr = rl.trainer
+    tr.nnodes, tr.n_gpus_per_node, tr.device, tr.seed = t.nnodes, t.n_gpus_per_node, t.device, t.seed
+    tr.default_local_dir, tr.resume_mode, tr.start_over = t.default_local_dir, t.resume_mode, t.start_over
+    tr.resume_from_path = t.resume_from_path or t.resume_path
+    if t.resume_path and t.resume_mode == "auto":
+        tr.resume_mode = "resume_path"
+    tr.save_freq, tr.test_freq, tr.balance_batch = t.save_freq, t.test_freq, False
+    tr.max_actor_ckpt_to_keep = t.max_ckpt_to_keep
+    tr.project_name, tr.experiment_name, tr.run_dir = t.project_name, t.experiment_name, t.run_dir
+    return rl
+
+
+# ---------------------------------------------------------------------------------------------- docs
+def sft_markdown_reference() -> str:
+    """The SFT / DPO section of `docs/config.md` (appended to the RL reference)."""
+    from posttrain.config.docs import format_value
+
+    out = ["", "# SFT and DPO trainers (`posttrain sft`, `posttrain dpo`, `python -m posttrain.trainer.fsdp_sft_trainer`)",
+           "", "Their own tree: verl's `sft_trainer.yaml` keys (DPO adds TRL's names). Keys marked (posttrain) are ours.",
+           "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    seen = set()
+    dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key", "dpo.",
+                "use_prefix_grouper")
+    for cls, only in ((SFTConfig, None), (DPOConfig, dpo_only)):
+        for key, info in _keys(cls).items():
+            if info.is_section or (only is None and key in seen):
+                continue
+            if only is not None and not key.startswith(only):
+                continue
+            label = f"`{key}` (DPO)" if only is not None else f"`{key}` (SFT, DPO)"
+            default = format_value(info.default).replace("|", "\\|")
+            out.append(f"| {label} | {info.type.replace('|', chr(92) + '|')} | `{default}` | {info.doc} |")
+            seen.add(key)
+    return "\n".join(out) + "\n"

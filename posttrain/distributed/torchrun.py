@@ -1,0 +1,127 @@
+"""`TorchrunGroup`: the worker group of an SFT or DPO run launched by ``torchrun`` (verl's SFT launch).
+
+``torchrun --nproc_per_node=N -m posttrain.trainer.fsdp_sft_trainer ...`` starts N processes that are
+all ranks of one run: each builds a `RankWorker` (the FSDP2-sharded actor, the reference when DPO
+needs one) and runs the same driver loop on the same data. Each call takes this rank's share of the
+batch (the split the Ray group makes: contiguous chunks, padding rows that train nothing, DPO pairs
+kept whole), runs it on the rank's worker and all-gathers the results, so every rank's loop sees the
+whole result, as one process does.
+
+Only rank 0 writes what one driver writes: it locks the checkpoint folder, seals each checkpoint
+(every rank writes its shards into the folder rank 0 names), logs metrics and exports; the ranks
+agree on stopping after each step, so a signal that reaches one rank first stops all at the same step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.batch import Batch
+from posttrain.distributed.split import combine_metrics, gather_from_ranks, split_for_ranks
+
+__all__ = ["TorchrunGroup", "launched_by_torchrun", "torchrun_world_size"]
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process that torchrun (torch.distributed.run) started as one of several ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def torchrun_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def device_type_for(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def join(device: str, timeout_s: float) -> tuple[int, int]:
+    """Join torchrun's process group (gloo on CPU, NCCL on GPUs); ``(rank, world size)``."""
+    from posttrain.distributed.fsdp import backend_for, init_distributed
+
+    return init_distributed(backend_for(device_type_for(device)), timeout_s=timeout_s)
+
+
+class TorchrunGroup:
+    """The `WorkerGroup` SFT and DPO calls on torchrun ranks (module docstring).
+
+    Args: the worker config (per-rank sizes), the seed, the tokenizer, ``trainer.device``.
+    """
+
+    def __init__(self, config: Any, seed: int, tokenizer: Any, device: str):
+        from posttrain.distributed.rank import RankWorker
+
+        self.worker = RankWorker(config, seed, tokenizer, device_type_for(device))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.has_ref, self.has_critic, self.has_rm = self.worker.ref is not None, False, False
+
+    # ------------------------------------------------------------------ helpers
+    def _gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def _per_row(self, method: str, batch: Batch) -> Any:
+        chunks, pad = split_for_ranks(batch, self.world_size)
+        return gather_from_ranks(self._gather(getattr(self.worker, method)(chunks[self.rank])), pad)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (the ranks agree on stopping)."""
+        value = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def first_rank_says(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ the calls
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        chunks, _ = split_for_ranks(batch, self.world_size, inert_padding=True)
+        return combine_metrics(self._gather(self.worker.update_sft(chunks[self.rank])))
+
+    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_sft_loss", batch)
+
+    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_sequence_logps", batch)
+
+    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
+        return self._per_row("compute_ref_sequence_logps", batch)
+
+    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
+        from posttrain.workers.sft import pad_pairs
+
+        chunk = pad_pairs(batch, self.world_size).chunk(self.world_size)[self.rank]
+        return combine_metrics(self._gather(self.worker.update_dpo(chunk, beta, loss_type, label_smoothing)))
+
+    def save_checkpoint(self, folder: Path) -> list[str]:
+        """On rank 0, from the checkpoint manager: every rank writes its shards into ``folder``."""
+        self.first_rank_says(str(folder))
+        return self._write(str(folder))
+
+    def follow_save(self) -> None:
+        """On the other ranks, while rank 0 saves: write this rank's shards where rank 0 says."""
+        self._write(self.first_rank_says(None))
+
+    def _write(self, folder: str) -> list[str]:
+        roles = self.worker.save_checkpoint(folder)
+        dist.barrier()  # every shard is on disk before rank 0 seals the folder
+        return roles
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.worker.load_checkpoint(str(folder))
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

@@ -1,0 +1,102 @@
+"""Offline DPO on the SFT trainer's loop and the RL workers (TRL's `DPOTrainer` semantics and names).
+
+One step: the next ``data.train_batch_size`` preference pairs (chosen and rejected as adjacent rows
+sharing their prompt, `posttrain.data.sft.PairDataset`) -> the reference's summed log-probs of each
+response (``workers.compute_ref_sequence_logps``, or the values computed once before training with
+``dpo.precompute_ref_log_probs``) -> ``workers.update_dpo`` (one optimizer step of
+`posttrain.algorithms.dpo.dpo_loss` over all pairs of all ranks) -> metrics under TRL's names.
+
+The reference is the starting policy: a frozen copy (full fine-tuning), the actor with its LoRA
+adapters disabled (no second model), or, with ``precompute_ref_log_probs``, no model at all: the
+log-probs are computed from the starting weights before any step (and before a resume loads later
+weights, so a resumed run uses the same reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.batch import Batch
+from posttrain.config.sft import DPOConfig
+from posttrain.trainer.sft_trainer import SFTTrainer
+
+__all__ = ["DPOTrainer"]
+
+
+class DPOTrainer(SFTTrainer):
+    """`SFTTrainer` with preference pairs and the DPO loss (``dpo.*``)."""
+
+    stage = "dpo"
+
+    def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None):
+        super().__init__(config, model=model, tokenizer=tokenizer)
+        if config.dpo.precompute_ref_log_probs:
+            for dataset in (self.train_data, self.val_data):
+                if dataset is not None:
+                    self._precompute(dataset)
+
+    def _needs_reference(self) -> bool:
+        return not self.config.dpo.precompute_ref_log_probs
+
+    def _build_datasets(self) -> tuple[Any, Any]:
+        if self.config.data.train_files is None:
+            from posttrain.errors import ConfigError
+
+            raise ConfigError("data.train_files is null: DPO needs preference rows (prompt, chosen, rejected); build "
+                              "them from the model's own samples with `posttrain prep pairs ...`, or point "
+                              "data.train_files at a parquet/jsonl file of pairs")
+        return super()._build_datasets()
+
+    def _dataset(self, files: Any, max_samples: int) -> Any:
+        from posttrain.data.sft import PairDataset
+
+        return PairDataset(files, self.tokenizer, self.config.data, max_samples=max_samples)
+
+    def _precompute(self, dataset: Any) -> None:
+        """Each response's summed log-prob under the starting policy, stored on its example."""
+        size = self.config.data.micro_batch_size_per_gpu * self.workers.world_size
+        for begin in range(0, len(dataset), size):
+            pairs = [dataset[i] for i in range(begin, min(len(dataset), begin + size))]
+            sums = self.workers.compute_sequence_logps(dataset.collate_fn(pairs))[:, 0].tolist()
+            for example, value in zip((e for pair in pairs for e in pair), sums):
+                example.ref_logp = float(value)
+
+    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        return self.workers.compute_ref_sequence_logps(batch)[:, 0].to(torch.float32)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        import time
+
+        start = time.perf_counter()
+        batch["ref_logps"] = self._reference_logps(batch)
+        p = self.config.dpo
+        metrics = self.workers.update_dpo(batch, p.beta, p.loss_type, p.label_smoothing)
+        metrics["timing_s/step"] = time.perf_counter() - start
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """The DPO loss and rewards of the held-out pairs under the current policy (no update): ``eval_*``."""
+        from posttrain.algorithms.dpo import dpo_loss
+
+        if self.val_data is None:
+            return {}
+        p, size = self.config.dpo, self.config.data.micro_batch_size_per_gpu * self.workers.world_size
+        sums: dict[str, float] = {}
+        count = 0
+        for begin in range(0, len(self.val_data), size):
+            batch = self.collate([self.val_data[i] for i in range(begin, min(len(self.val_data), begin + size))])
+            ref = self._reference_logps(batch).to(torch.float64)
+            policy = self.workers.compute_sequence_logps(batch)[:, 0].to(torch.float64)
+            losses, chosen, rejected = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=p.beta,
+                                                loss_type=p.loss_type, label_smoothing=p.label_smoothing)
+            for name, value in (("eval_loss", losses), ("eval_rewards/chosen", chosen),
+                                ("eval_rewards/rejected", rejected), ("eval_rewards/margins", chosen - rejected),
+                                ("eval_rewards/accuracies", (chosen > rejected).double())):
+                sums[name] = sums.get(name, 0.0) + float(value.sum())
+            count += len(losses)
+        return {k: v / max(count, 1) for k, v in sums.items()}
