@@ -36,8 +36,9 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
-                                       scoring_in_progress)
+                                       place_on_last_token, scoring_in_progress)
 from posttrain.rewards.reward_model import score_responses, validation_skip_reason
+from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -132,6 +133,26 @@ class RLTrainer:
         else:
             self._reward_fn = BatchRewardFn(fn)
 
+    @property
+    def tools(self) -> list:
+        """Tools given through the Python API (multi-turn rollouts); the YAML ones are not listed."""
+        return list(getattr(getattr(self.workers, "actor", None), "extra_tools", ()))
+
+    @tools.setter
+    def tools(self, tools: list) -> None:
+        """Tools the model may call (``multi_turn.enable``): type-hinted functions with Google-style
+        docstrings, or ``posttrain.tools.BaseTool`` objects, added to ``multi_turn.tool_config_path``'s."""
+        from posttrain.tools import build_tools
+
+        actor = getattr(self.workers, "actor", None)
+        if not self.config.actor_rollout_ref.rollout.multi_turn.enable:
+            raise ConfigError("trainer.tools needs actor_rollout_ref.rollout.multi_turn.enable=True")
+        if actor is None:
+            raise ConfigError("trainer.tools works in one process; on Ray ranks name the tools in "
+                              "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+        actor.extra_tools = build_tools(tools)
+        actor._multi_turn = None  # rebuilt with the new tools on the next rollout
+
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
         cfg, w, timer, metrics = self.config, self.workers, StageTimer(), {}
@@ -208,6 +229,7 @@ class RLTrainer:
                 batch["reward_baselines"] = self._greedy_baseline(prompts)
         with timer("reward"):
             batch["token_level_scores"], extra = self._score(batch)
+            extra.update(multi_turn_columns(batch))
         return batch, extra
 
     def _draw_prompts(self) -> Batch:
@@ -230,7 +252,11 @@ class RLTrainer:
         """token_level_scores ``[N, R]`` and the reward's extra output: the reward model's score when
         reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum),
         else the reward function's (`posttrain.rewards.reward_model.score_responses`)."""
-        return score_responses(batch, self.reward_fn, self.workers, self.config.reward_model.combine)
+        scores, extra = score_responses(batch, self.reward_fn, self.workers, self.config.reward_model.combine)
+        tool_rewards = multi_turn_rewards(batch) if self.config.actor_rollout_ref.rollout.multi_turn.add_tool_rewards else None
+        if tool_rewards is not None:  # tools' calc_reward + step rewards, interaction score (multi_turn.add_tool_rewards)
+            scores = scores + place_on_last_token(tool_rewards.to(scores.device), batch["response_mask"].to(scores.device))
+        return scores, extra
 
     def _rewards_with_kl(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """token_level_scores - beta * KL(old || ref) when algorithm.use_kl_in_reward (verl's apply_kl_penalty)."""
