@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from posttrain.batch import Batch
+from posttrain.data.schema import DataError
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from posttrain.tools.base_tool import BaseTool
@@ -187,7 +188,7 @@ class MultiTurnRollout:
         if kwargs and agent != "single_turn_agent" and self.interactions:
             name = kwargs.get("name") or next(iter(self.interactions))
             if name not in self.interactions:
-                raise KeyError(f"row {i}: extra_info.interaction_kwargs.name={name!r} is not configured "
+                raise DataError(f"row {i}: extra_info.interaction_kwargs.name={name!r} is not configured "
                                f"(multi_turn.interaction_config_path names {sorted(self.interactions)})")
             traj.interaction, traj.interaction_kwargs = self.interactions[name], dict(kwargs)
         return traj

@@ -39,6 +39,7 @@ from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupte
                                        place_on_last_token, scoring_in_progress)
 from posttrain.rewards.reward_model import score_responses, validation_skip_reason
 from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
+from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -92,6 +93,8 @@ class RLTrainer:
                 raise ConfigError(f"actor_rollout_ref.model.path={m.path}: cannot load its tokenizer ({reason})") from err
         self.tokenizer = tokenizer
         self.data = setup.build_data(config, tokenizer)
+        check_multi_turn_setup(config, (self.data.train, self.data.val),
+                               check_tool_names=bool(config.actor_rollout_ref.rollout.multi_turn.tool_config_path))
         self.reward_fn = setup.build_reward_fn(config, tokenizer)
         self.total_steps = self._total_steps()
         wcfg = worker_config(config, self.sizes)
@@ -151,6 +154,7 @@ class RLTrainer:
             raise ConfigError("trainer.tools works in one process; on Ray ranks name the tools in "
                               "actor_rollout_ref.rollout.multi_turn.tool_config_path")
         actor.extra_tools = build_tools(tools)
+        check_multi_turn_setup(self.config, (self.data.train, self.data.val), [t.name for t in actor.extra_tools])
         actor._multi_turn = None  # rebuilt with the new tools on the next rollout
 
     # ------------------------------------------------------------------ one step

@@ -159,3 +159,21 @@ def test_argument_problems():
     assert "unknown argument(s) ['c']" in argument_problem(schema, {"a": 1, "b": 2, "c": 3})
     assert "'a' of multiply must be integer, got str" in argument_problem(schema, {"a": "1", "b": 2})
     assert "must be integer, got bool" in argument_problem(schema, {"a": True, "b": 2})
+
+
+def test_rows_naming_unknown_tools_interactions_or_loops_are_refused_at_start_up():
+    from posttrain.data.schema import DataError
+    from posttrain.rollout.multi_turn_checks import check_rows
+
+    good = [{"agent_name": "tool_agent", "extra_info": {"tools_kwargs": {"calculator": {"create_kwargs": {}}},
+                                                        "interaction_kwargs": {"name": "gsm8k"}}}]
+    check_rows(good, "train.parquet", ["calculator"], ["gsm8k"])
+    cases = [
+        ({"extra_info": {"tools_kwargs": {"calc": {}}}}, "train.parquet row 1: extra_info.tools_kwargs names unknown tool(s) ['calc']"),
+        ({"extra_info": {"interaction_kwargs": {"name": "chat"}}}, "row 1: extra_info.interaction_kwargs.name='chat' is not configured"),
+        ({"agent_name": "react_agent"}, "row 1: agent_name='react_agent' is not a loop"),
+    ]
+    for row, message in cases:
+        with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+            check_rows(good + [row], "train.parquet", ["calculator"], ["gsm8k"])
+    check_rows(good + [cases[0][0]], "train.parquet", None, ["gsm8k"])  # tool names unchecked until trainer.tools

@@ -3,6 +3,7 @@ sampler scripted, as TRL's tests do) calls the calculator, reads the answer and 
 
 import math
 
+import pytest
 import torch
 
 from helpers.tiny_run import one_thread, tiny_trainer
@@ -48,3 +49,36 @@ def test_grpo_with_the_calculator_tool_runs_two_steps(tmp_path, monkeypatch):
     assert ((attn == 1) & (mask == 0)).any()  # tool tokens: attended, not trained on
     text = trainer.tokenizer.decode(batch["responses"][0][attn[0].bool()].tolist())
     assert "<tool_response>\n5\n</tool_response>" in text and text.endswith("#### 5<|im_end|>")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term.
+        b: the second term.
+    """
+    return a + b
+
+
+def test_python_api_tools_without_a_yaml(tmp_path, monkeypatch):
+    from posttrain.errors import ConfigError
+
+    trainer = tiny_trainer(tmp_path, ["trainer.total_training_steps=1", "data.max_response_length=160",
+                                      "actor_rollout_ref.rollout.multi_turn.enable=True"])
+    trainer.tools = [add]
+    assert [t.name for t in trainer.tools] == ["add"]
+    _lock_step_sampler(monkeypatch, trainer.tokenizer,
+                       ['<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>', "#### 42"])
+    with one_thread():
+        (row,) = trainer.fit()
+    assert row["multi_turn/tool_calls/mean"] == 1.0 and row["multi_turn/tool_errors/mean"] == 0.0
+    batch = trainer.last_batch
+    text = trainer.tokenizer.decode(batch["responses"][0][batch["attention_mask"][0, -160:].bool()].tolist())
+    assert "<tool_response>\n42\n</tool_response>" in text
+
+    def undocumented(a: int):
+        return a
+
+    with pytest.raises(ConfigError, match="undocumented has no docstring"):
+        trainer.tools = [undocumented]
