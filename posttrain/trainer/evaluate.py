@@ -119,6 +119,10 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     param_dtype = resolve_param_dtype(actor.fsdp_config.mixed_precision.param_dtype, module, device)
     engine = get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
                                 autocast=functools.partial(autocast_context, device, param_dtype))
+    if config.actor_rollout_ref.rollout.multi_turn.enable:  # tools / interactions between turns
+        from posttrain.rollout.multi_turn import MultiTurnRollout
+
+        engine = MultiTurnRollout.from_config(engine, tok, config.actor_rollout_ref.rollout)
     length = int(config.data.max_response_length)
     sampling = SamplingParams(n=1, temperature=0.0, do_sample=False, response_length=length,
                               calculate_log_probs=False)
@@ -134,10 +138,11 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
         prompts = tok.batch_decode([p[a.bool()].tolist() for p, a in zip(out["prompts"],
                                                                          out["attention_mask"][:, :out["prompts"].shape[1]])],
                                    skip_special_tokens=False)
+        calls = out.non_tensor_batch.get("multi_turn/tool_calls")
         for i, score in enumerate(sample["scores"]):
             rows.append({"data_source": str(out.non_tensor_batch[key][i]), "prompt": prompts[i], "response": texts[i],
                          "ground_truth": out.non_tensor_batch["reward_model"][i].get("ground_truth"),
-                         "score": float(score)})
+                         "score": float(score), **({"tool_calls": float(calls[i])} if calls is not None else {})})
     per: dict[str, list[float]] = defaultdict(list)
     for r in rows:
         per[r["data_source"]].append(r["score"])
@@ -148,9 +153,16 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
         "max_response_length": length,
         "per_source": {s: {"n": len(v), "accuracy": sum(v) / len(v), **_flexible(metrics, s)}
                        for s, v in sorted(per.items())},
-        "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan")},
+        "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan"),
+                    **_tool_use(rows)},
         "rows": rows,
     }
+
+
+def _tool_use(rows: list[dict]) -> dict[str, float]:
+    """Multi-turn runs: the share of rows that called a tool at least once."""
+    calls = [r["tool_calls"] for r in rows if "tool_calls" in r]
+    return {"tool_call_rate": sum(c > 0 for c in calls) / len(calls)} if calls else {}
 
 
 def _flexible(metrics: dict[str, float], source: str) -> dict[str, float]:
