@@ -31,13 +31,15 @@ def test_grpo_with_the_calculator_tool_runs_two_steps(tmp_path, monkeypatch):
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class_name: posttrain.tools.calculator_tool.CalculatorTool\n    config: {type: native}\n")
     trainer = tiny_trainer(tmp_path, [
-        "trainer.total_training_steps=2", "data.max_response_length=192",
+        "trainer.total_training_steps=2", "data.max_response_length=192", "trainer.val_before_train=True",
         "actor_rollout_ref.rollout.multi_turn.enable=True", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.add_tool_rewards=True"])
     _lock_step_sampler(monkeypatch, trainer.tokenizer, [CALL, "#### 5"])
     with one_thread():
         history = trainer.fit()
+    val, history = history[0], history[1:]
+    assert val["step"] == 0 and any(k.startswith("val-core/") for k in val)  # validation ran multi-turn too
     assert [row["step"] for row in history] == [1, 2]
     for row in history:
         assert row["multi_turn/tool_calls/mean"] == 1.0 and row["multi_turn/tool_errors/mean"] == 0.0
