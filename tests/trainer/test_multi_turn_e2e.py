@@ -34,7 +34,8 @@ def test_grpo_with_the_calculator_tool_runs_two_steps(tmp_path, monkeypatch):
         "trainer.total_training_steps=2", "data.max_response_length=192", "trainer.val_before_train=True",
         "actor_rollout_ref.rollout.multi_turn.enable=True", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-        "actor_rollout_ref.rollout.multi_turn.add_tool_rewards=True"])
+        "actor_rollout_ref.rollout.multi_turn.add_tool_rewards=True",
+        "actor_rollout_ref.actor.use_prefix_grouper=True"])  # as examples/multiply_tool.yaml
     _lock_step_sampler(monkeypatch, trainer.tokenizer, [CALL, "#### 5"])
     with one_thread():
         history = trainer.fit()
