@@ -32,8 +32,9 @@ class BaseInteraction:
 
     async def generate_response(self, instance_id: str, messages: list[dict[str, Any]],
                                 **kwargs: Any) -> tuple[bool, str, float, dict]:
-        """``(should_terminate, response_text, turn_score, metadata)``."""
-        return False, "Your current result seems acceptable.", 0.8, {}
+        """``(should_terminate, response_text, turn_score, metadata)``; the base interaction ends the
+        conversation after the model's first turn."""
+        return True, "", 0.0, {}
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
         return 0.0

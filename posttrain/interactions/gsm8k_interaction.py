@@ -12,8 +12,8 @@ from posttrain.rewards import gsm8k
 
 __all__ = ["Gsm8kInteraction"]
 
-CORRECT = "Your response is correct!"
-INCORRECT = "Your response is incorrect! You need to reflect on your answer and try again."
+CORRECT = "Your answer is correct."
+INCORRECT = "Your answer is not correct. Check your work and try again."
 
 
 class Gsm8kInteraction(BaseInteraction):

@@ -273,6 +273,7 @@ class MultiTurnRollout:
             try:
                 text, failed = await asyncio.wait_for(self._execute(t, call), timeout)
             except asyncio.TimeoutError:
+                logger.warning("tool %s did not answer within %g s (multi_turn.tool_timeout_s)", call.name, timeout)
                 text, failed = f"Error: {call.name} did not answer within {timeout:g} s", True
             except Exception as err:  # a tool's bug is the model's error message, and a logged count
                 logger.warning("tool %s raised %s: %s", call.name, type(err).__name__, err)

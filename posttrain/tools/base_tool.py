@@ -50,8 +50,8 @@ class BaseTool:
         return instance_id or str(uuid.uuid4()), ToolResponse()
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[Any, float, dict]:
-        """Run one call: ``(response, step_reward, metrics)``."""
-        return ToolResponse("Updated the tool state."), 0.0, {}
+        """Run one call: ``(response, step_reward, metrics)``; every tool defines it."""
+        raise NotImplementedError(f"{type(self).__name__} does not define execute")
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
         """The instance's reward when its trajectory ends."""

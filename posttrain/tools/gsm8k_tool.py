@@ -39,7 +39,7 @@ class Gsm8kTool(BaseTool):
         reward = await self.calc_reward(instance_id)
         step_reward = 0.0 if reward > state["reward"] else NO_IMPROVEMENT_PENALTY
         state["reward"] = reward
-        return ToolResponse(f"Current parsed answer={answer!r} reward={reward}"), step_reward, {}
+        return ToolResponse(f"Parsed answer: {answer}; reward: {reward}"), step_reward, {}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
         state = self._instances[instance_id]

@@ -248,5 +248,5 @@ def test_tool_rewards_and_interaction(tok):
     assert cols["multi_turn/tool_reward"].tolist() == [1.0, 0.0]  # calc_reward 1.0, step reward 0 (improved)
     assert cols["multi_turn/interaction_score"].tolist() == [0.0, 1.0]  # right on the second try
     texts = _texts(tok, out)
-    assert "Your response is incorrect!" in texts[1] and texts[1].endswith("#### 4<|im_end|>")
+    assert "Your answer is not correct." in texts[1] and texts[1].endswith("#### 4<|im_end|>")
     assert cols["multi_turn/assistant_turns"].tolist() == [2, 2]

@@ -23,13 +23,13 @@ tools:
       type: "function"
       function:
         name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k"
+        description: "Checks an answer to a GSM8K problem"
         parameters:
           type: "object"
           properties:
             answer:
               type: "string"
-              description: "The model's answer to the GSM8K math problem"
+              description: "The final answer"
           required: ["answer"]
 """
 
@@ -55,7 +55,7 @@ def test_verl_tool_config_loads_and_the_gsm8k_tool_scores(tmp_path):
 
     wrong, right, again, reward = asyncio.run(episode())
     assert wrong[1] == -0.05 and right[1] == 0.0 and again[1] == -0.05  # no improvement -> penalty
-    assert "reward=1.0" in right[0].text and reward == 1.0
+    assert right[0].text == "Parsed answer: 72; reward: 1.0" and reward == 1.0
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -75,7 +75,7 @@ def test_bad_tool_configs_name_file_entry_and_key(tmp_path, edit, message):
 
 def test_meta_schema_check_catches_what_the_shape_check_does_not(tmp_path):
     pytest.importorskip("jsonschema")
-    path = _write(tmp_path, VERL_GSM8K_TOOL.replace('description: "The model', 'minLength: -3\n              description: "The model'))
+    path = _write(tmp_path, VERL_GSM8K_TOOL.replace('description: "The final', 'minLength: -3\n              description: "The final'))
     with pytest.raises(ConfigError, match="not a valid JSON Schema at properties.answer.minLength"):
         load_tools_config(path)
 
@@ -105,7 +105,7 @@ def test_gsm8k_interaction_asks_to_try_again_until_right():
 
     first, second, score = asyncio.run(run())
     assert first[0] is False and "try again" in first[1] and first[2] == 0.0
-    assert second[:3] == (True, "Your response is correct!", 1.0) and score == 1.0
+    assert second[:3] == (True, "Your answer is correct.", 1.0) and score == 1.0
 
 
 def multiply(a: int, b: int, note: str = "") -> int:
