@@ -226,32 +226,32 @@ class MultiTurnRollout:
             t.assistant_turns += 1
 
     async def _after_turn(self, t: _Trajectory, response_length: int, limit: asyncio.Semaphore) -> None:
-        """Decide whether ``t`` goes on; if so append its tool or user turn (mask 0)."""
-        cfg = self.config
+        """Decide whether ``t`` goes on; if so append its tool or user turn (mask 0).
+
+        At ``max_assistant_turns`` / ``max_user_turns`` a turn's tool calls are not run; an
+        interaction still judges the turn (so its score covers the last answer), then the row stops.
+        """
         text = self.tokenizer.decode(t.last_turn, skip_special_tokens=True)
         t.messages.append({"role": "assistant", "content": text})
         if len(t.tokens) >= response_length:
             t.hit_length_limit, t.done = True, True
             return
-        if (cfg.max_assistant_turns and t.assistant_turns >= cfg.max_assistant_turns) or (
-                cfg.max_user_turns and t.user_turns >= cfg.max_user_turns):
-            t.hit_turn_limit, t.done = True, True
-            return
-        calls = parse_tool_calls(text, self.schemas, cfg.format) if t.agent == "tool_agent" and self.tools else []
-        if calls:
+        calls = parse_tool_calls(text, self.schemas, self.config.format) if t.agent == "tool_agent" and self.tools else []
+        at_limit = self._at_turn_limit(t)
+        if calls and not at_limit:
             answers = await asyncio.gather(*(self._call(t, c, limit) for c in calls))
             turn = self.renderer.tool_turn(answers, t.last_turn[-1])
             t.messages += [{"role": "tool", "content": a} for a in answers]
-        elif t.interaction is not None:
+        elif not calls and t.interaction is not None:
             stop, reply, _, _ = await t.interaction.generate_response(t.interaction_id, t.messages,
                                                                      **self._interaction_kwargs(t))
-            if stop:
-                t.done = True
+            if stop or at_limit:
+                t.hit_turn_limit, t.done = at_limit and not stop, True
                 return
             turn = self.renderer.user_turn(reply, t.last_turn[-1])
             t.messages.append({"role": "user", "content": reply})
-        else:
-            t.done = True
+        else:  # a final answer, or calls past the turn limit
+            t.hit_turn_limit, t.done = bool(calls), True
             return
         if len(t.tokens) + len(turn) >= response_length:  # no room for another assistant turn
             t.hit_length_limit, t.done = True, True
@@ -260,6 +260,11 @@ class MultiTurnRollout:
         t.mask += [0] * len(turn)
         t.log_probs += [0.0] * len(turn)
         t.user_turns += 1
+
+    def _at_turn_limit(self, t: _Trajectory) -> bool:
+        cfg = self.config
+        return bool((cfg.max_assistant_turns and t.assistant_turns >= cfg.max_assistant_turns)
+                    or (cfg.max_user_turns and t.user_turns >= cfg.max_user_turns))
 
     # ------------------------------------------------------------------ tools
     async def _call(self, t: _Trajectory, call: ToolCall | ToolCallError, limit: asyncio.Semaphore) -> str:

@@ -250,3 +250,9 @@ def test_tool_rewards_and_interaction(tok):
     texts = _texts(tok, out)
     assert "Your answer is not correct." in texts[1] and texts[1].endswith("#### 4<|im_end|>")
     assert cols["multi_turn/assistant_turns"].tolist() == [2, 2]
+
+
+def test_a_final_answer_at_the_turn_limit_is_not_a_hit(tok):
+    out, _ = _rollout(tok, {"A:": ["done"], "B:": [CALL]}, [CalculatorTool()], max_assistant_turns=1)
+    assert out.non_tensor_batch["multi_turn/hit_turn_limit"].tolist() == [0, 1]
+    assert out.non_tensor_batch["multi_turn/tool_calls"].tolist() == [0, 0]  # B's call past the limit is not run
