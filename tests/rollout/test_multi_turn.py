@@ -256,3 +256,14 @@ def test_a_final_answer_at_the_turn_limit_is_not_a_hit(tok):
     out, _ = _rollout(tok, {"A:": ["done"], "B:": [CALL]}, [CalculatorTool()], max_assistant_turns=1)
     assert out.non_tensor_batch["multi_turn/hit_turn_limit"].tolist() == [0, 1]
     assert out.non_tensor_batch["multi_turn/tool_calls"].tolist() == [0, 0]  # B's call past the limit is not run
+
+
+def test_n_samples_per_prompt_share_its_uid(tok):
+    engine = ScriptedEngine(tok, {"A:": ["a"], "B:": ["b"]})
+    loop = MultiTurnRollout(engine, tok, MultiTurnConfig(enable=True), [CalculatorTool()])
+    prompts = tiny_prompt_batch(tok, ["A:", "B:"])
+    del prompts.non_tensor_batch["uid"]
+    out = loop.generate(prompts, SamplingParams(n=2, response_length=16))
+    uids = out.non_tensor_batch["uid"].tolist()
+    assert len(out) == 4 and uids[0] == uids[1] != uids[2] == uids[3]
+    assert _texts(tok, out) == ["a<|im_end|>", "a<|im_end|>", "b<|im_end|>", "b<|im_end|>"]
