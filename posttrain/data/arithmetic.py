@@ -50,6 +50,8 @@ PROMPT_STYLES: dict[str, str] = {
     "instruct": "the question and INSTRUCTION",
     "fewshot": "one worked example turn ('31 + 45 = 76\\n#### 76'), then the bare question",
     "fewshot_instruct": "the same example turn, with INSTRUCTION after each question",
+    "retry": ("fewshot_instruct's prompt, and rows that ask the 'arithmetic' interaction to judge each answer "
+              "(extra_info.interaction_kwargs): a wrong one gets 'try again' (multi-turn)"),
     "tool": ("the multi-turn task: a system message describing the calculator tool, one worked example "
              "(a call, its <tool_response>, the answer) on (digits+1)-digit numbers, then the question"),
 }
@@ -183,9 +185,9 @@ def make_messages(problem: Problem, prompt_style: str = DEFAULT_PROMPT_STYLE) ->
         raise ValueError(f"prompt_style={prompt_style!r}; expected one of {list(PROMPT_STYLES)}")
     if prompt_style == "tool":
         return tool_messages(problem)
-    suffix = " " + INSTRUCTION if prompt_style in ("instruct", "fewshot_instruct") else ""
+    suffix = " " + INSTRUCTION if prompt_style in ("instruct", "fewshot_instruct", "retry") else ""
     messages = []
-    if prompt_style.startswith("fewshot"):
+    if prompt_style.startswith("fewshot") or prompt_style == "retry":
         demo = demo_problem(len(str(problem[0])))
         a, op, b = demo
         messages += [
@@ -203,7 +205,9 @@ def make_rows(problems: Sequence[Problem], split: str, prompt_style: str = DEFAU
             "prompt": make_messages(p, prompt_style),
             "ability": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-            "extra_info": {"split": split, "index": i, "question": p.question},
+            "extra_info": {"split": split, "index": i, "question": p.question,
+                           **({"interaction_kwargs": {"name": "arithmetic", "ground_truth": str(p.answer)}}
+                              if prompt_style == "retry" else {})},
         }
         for i, p in enumerate(problems)
     ]

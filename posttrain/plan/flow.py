@@ -226,8 +226,9 @@ def multi_turn_budget(rollout: Any) -> Optional[str]:
     turns = lambda n, what: f"at most {n} {what}" if n else f"any number of {what}"  # noqa: E731
     return (f"multi-turn: {turns(mt.max_assistant_turns, 'assistant turns')} and "
             f"{turns(mt.max_user_turns, 'tool/user turns')} per trajectory, all within the {rollout.response_length}-token response (model "
-            f"tokens trained on, tool/user tokens masked out); tool answers cut to {mt.max_tool_response_length} "
-            f"characters ({mt.tool_response_truncate_side}); {mt.max_parallel_calls} tool call(s) at once")
+            f"tokens trained on, tool/user tokens masked out)" + (
+                f"; tool answers cut to {mt.max_tool_response_length} characters ({mt.tool_response_truncate_side}); "
+                f"{mt.max_parallel_calls} tool call(s) at once" if mt.tool_config_path else ""))
 
 
 def _dynamic_sampling(config: PostTrainConfig, size: Optional[int], note: str) -> tuple:

@@ -133,7 +133,7 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     rows = []
     for sample in samples:
         out = sample["batch"]
-        mask = out["response_mask"].bool()
+        mask = out["attention_mask"][:, -out["responses"].shape[1]:].bool()  # multi-turn: tool/user turns too
         texts = tok.batch_decode([r[k].tolist() for r, k in zip(out["responses"], mask)], skip_special_tokens=True)
         prompts = tok.batch_decode([p[a.bool()].tolist() for p, a in zip(out["prompts"],
                                                                          out["attention_mask"][:, :out["prompts"].shape[1]])],

@@ -267,3 +267,27 @@ def test_n_samples_per_prompt_share_its_uid(tok):
     uids = out.non_tensor_batch["uid"].tolist()
     assert len(out) == 4 and uids[0] == uids[1] != uids[2] == uids[3]
     assert _texts(tok, out) == ["a<|im_end|>", "a<|im_end|>", "b<|im_end|>", "b<|im_end|>"]
+
+
+def test_the_reward_reads_each_turn_apart(tok):
+    """The rule score decodes every valid response token (as verl): the model's turns stay separated by
+    the user turns, so a final turn without '####' does not glue onto the previous answer's digits."""
+    from posttrain.interactions.base import BaseInteraction
+    from posttrain.rewards.manager import RewardManager
+
+    class AlwaysAgain(BaseInteraction):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            return False, "try again", 0.0, {}
+
+    engine = ScriptedEngine(tok, {"A:": ["#### 44", "22 + 22 = 44"]})
+    loop = MultiTurnRollout(engine, tok, MultiTurnConfig(enable=True, max_user_turns=1), [],
+                            {"again": AlwaysAgain({"name": "again"})})
+    prompts = tiny_prompt_batch(tok, ["A:"])
+    prompts.non_tensor_batch["extra_info"] = np.array([{"interaction_kwargs": {"name": "again"}}], dtype=object)
+    prompts.non_tensor_batch["data_source"] = np.array(["posttrain/arithmetic"], dtype=object)
+    prompts.non_tensor_batch["reward_model"] = np.array([{"ground_truth": "44"}], dtype=object)
+    out = loop.generate(prompts, SamplingParams(n=1, response_length=200))
+    scores, _ = RewardManager(tok)(out)
+    assert scores.sum().item() == 1.0  # "#### 44" then "22 + 22 = 44": 44, not 4422
+    last = int(out["response_mask"][0].nonzero().max())
+    assert scores[0, last] == 1.0  # on the last model token
