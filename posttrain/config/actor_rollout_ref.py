@@ -226,11 +226,41 @@ class SamplingConfig:
 @_cfg()
 class MultiTurnConfig:
     enable: bool = False
-    """Multi-turn rollout with tools (not supported yet; must stay false)."""
+    """Multi-turn rollout: the model may call tools (and an interaction may answer) between its turns (`posttrain.rollout.multi_turn`)."""
     max_assistant_turns: Optional[int] = None
-    """Most assistant turns per conversation."""
+    """Most assistant turns per trajectory (null: no limit but the response length)."""
     tool_config_path: Optional[str] = None
-    """Tool definitions file."""
+    """Tool config YAML (`tools: [{class_name, config, tool_schema}]`); null for no tools from a file."""
+    max_user_turns: Optional[int] = None
+    """Most tool/user turns per trajectory (null: no limit but the response length)."""
+    max_parallel_calls: int = 1
+    """Tool calls running at once, over all trajectories of a batch (calls past it in one turn wait)."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's answer kept; the rest is cut (tool_response_truncate_side)."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a long tool answer is kept: left (its start), right (its end) or middle (both ends)."""
+    interaction_config_path: Optional[str] = None
+    """Interaction config YAML (`interaction: [{name, class_name, config}]`); null for no interaction."""
+    use_inference_chat_template: bool = False
+    """Accepted for compatibility; posttrain always trains on the recorded token ids (false)."""
+    tokenization_sanity_check_mode: str = "strict"
+    """Accepted for compatibility (disable, strict, ignore_strippable); no re-tokenization happens, so nothing to check."""
+    format: str = "hermes"
+    """Tool-call format in the model's text: hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)."""
+    tool_timeout_s: float = 30.0
+    """(posttrain) Seconds one tool call may take; past it the model reads an error message instead."""
+    add_tool_rewards: bool = False
+    """(posttrain) Add each trajectory's tool rewards (calc_reward) and interaction score to the reward function's score."""
+
+
+@_cfg()
+class AgentLoopConfig:
+    num_workers: int = 8
+    """Accepted for compatibility: posttrain drives all trajectories from one loop per rank."""
+    default_agent_loop: str = "tool_agent"
+    """Loop for rows without an agent_name column when multi_turn.enable: tool_agent or single_turn_agent."""
+    agent_loop_config_path: Optional[str] = None
+    """Custom agent loops (not supported yet; must stay null)."""
 
 
 @_cfg()
@@ -297,6 +327,8 @@ class RolloutConfig:
     """Sampling for validation."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn settings."""
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    """Agent-loop settings (multi_turn.enable)."""
     calculate_log_probs: bool = True
     """Record the engine's log-probs of sampled tokens (compared with the actor's: training/rollout_actor_probs_diff_*)."""
     load_format: str = "dummy_dtensor"

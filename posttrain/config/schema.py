@@ -35,7 +35,7 @@ class ArithmeticTaskConfig:
     seed: int = 0
     """(posttrain) Seed of the built-in task's problem generator."""
     prompt_style: str = "fewshot"
-    """(posttrain) How problems are asked: plain, instruct, fewshot, fewshot_instruct (see posttrain.data.arithmetic)."""
+    """(posttrain) How problems are asked: plain, instruct, fewshot, fewshot_instruct, tool and retry (multi-turn: examples/multiply_tool.yaml, examples/addition_retry.yaml)."""
 
 
 @_cfg()

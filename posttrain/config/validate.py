@@ -49,6 +49,10 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "reward_model.reward_manager": ("naive", "dapo"),
         "trainer.resume_mode": RESUME_MODES,
         "trainer.device": DEVICES,
+        "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
+        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
+        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ("disable", "strict", "ignore_strippable"),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": ("tool_agent", "single_turn_agent"),
     }
 
 
@@ -103,7 +107,7 @@ def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
 # `_check_ranges` are left out here.
 _COUNT_WORDS = ("batch_size", "_per_gpu", "max_token_len", "_length", "epochs", "nnodes", "n_gpus_per_node",
                 "total_training_steps", "max_consecutive_nonfinite", "parallel_size", "max_num_seqs",
-                "max_num_batched_tokens", "horizon", "rollout_n", "max_assistant_turns", "n_train", "n_test", "digits",
+                "max_num_batched_tokens", "horizon", "rollout_n", "max_assistant_turns", "max_parallel_calls", "n_train", "n_test", "digits",
                 "num_cpus", "max_concurrent", "memory_limit_mb", "fsdp_size", "max_model_len")
 _COUNT_NAMES = ("n",)
 _FRACTIONS = ("lr_warmup_steps_ratio", "min_lr_ratio", "gpu_memory_utilization", "over_sample_rate", "top_p")
@@ -161,10 +165,12 @@ ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
 def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     """Settings verl accepts that posttrain does not implement yet: refused, never ignored."""
     unsupported = [
-        ("actor_rollout_ref.rollout.multi_turn.enable", True, "multi-turn rollout is not supported yet"),
         ("algorithm.use_pf_ppo", True, "PF-PPO reweighting is not supported yet"),
         ("actor_rollout_ref.actor.checkpoint.async_save", True, "asynchronous checkpoint saving is not supported yet"),
     ]
+    if config.actor_rollout_ref.rollout.agent.agent_loop_config_path is not None:
+        yield ("actor_rollout_ref.rollout.agent.agent_loop_config_path: custom agent loops are not supported yet; "
+               "set it to null (the built-in tool_agent and single_turn_agent loops need no file)")
     for key, bad, why in unsupported:
         if get_key(config, key) == bad:
             yield f"{key}={bad}: {why}; set it to {not bad}"

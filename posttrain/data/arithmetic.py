@@ -50,6 +50,10 @@ PROMPT_STYLES: dict[str, str] = {
     "instruct": "the question and INSTRUCTION",
     "fewshot": "one worked example turn ('31 + 45 = 76\\n#### 76'), then the bare question",
     "fewshot_instruct": "the same example turn, with INSTRUCTION after each question",
+    "retry": ("fewshot_instruct's prompt, and rows that ask the 'arithmetic' interaction to judge each answer "
+              "(extra_info.interaction_kwargs): a wrong one gets 'try again' (multi-turn)"),
+    "tool": ("the multi-turn task: a system message describing the calculator tool, one worked example "
+             "(a call, its <tool_response>, the answer) on (digits+1)-digit numbers, then the question"),
 }
 DEFAULT_PROMPT_STYLE = "fewshot_instruct"
 
@@ -152,13 +156,38 @@ def generate_problems(
     return train, test
 
 
+TOOL_SYSTEM = ("You have a calculator. Call it by writing\n"
+               '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
+               "and read its result. " + INSTRUCTION)
+
+
+def tool_messages(problem: Problem) -> list[dict[str, str]]:
+    """The ``tool`` style's prompt: the calculator described, one worked call on (digits+1)-digit
+    numbers of the problem's operator (never a generated question), then the question. The example's
+    tool answer is written as the multi-turn loop renders one for a template without a tool role."""
+    digits = len(str(problem[0]))
+    demo = Problem(int("3" + "1" * digits), problem[1], int("4" + "5" * digits))
+    a, op, b = demo
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%d %s %d"}}</tool_call>' % (a, op, b)
+    return [
+        {"role": "system", "content": TOOL_SYSTEM},
+        {"role": "user", "content": demo.question},
+        {"role": "assistant", "content": call},
+        {"role": "user", "content": f"<tool_response>\n{demo.answer}\n</tool_response>"},
+        {"role": "assistant", "content": f"{a} {op} {b} = {demo.answer}\n#### {demo.answer}"},
+        {"role": "user", "content": problem.question},
+    ]
+
+
 def make_messages(problem: Problem, prompt_style: str = DEFAULT_PROMPT_STYLE) -> list[dict[str, str]]:
     """The chat prompt for one problem in ``prompt_style`` (see :data:`PROMPT_STYLES`)."""
     if prompt_style not in PROMPT_STYLES:
         raise ValueError(f"prompt_style={prompt_style!r}; expected one of {list(PROMPT_STYLES)}")
-    suffix = " " + INSTRUCTION if prompt_style in ("instruct", "fewshot_instruct") else ""
+    if prompt_style == "tool":
+        return tool_messages(problem)
+    suffix = " " + INSTRUCTION if prompt_style in ("instruct", "fewshot_instruct", "retry") else ""
     messages = []
-    if prompt_style.startswith("fewshot"):
+    if prompt_style.startswith("fewshot") or prompt_style == "retry":
         demo = demo_problem(len(str(problem[0])))
         a, op, b = demo
         messages += [
@@ -176,7 +205,9 @@ def make_rows(problems: Sequence[Problem], split: str, prompt_style: str = DEFAU
             "prompt": make_messages(p, prompt_style),
             "ability": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-            "extra_info": {"split": split, "index": i, "question": p.question},
+            "extra_info": {"split": split, "index": i, "question": p.question,
+                           **({"interaction_kwargs": {"name": "arithmetic", "ground_truth": str(p.answer)}}
+                              if prompt_style == "retry" else {})},
         }
         for i, p in enumerate(problems)
     ]

@@ -159,6 +159,8 @@ class RLHFDataset(Dataset):
             item[self.reward_fn_key] = row[self.reward_fn_key]
         if row.get("ability") is not None:
             item["ability"] = row["ability"]
+        if row.get("agent_name") is not None:  # verl's per-row agent loop (multi-turn rollouts)
+            item["agent_name"] = row["agent_name"]
         if self.return_raw_chat:
             item["raw_prompt"] = list(row[self.prompt_key])
         return item

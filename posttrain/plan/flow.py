@@ -98,6 +98,8 @@ class Flow:
     """Why the per-rank sizes could not be derived (the config's error), else None."""
     dynamic_sampling: Optional[str] = None
     """How a step draws its prompts with algorithm.filter_groups.enable (DAPO), else None."""
+    multi_turn: Optional[str] = None
+    """The turn and length budget of a trajectory with rollout.multi_turn.enable, else None."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,8 +214,21 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
         trainer.nnodes, trainer.n_gpus_per_node, world, sp, dp, prompts, n, responses, per_rank, p_len, r_len,
         responses * (p_len + r_len), arr.rollout.name, tp, workers, responses // workers, prompts // workers,
         tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
-        sampling,
+        sampling, multi_turn_budget(arr.rollout),
     )
+
+
+def multi_turn_budget(rollout: Any) -> Optional[str]:
+    """One line on a multi-turn trajectory's limits (``rollout.multi_turn.*``), or None when it is off."""
+    mt = rollout.multi_turn
+    if not mt.enable:
+        return None
+    turns = lambda n, what: f"at most {n} {what}" if n else f"any number of {what}"  # noqa: E731
+    return (f"multi-turn: {turns(mt.max_assistant_turns, 'assistant turns')} and "
+            f"{turns(mt.max_user_turns, 'tool/user turns')} per trajectory, all within the {rollout.response_length}-token response (model "
+            f"tokens trained on, tool/user tokens masked out)" + (
+                f"; tool answers cut to {mt.max_tool_response_length} characters ({mt.tool_response_truncate_side}); "
+                f"{mt.max_parallel_calls} tool call(s) at once" if mt.tool_config_path else ""))
 
 
 def _dynamic_sampling(config: PostTrainConfig, size: Optional[int], note: str) -> tuple:

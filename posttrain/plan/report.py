@@ -57,6 +57,8 @@ def render_flow(f: Flow) -> list[str]:
                      f"{f.response_length} response); up to {f.max_tokens_per_step:,} tokens per step"))
     if f.dynamic_sampling:
         out.append(_more(f.dynamic_sampling))
+    if f.multi_turn:
+        out.append(_more(f.multi_turn))
     if f.size_error:
         out.append(_row("per-rank sizes", f"not derivable: {f.size_error}"))
     for p in f.forward_passes:

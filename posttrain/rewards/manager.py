@@ -78,6 +78,13 @@ def _row_name(i: int, data_source: Any, extra_info: Any) -> str:
     return f"row {i} (data_source={data_source!r}" + (f", extra_info.index={index!r})" if index is not None else ")")
 
 
+def _valid_response_tokens(batch: Batch, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response part of ``attention_mask`` when the batch has one, else ``response_mask``."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:, -response_mask.shape[1] :]
+    return response_mask
+
+
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``scores [N]`` -> ``[N, R]`` float32 zeros with each score at its row's last valid token.
 
@@ -210,7 +217,9 @@ class RewardManager:
         for key in ("reward_model", self.reward_fn_key):
             if key not in batch.non_tensor_batch:
                 raise KeyError(f"the batch has no non-tensor key {key!r} needed for scoring; keys: {batch.keys()}")
-        mask_b = mask.bool().cpu()
+        # the text scored is every valid response token (verl's): the same as the mask's in a single-turn
+        # rollout; in a multi-turn one the tool/user turns too, which keep the model's turns apart
+        mask_b = _valid_response_tokens(batch, mask).bool().cpu()
         ids = [responses[i].cpu()[mask_b[i]].tolist() for i in range(n)]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         extras = batch.non_tensor_batch.get("extra_info")

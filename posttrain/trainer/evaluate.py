@@ -148,8 +148,13 @@ def _greedy_engine(config: Any, module: Any, tok: Any, device: Any):
 
     param_dtype = decide_param_dtype(config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype,
                                      module, device)
-    return get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
-                              autocast=functools.partial(autocast_context, device, param_dtype))
+    engine = get_rollout_engine(config.actor_rollout_ref.rollout.name, model=module, tokenizer=tok,
+                                autocast=functools.partial(autocast_context, device, param_dtype))
+    if config.actor_rollout_ref.rollout.multi_turn.enable:  # tools / interactions between turns
+        from posttrain.rollout.multi_turn import MultiTurnRollout
+
+        engine = MultiTurnRollout.from_config(engine, tok, config.actor_rollout_ref.rollout)
+    return engine
 
 
 def _rows(samples: list[dict], tok: Any, key: str) -> list[dict[str, Any]]:
@@ -157,15 +162,16 @@ def _rows(samples: list[dict], tok: Any, key: str) -> list[dict[str, Any]]:
     rows = []
     for sample in samples:
         out = sample["batch"]
-        mask = out["response_mask"].bool()
+        mask = out["attention_mask"][:, -out["responses"].shape[1]:].bool()  # multi-turn: tool/user turns too
         texts = tok.batch_decode([r[k].tolist() for r, k in zip(out["responses"], mask)], skip_special_tokens=True)
         prompts = tok.batch_decode([p[a.bool()].tolist() for p, a in zip(out["prompts"],
                                                                          out["attention_mask"][:, :out["prompts"].shape[1]])],
                                    skip_special_tokens=False)
+        calls = out.non_tensor_batch.get("multi_turn/tool_calls")
         for i, score in enumerate(sample["scores"]):
             rows.append({"data_source": str(out.non_tensor_batch[key][i]), "prompt": prompts[i], "response": texts[i],
                          "ground_truth": out.non_tensor_batch["reward_model"][i].get("ground_truth"),
-                         "score": float(score)})
+                         "score": float(score), **({"tool_calls": float(calls[i])} if calls is not None else {})})
     return rows
 
 
@@ -181,9 +187,16 @@ def _result(model: str, files: Any, length: int, metrics: dict[str, float], rows
         "max_response_length": length,
         "per_source": {s: {"n": len(v), "accuracy": sum(v) / len(v), **_flexible(metrics, s)}
                        for s, v in sorted(per.items())},
-        "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan")},
+        "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan"),
+                    **_tool_use(rows)},
         "rows": rows,
     }
+
+
+def _tool_use(rows: list[dict]) -> dict[str, float]:
+    """Multi-turn runs: the share of rows that called a tool at least once."""
+    calls = [r["tool_calls"] for r in rows if "tool_calls" in r]
+    return {"tool_call_rate": sum(c > 0 for c in calls) / len(calls)} if calls else {}
 
 
 def _flexible(metrics: dict[str, float], source: str) -> dict[str, float]:

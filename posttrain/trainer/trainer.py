@@ -36,8 +36,10 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
-                                       scoring_in_progress)
+                                       place_on_last_token, scoring_in_progress)
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
+from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
+from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -91,6 +93,8 @@ class RLTrainer:
                 raise ConfigError(f"actor_rollout_ref.model.path={m.path}: cannot load its tokenizer ({reason})") from err
         self.tokenizer = tokenizer
         self.data = setup.build_data(config, tokenizer)
+        check_multi_turn_setup(config, (self.data.train, self.data.val),
+                               check_tool_names=bool(config.actor_rollout_ref.rollout.multi_turn.tool_config_path))
         self.reward_fn = setup.build_reward_fn(config, tokenizer)
         self.total_steps = self._total_steps()
         wcfg = worker_config(config, self.sizes)
@@ -132,6 +136,27 @@ class RLTrainer:
                                             **setup.dapo_reward_options(self.config))
         else:
             self._reward_fn = BatchRewardFn(fn)
+
+    @property
+    def tools(self) -> list:
+        """Tools given through the Python API (multi-turn rollouts); the YAML ones are not listed."""
+        return list(getattr(getattr(self.workers, "actor", None), "extra_tools", ()))
+
+    @tools.setter
+    def tools(self, tools: list) -> None:
+        """Tools the model may call (``multi_turn.enable``): type-hinted functions with Google-style
+        docstrings, or ``posttrain.tools.BaseTool`` objects, added to ``multi_turn.tool_config_path``'s."""
+        from posttrain.tools import build_tools
+
+        actor = getattr(self.workers, "actor", None)
+        if not self.config.actor_rollout_ref.rollout.multi_turn.enable:
+            raise ConfigError("trainer.tools needs actor_rollout_ref.rollout.multi_turn.enable=True")
+        if actor is None:
+            raise ConfigError("trainer.tools works in one process; on Ray ranks name the tools in "
+                              "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+        actor.extra_tools = build_tools(tools)
+        check_multi_turn_setup(self.config, (self.data.train, self.data.val), [t.name for t in actor.extra_tools])
+        actor._multi_turn = None  # rebuilt with the new tools on the next rollout
 
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
@@ -209,6 +234,7 @@ class RLTrainer:
                 batch["reward_baselines"] = self._greedy_baseline(prompts)
         with timer("reward"):
             batch["token_level_scores"], extra = self._score(batch)
+            extra.update(multi_turn_columns(batch))
         return batch, extra
 
     def _draw_prompts(self) -> Batch:
@@ -230,11 +256,17 @@ class RLTrainer:
     def _score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """token_level_scores ``[N, R]`` and the reward's extra output: the reward model's score when
         reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum,
-        `posttrain.rewards.rm_combine.combine_rm_scores`), else the reward function's."""
-        if not self.workers.has_rm:
-            return self.reward_fn(batch)
-        rm_scores = self.workers.compute_rm_score(batch)  # the reward model's forward, on the workers
-        return combine_rm_scores(batch, rm_scores, self.reward_fn, self.config.reward_model.combine)
+        `posttrain.rewards.rm_combine.combine_rm_scores`), else the reward function's; plus the tools' and
+        interactions' rewards with multi_turn.add_tool_rewards."""
+        if self.workers.has_rm:
+            rm_scores = self.workers.compute_rm_score(batch)  # the reward model's forward, on the workers
+            scores, extra = combine_rm_scores(batch, rm_scores, self.reward_fn, self.config.reward_model.combine)
+        else:
+            scores, extra = self.reward_fn(batch)
+        tool_rewards = multi_turn_rewards(batch) if self.config.actor_rollout_ref.rollout.multi_turn.add_tool_rewards else None
+        if tool_rewards is not None:  # tools' calc_reward + step rewards, interaction score
+            scores = scores + place_on_last_token(tool_rewards.to(scores.device), batch["response_mask"].to(scores.device))
+        return scores, extra
 
     def _rewards_with_kl(self, batch: Batch, metrics: dict) -> torch.Tensor:
         """token_level_scores - beta * KL(old || ref) when algorithm.use_kl_in_reward (verl's apply_kl_penalty)."""

@@ -109,8 +109,19 @@ class ActorWorker:
             self.rollout.update_weights(self.module)
             self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
+        engine = self.multi_turn_rollout() if self.rollout_config.multi_turn.enable else self.rollout
         with self._generation_weights():
-            return self.rollout.generate(prompts, sampling)
+            return engine.generate(prompts, sampling)
+
+    def multi_turn_rollout(self) -> Any:
+        """The agent loop over this actor's engine (``multi_turn.enable``), built on first use with the
+        YAML-configured tools plus ``self.extra_tools`` (the Python API's ``trainer.tools``)."""
+        if getattr(self, "_multi_turn", None) is None:
+            from posttrain.rollout.multi_turn import MultiTurnRollout
+
+            self._multi_turn = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.rollout_config,
+                                                            getattr(self, "extra_tools", ()))
+        return self._multi_turn
 
     def _generation_weights(self) -> contextlib.AbstractContextManager:
         """LoRA with the ``hf`` engine (which decodes with the module itself): the adapters merged into

@@ -86,3 +86,15 @@ def test_models_and_why(ppo_script, grpo_script, load_script):
     assert not ppo["reference"]["loaded"] and not ppo["reward model"]["loaded"]
     both = {m["role"]: m for m in uses_models(load_script(grpo_script, "algorithm.use_kl_in_reward=True"))}
     assert "use_kl_loss=True" in both["reference"]["why"] and "use_kl_in_reward=True" in both["reference"]["why"]
+
+
+def test_multi_turn_budget_line():
+    from posttrain.config import load_config
+
+    example = str(Path(__file__).parents[2] / "examples" / "multiply_tool.yaml")
+    on = load_config(example, ["actor_rollout_ref.rollout.multi_turn.max_user_turns=2"])
+    line = build_flow(on).multi_turn
+    assert line.startswith("multi-turn: at most 3 assistant turns and at most 2 tool/user turns per trajectory")
+    assert "96-token response" in line and "cut to 256 characters (middle)" in line
+    off = load_config(example, ["actor_rollout_ref.rollout.multi_turn.enable=False"])
+    assert build_flow(off).multi_turn is None

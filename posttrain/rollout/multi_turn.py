@@ -1,0 +1,392 @@
+"""Multi-turn rollouts (verl's ``tool_agent`` loop): the model may call tools, or an interaction may
+answer it, between its turns; the trajectory is token-in, token-out.
+
+One call of :meth:`MultiTurnRollout.generate` drives all rows of a batch together: every turn, the
+engine generates for all rows still running (each row's context is its prompt plus everything after
+it so far, left-padded, so rows at different turns generate in one batch); then each row's text is
+parsed for tool calls (``posttrain.rollout.tool_parser``), the calls of all rows run concurrently
+(at most ``multi_turn.max_parallel_calls`` at once, each with a time-out), and their answers are
+appended as a tool turn. A row stops when its turn calls no tool (and no interaction asks for more),
+at ``max_assistant_turns`` / ``max_user_turns``, or when the next turn would not fit in
+``rollout.response_length`` (a trajectory never ends on a tool or user turn, as in verl).
+
+Token-in, token-out: the recorded trajectory is the model's sampled token ids plus the token ids of
+the tool/user turns, concatenated; it is never re-rendered through the chat template (which can
+tokenize differently and breaks training). ``response_mask`` is 1 on the model's tokens and 0 on
+tool/user tokens; ``rollout_log_probs`` are the engine's on model tokens, 0 elsewhere.
+
+Tool and user turns are rendered with the tokenizer's chat template: the text the template puts
+after an assistant message (minus the end-of-turn token the model already emitted), the new
+message(s), and the generation prompt. A template that knows a ``tool`` role (its text mentions
+``tool``) gets one ``tool`` message per call; one that does not (SmolLM2's, which renders any role
+name verbatim and was not trained on ``tool``) gets verl's Qwen-style user turn with one
+``<tool_response>...</tool_response>`` block per call.
+
+Failing calls (bad JSON, unknown tool, wrong arguments, a tool that raises or passes its time-out)
+become an ``Error: ...`` tool answer the model reads, and are counted as tool errors; never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from posttrain.batch import Batch
+from posttrain.data.schema import DataError
+from posttrain.rollout.base import SamplingParams
+from posttrain.rollout.tool_parser import ToolCall, ToolCallError, parse_tool_calls
+from posttrain.tools.base_tool import BaseTool
+from posttrain.tools.schemas import ToolResponse
+
+__all__ = ["MultiTurnRollout", "ToolTurnRenderer", "truncate_text", "multi_turn_columns", "multi_turn_rewards",
+           "METRIC_COLUMNS"]
+
+logger = logging.getLogger(__name__)
+
+METRIC_COLUMNS = ("multi_turn/turns", "multi_turn/assistant_turns", "multi_turn/tool_calls", "multi_turn/tool_errors",
+                  "multi_turn/hit_turn_limit", "multi_turn/hit_length_limit")
+REWARD_COLUMNS = ("multi_turn/tool_reward", "multi_turn/interaction_score")
+_SENTINEL = "\u2063posttrain-turn-end\u2063"
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """``text`` cut to ``limit`` characters (verl's rule): ``left`` keeps the start, ``right`` the end,
+    ``middle`` both halves, each with a ``(truncated)`` marker where text was removed."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
+
+
+class ToolTurnRenderer:
+    """Token ids of a tool or user turn that follows an assistant turn (module docstring)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.has_template = bool(template)
+        self.tool_role = bool(template) and "tool" in template
+
+    def tool_turn(self, answers: Sequence[str], last_token: int) -> list[int]:
+        if self.tool_role:
+            return self._render([{"role": "tool", "content": a} for a in answers], last_token)
+        body = "\n".join(f"<tool_response>\n{a}\n</tool_response>" for a in answers)
+        return self._render([{"role": "user", "content": body}], last_token)
+
+    def user_turn(self, text: str, last_token: int) -> list[int]:
+        return self._render([{"role": "user", "content": text}], last_token)
+
+    def _render(self, messages: list[dict], last_token: int) -> list[int]:
+        if not self.has_template:  # no chat template: the messages' text on their own lines
+            text = "\n" + "\n".join(m["content"] for m in messages) + "\n"
+        else:
+            base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+            full = self.tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+            text = full[full.index(_SENTINEL) + len(_SENTINEL):]
+            emitted = self.tokenizer.decode([last_token])  # the end-of-turn token the model produced
+            if emitted and text.startswith(emitted):
+                text = text[len(emitted):]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass
+class _Trajectory:
+    """One row's conversation after its prompt, and its counts."""
+
+    prompt: list[int]
+    agent: str
+    tools_kwargs: dict
+    messages: list[dict]
+    interaction: Any = None
+    interaction_kwargs: dict = field(default_factory=dict)
+    interaction_id: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    last_turn: list[int] = field(default_factory=list)
+    instances: dict[str, str] = field(default_factory=dict)  # tool name -> instance id
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    hit_turn_limit: bool = False
+    hit_length_limit: bool = False
+    tool_reward: float = 0.0
+    interaction_score: float = 0.0
+    done: bool = False
+
+
+class MultiTurnRollout:
+    """The agent loop over an engine (``generate(Batch, SamplingParams)``; the hf engine here).
+
+    Args:
+        engine: the rollout engine.
+        tokenizer: decodes turns and renders tool/user turns.
+        config: ``actor_rollout_ref.rollout.multi_turn``.
+        tools: the tools (``posttrain.tools.build_tools`` / ``load_tools_config``).
+        interactions: ``{name: interaction}``.
+        default_agent: ``rollout.agent.default_agent_loop`` for rows without ``agent_name``.
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, config: Any, tools: Sequence[BaseTool] = (),
+                 interactions: dict[str, Any] | None = None, default_agent: str = "tool_agent"):
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.tools = {t.name: t for t in tools}
+        self.schemas = {name: t.tool_schema for name, t in self.tools.items()}
+        self.interactions = dict(interactions or {})
+        self.default_agent = default_agent
+        self.renderer = ToolTurnRenderer(tokenizer)
+        self.pad_token_id = getattr(engine, "pad_token_id", None)
+        if self.pad_token_id is None:
+            self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @classmethod
+    def from_config(cls, engine: Any, tokenizer: Any, rollout_config: Any, extra_tools: Sequence[Any] = ()):
+        """Tools from ``multi_turn.tool_config_path`` plus ``extra_tools``; interactions from
+        ``multi_turn.interaction_config_path``."""
+        from posttrain.interactions.registry import load_interaction_config
+        from posttrain.tools.registry import build_tools, load_tools_config
+
+        mt = rollout_config.multi_turn
+        tools = load_tools_config(mt.tool_config_path) if mt.tool_config_path else []
+        tools = build_tools([*tools, *extra_tools], "multi_turn tools")
+        interactions = load_interaction_config(mt.interaction_config_path) if mt.interaction_config_path else {}
+        return cls(engine, tokenizer, mt, tools, interactions, rollout_config.agent.default_agent_loop)
+
+    # ------------------------------------------------------------------ the loop
+    def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """``N`` prompts -> ``N * sampling.n`` trajectories (keys of ``posttrain.rollout.base`` plus
+        the per-row ``multi_turn/*`` columns)."""
+        prompts = _with_uids(prompts)
+        rows = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
+        trajs = [self._start(rows, i) for i in range(len(rows))]
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._run(trajs, replace(sampling, n=1)))
+        finally:
+            loop.close()
+        return self._assemble(rows, trajs, sampling)
+
+    def _start(self, rows: Batch, i: int) -> _Trajectory:
+        prompt = rows["input_ids"][i][rows["attention_mask"][i].bool()].tolist()
+        extra = _row_field(rows, "extra_info", i) or {}
+        agent = _row_field(rows, "agent_name", i) or self.default_agent
+        raw = _row_field(rows, "raw_prompt", i)
+        traj = _Trajectory(prompt, agent, dict(extra.get("tools_kwargs") or {}), list(raw) if raw is not None else [])
+        kwargs = extra.get("interaction_kwargs")
+        if kwargs and agent != "single_turn_agent" and self.interactions:
+            name = kwargs.get("name") or next(iter(self.interactions))
+            if name not in self.interactions:
+                raise DataError(f"row {i}: extra_info.interaction_kwargs.name={name!r} is not configured "
+                               f"(multi_turn.interaction_config_path names {sorted(self.interactions)})")
+            traj.interaction, traj.interaction_kwargs = self.interactions[name], dict(kwargs)
+        return traj
+
+    async def _run(self, trajs: list[_Trajectory], sampling: SamplingParams) -> None:
+        for t in trajs:
+            if t.interaction is not None:
+                kwargs = {k: v for k, v in self._interaction_kwargs(t).items() if k != "name"}
+                t.interaction_id = await t.interaction.start_interaction(None, **kwargs)
+        limit = asyncio.Semaphore(max(1, int(self.config.max_parallel_calls)))
+        try:
+            while active := [t for t in trajs if not t.done]:
+                self._generate_turn(active, sampling)
+                await asyncio.gather(*(self._after_turn(t, sampling.response_length, limit) for t in active))
+        finally:
+            await asyncio.gather(*(self._finish(t) for t in trajs))
+
+    @staticmethod
+    def _interaction_kwargs(t: _Trajectory) -> dict:
+        return t.interaction_kwargs
+
+    def _generate_turn(self, active: list[_Trajectory], sampling: SamplingParams) -> None:
+        """One assistant turn for every active row, in one engine call."""
+        budget = [sampling.response_length - len(t.tokens) for t in active]
+        batch = _left_padded([t.prompt + t.tokens for t in active], self.pad_token_id)
+        out = self.engine.generate(batch, replace(sampling, response_length=max(budget)))
+        lengths = out["response_mask"].sum(-1).tolist()
+        lps = out["rollout_log_probs"] if "rollout_log_probs" in out else torch.zeros(out["responses"].shape)
+        for k, t in enumerate(active):
+            n = min(int(lengths[k]), budget[k])
+            t.last_turn = out["responses"][k, :n].tolist()
+            t.tokens += t.last_turn
+            t.mask += [1] * n
+            t.log_probs += lps[k, :n].float().tolist()
+            t.assistant_turns += 1
+
+    async def _after_turn(self, t: _Trajectory, response_length: int, limit: asyncio.Semaphore) -> None:
+        """Decide whether ``t`` goes on; if so append its tool or user turn (mask 0).
+
+        At ``max_assistant_turns`` / ``max_user_turns`` a turn's tool calls are not run; an
+        interaction still judges the turn (so its score covers the last answer), then the row stops.
+        """
+        text = self.tokenizer.decode(t.last_turn, skip_special_tokens=True)
+        t.messages.append({"role": "assistant", "content": text})
+        if len(t.tokens) >= response_length:
+            t.hit_length_limit, t.done = True, True
+            return
+        calls = parse_tool_calls(text, self.schemas, self.config.format) if t.agent == "tool_agent" and self.tools else []
+        at_limit = self._at_turn_limit(t)
+        if calls and not at_limit:
+            answers = await asyncio.gather(*(self._call(t, c, limit) for c in calls))
+            turn = self.renderer.tool_turn(answers, t.last_turn[-1])
+            t.messages += [{"role": "tool", "content": a} for a in answers]
+        elif not calls and t.interaction is not None:
+            stop, reply, _, _ = await t.interaction.generate_response(t.interaction_id, t.messages,
+                                                                     **self._interaction_kwargs(t))
+            if stop or at_limit:
+                t.hit_turn_limit, t.done = at_limit and not stop, True
+                return
+            turn = self.renderer.user_turn(reply, t.last_turn[-1])
+            t.messages.append({"role": "user", "content": reply})
+        else:  # a final answer, or calls past the turn limit
+            t.hit_turn_limit, t.done = bool(calls), True
+            return
+        if len(t.tokens) + len(turn) >= response_length:  # no room for another assistant turn
+            t.hit_length_limit, t.done = True, True
+            return
+        t.tokens += turn
+        t.mask += [0] * len(turn)
+        t.log_probs += [0.0] * len(turn)
+        t.user_turns += 1
+
+    def _at_turn_limit(self, t: _Trajectory) -> bool:
+        cfg = self.config
+        return bool((cfg.max_assistant_turns and t.assistant_turns >= cfg.max_assistant_turns)
+                    or (cfg.max_user_turns and t.user_turns >= cfg.max_user_turns))
+
+    # ------------------------------------------------------------------ tools
+    async def _call(self, t: _Trajectory, call: ToolCall | ToolCallError, limit: asyncio.Semaphore) -> str:
+        """The answer the model reads for one call (an ``Error: ...`` text when it failed)."""
+        t.tool_calls += 1
+        if isinstance(call, ToolCallError):
+            t.tool_errors += 1
+            return f"Error: {call.message}"
+        timeout = float(self.config.tool_timeout_s)
+        async with limit:
+            try:
+                text, failed = await asyncio.wait_for(self._execute(t, call), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("tool %s did not answer within %g s (multi_turn.tool_timeout_s)", call.name, timeout)
+                text, failed = f"Error: {call.name} did not answer within {timeout:g} s", True
+            except Exception as err:  # a tool's bug is the model's error message, and a logged count
+                logger.warning("tool %s raised %s: %s", call.name, type(err).__name__, err)
+                text, failed = f"Error: {call.name} failed: {type(err).__name__}: {err}", True
+        t.tool_errors += int(failed)
+        return truncate_text(text, int(self.config.max_tool_response_length), self.config.tool_response_truncate_side)
+
+    async def _execute(self, t: _Trajectory, call: ToolCall) -> tuple[str, bool]:
+        tool, kwargs = self.tools[call.name], t.tools_kwargs.get(call.name) or {}
+        if call.name not in t.instances:
+            created = await tool.create(None, **(kwargs.get("create_kwargs") or {}))
+            t.instances[call.name] = created[0] if isinstance(created, tuple) else created
+        response, step_reward, metrics = await tool.execute(t.instances[call.name], call.arguments,
+                                                            **(kwargs.get("execute_kwargs") or {}))
+        t.tool_reward += float(step_reward or 0.0)
+        return ToolResponse.of(response).text, bool((metrics or {}).get("tool_error"))
+
+    async def _finish(self, t: _Trajectory) -> None:
+        """Tool rewards (calc_reward), the interaction's score; instances released."""
+        for name, instance in t.instances.items():
+            tool, kwargs = self.tools[name], t.tools_kwargs.get(name) or {}
+            try:
+                t.tool_reward += float(await tool.calc_reward(instance, **(kwargs.get("calc_reward_kwargs") or {})))
+            finally:
+                await tool.release(instance, **(kwargs.get("release_kwargs") or {}))
+        if t.interaction is not None and t.interaction_id is not None:
+            try:
+                t.interaction_score = float(await t.interaction.calculate_score(t.interaction_id))
+            finally:
+                await t.interaction.finalize_interaction(t.interaction_id)
+
+    # ------------------------------------------------------------------ output
+    def _assemble(self, rows: Batch, trajs: list[_Trajectory], sampling: SamplingParams) -> Batch:
+        n, r = len(trajs), sampling.response_length
+        dev = rows["input_ids"].device
+        responses = torch.full((n, r), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros(n, r, dtype=torch.long)
+        filled = torch.zeros(n, r, dtype=torch.long)
+        log_probs = torch.zeros(n, r, dtype=torch.float32)
+        for i, t in enumerate(trajs):
+            length = len(t.tokens)
+            responses[i, :length] = torch.tensor(t.tokens, dtype=torch.long)
+            response_mask[i, :length] = torch.tensor(t.mask, dtype=torch.long)
+            filled[i, :length] = 1
+            log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
+        prompt_mask = rows["attention_mask"]
+        prompt_pos = rows["position_ids"] if "position_ids" in rows else (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        resp_pos = prompt_pos[:, -1:] + torch.arange(1, r + 1, device=dev)
+        tensors = {
+            "prompts": rows["input_ids"], "responses": responses.to(dev), "response_mask": response_mask.to(dev),
+            "input_ids": torch.cat([rows["input_ids"], responses.to(dev)], dim=1),
+            "attention_mask": torch.cat([prompt_mask, filled.to(dev, prompt_mask.dtype)], dim=1),
+            "position_ids": torch.cat([prompt_pos, resp_pos], dim=1),
+        }
+        if sampling.calculate_log_probs:
+            tensors["rollout_log_probs"] = log_probs.to(dev) * response_mask.to(dev)
+        non_tensors = dict(rows.non_tensor_batch)
+        non_tensors.update(_columns(trajs))
+        return Batch.from_dict(tensors, non_tensors, dict(rows.meta_info))
+
+
+def _columns(trajs: list[_Trajectory]) -> dict[str, np.ndarray]:
+    values = {
+        "multi_turn/turns": [t.assistant_turns + t.user_turns for t in trajs],
+        "multi_turn/assistant_turns": [t.assistant_turns for t in trajs],
+        "multi_turn/tool_calls": [t.tool_calls for t in trajs],
+        "multi_turn/tool_errors": [t.tool_errors for t in trajs],
+        "multi_turn/hit_turn_limit": [t.hit_turn_limit for t in trajs],
+        "multi_turn/hit_length_limit": [t.hit_length_limit for t in trajs],
+        "multi_turn/tool_reward": [t.tool_reward for t in trajs],
+        "multi_turn/interaction_score": [t.interaction_score for t in trajs],
+    }
+    return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
+
+
+def multi_turn_columns(batch: Batch) -> dict[str, np.ndarray]:
+    """The per-row ``multi_turn/*`` columns of a rollout batch (empty for a single-turn one)."""
+    return {k: np.asarray(v, dtype=np.float64) for k, v in batch.non_tensor_batch.items() if k.startswith("multi_turn/")}
+
+
+def multi_turn_rewards(batch: Batch) -> torch.Tensor | None:
+    """Per-row tool rewards plus interaction score ``[N]``, or None for a single-turn batch."""
+    cols = batch.non_tensor_batch
+    if REWARD_COLUMNS[0] not in cols:
+        return None
+    return torch.as_tensor(np.asarray(cols[REWARD_COLUMNS[0]], dtype=np.float64)
+                           + np.asarray(cols[REWARD_COLUMNS[1]], dtype=np.float64), dtype=torch.float32)
+
+
+def _with_uids(prompts: Batch) -> Batch:
+    """The prompts with a ``uid`` per row (kept when present, fresh uuid4 strings otherwise), so the
+    ``n`` trajectories of a prompt share one, as the engines' outputs do."""
+    if "uid" in prompts.non_tensor_batch:
+        return prompts
+    out = Batch(prompts.batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))
+    out.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+    return out
+
+
+def _row_field(rows: Batch, key: str, i: int) -> Any:
+    col = rows.non_tensor_batch.get(key)
+    return None if col is None else col[i]
+
+
+def _left_padded(contexts: list[list[int]], pad: int) -> Batch:
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(contexts), width, dtype=torch.long)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c):] = torch.tensor(c, dtype=torch.long)
+        mask[i, width - len(c):] = 1
+    return Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})

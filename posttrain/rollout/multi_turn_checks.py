@@ -1,0 +1,56 @@
+"""Start-up checks of a multi-turn run: the tool and interaction config files load (classes import,
+schemas are valid), and every row's ``agent_name``, ``extra_info.tools_kwargs`` and
+``extra_info.interaction_kwargs`` name loops, tools and interactions that exist. Each problem is
+one ConfigError / DataError naming the file, row and key, before any model loads or any step runs."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from posttrain.data.schema import DataError
+
+__all__ = ["check_multi_turn_setup", "check_rows", "AGENT_LOOPS"]
+
+AGENT_LOOPS = ("tool_agent", "single_turn_agent")
+
+
+def check_multi_turn_setup(config: Any, datasets: Iterable[Any], extra_tool_names: Sequence[str] = (),
+                           check_tool_names: bool = True) -> None:
+    """Load ``multi_turn``'s files (errors name the file and entry) and check the datasets' rows.
+    ``check_tool_names=False`` leaves ``tools_kwargs`` names unchecked (tools may still come from
+    the Python API, ``trainer.tools``, which re-runs this check)."""
+    from posttrain.interactions.registry import load_interaction_config
+    from posttrain.tools.registry import load_tools_config
+
+    mt = config.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return
+    tools = [t.name for t in load_tools_config(mt.tool_config_path)] if mt.tool_config_path else []
+    interactions = list(load_interaction_config(mt.interaction_config_path)) if mt.interaction_config_path else []
+    names = [*tools, *extra_tool_names] if check_tool_names else None
+    for ds in datasets:
+        check_rows(ds.rows, ", ".join(ds.files), names, interactions)
+
+
+def check_rows(rows: Sequence[dict], where: str, tool_names: Sequence[str] | None, interactions: Sequence[str]) -> None:
+    """DataError naming ``where``, the row and the key of the first row that names an unknown agent
+    loop, tool (``tool_names`` None: not checked) or interaction."""
+    for i, row in enumerate(rows):
+        agent = row.get("agent_name")
+        if agent is not None and agent not in AGENT_LOOPS:
+            raise DataError(f"{where} row {i}: agent_name={agent!r} is not a loop posttrain has ({', '.join(AGENT_LOOPS)})")
+        extra = row.get("extra_info") or {}
+        tools_kwargs = extra.get("tools_kwargs") or {}
+        if not isinstance(tools_kwargs, dict):
+            raise DataError(f"{where} row {i}: extra_info.tools_kwargs must be a mapping tool name -> kwargs")
+        unknown = [t for t in tools_kwargs if tool_names is not None and t not in tool_names]
+        if unknown:
+            raise DataError(f"{where} row {i}: extra_info.tools_kwargs names unknown tool(s) {unknown}; configured tools: "
+                            f"{sorted(tool_names) or 'none'} (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+        inter = extra.get("interaction_kwargs")
+        if inter:
+            name = inter.get("name") if isinstance(inter, dict) else None
+            if not interactions or (name is not None and name not in interactions):
+                raise DataError(f"{where} row {i}: extra_info.interaction_kwargs.name={name!r} is not configured; "
+                                f"interactions: {sorted(interactions) or 'none'} "
+                                "(actor_rollout_ref.rollout.multi_turn.interaction_config_path)")
