@@ -25,7 +25,7 @@ def __getattr__(name: str):
 
         return VLLMRolloutEngine
     if name == "SGLangRollout":
-        from posttrain.rollout.base import SGLANG_MISSING
+        from posttrain.rollout.engines import SGLANG_MISSING
 
         raise ImportError(f"SGLangRollout: {SGLANG_MISSING}. Use HFRollout (actor_rollout_ref.rollout.name=hf) or "
                           "vLLMRollout (rollout.name=vllm) instead.", name=name)
