@@ -1,11 +1,20 @@
 """``mixed_precision.param_dtype=auto``: compute in bf16 or fp32, whichever this machine runs faster.
 
 Machines differ more than a default can: on one CPU here (Zen 4, AVX512-BF16, no AMX) bf16 autocast
-ran a training step 4.5x slower than fp32; on another (AMD family 26) 1.9x faster. So ``auto``
-times one forward + backward of the actual model on a small batch in each precision, the same
-computation training runs (`response_logprobs`), and keeps the faster. The answer is cached per
-machine (CPU model, torch version, threads) and model shape in ``~/.cache/posttrain/precision.json``
-(``POSTTRAIN_CACHE_DIR`` moves it), so later runs start at once. On CUDA ``auto`` is bf16.
+ran a training step 4.5x slower than fp32; on another (AMD family 26) 1.9x faster; on a CPU without
+any bf16 instructions bf16 is emulated and was 29x slower. So ``auto`` decides in three steps:
+
+1. The CPU's capabilities first (`cpu_bf16_support`): without bf16 instructions (x86: ``amx_bf16`` or
+   ``avx512_bf16``; ARM: ``bf16``) the answer is fp32 at once, nothing timed.
+2. Otherwise one forward + backward of the actual model on a small batch (the computation training
+   runs, `response_logprobs`) is timed in fp32, then in bf16; timing bf16 stops as soon as one pass is
+   clearly slower than fp32's best, and the whole measurement is bounded (`BUDGET_S`).
+3. The answer and its measurements are cached per machine (CPU model, torch version, threads) and
+   model shape in ``~/.cache/posttrain/precision.json`` (``POSTTRAIN_CACHE_DIR`` moves it; delete
+   the file to measure again), so later runs start at once. A measurement taken while other
+   processes held the cores is cached too (never re-timed at every start) and says so in the file.
+
+On CUDA ``auto`` is bf16.
 """
 
 from __future__ import annotations
@@ -24,11 +33,18 @@ from torch import nn
 
 from posttrain.models.precision import autocast_context
 
-__all__ = ["CHOICES", "choose_param_dtype", "resolve_param_dtype"]
+__all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "resolve_param_dtype",
+           "time_train_step"]
 
 CHOICES = ("bf16", "fp32")
 PROBE_ROWS, PROBE_TOKENS, PROBE_RESPONSE = 4, 128, 32
 """The timed batch: 4 rows of 128 tokens, the last 32 scored (well under a second for a 135M model)."""
+BUDGET_S = 4.0
+"""The most the measurement may take; passes stop once it is spent (the answer uses what was timed)."""
+CLEARLY_SLOWER = 1.3
+"""A bf16 pass this many times fp32's best ends the bf16 timing: more passes would not change the answer."""
+
+BF16_FLAGS = {"x86": ("amx_bf16", "avx512_bf16"), "arm": ("bf16",)}
 
 
 def _to_stderr(message: str) -> None:
@@ -37,36 +53,88 @@ def _to_stderr(message: str) -> None:
 
 def resolve_param_dtype(requested: str, module: nn.Module, device: torch.device,
                         log: Callable[[str], None] = _to_stderr) -> str:
-    """``requested`` unless it is ``auto``; then the measured (or cached) faster of bf16 and fp32."""
+    """``requested`` unless it is ``auto``; then the faster of bf16 and fp32 (known, cached or measured)."""
     if requested != "auto":
         return requested
-    choice, why = choose_param_dtype(module, device)
+    choice, why = choose_param_dtype(module, device, log=log)
     log(f"compute precision: {choice} (mixed_precision.param_dtype=auto: {why})")
     return choice
 
 
+def cpu_bf16_support(cpuinfo: str | None = None) -> tuple[bool, str]:
+    """(whether this CPU has bf16 instructions, the flags that say so or a sentence saying none do).
+
+    ``cpuinfo``: the text of ``/proc/cpuinfo`` (read here when None; elsewhere, e.g. macOS, the
+    answer is "unknown", treated as capable so that the measurement decides)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True, "CPU flags unknown on this system"
+    words = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):  # x86 / ARM
+            words.update(line.split(":", 1)[-1].split())
+    if not words:
+        return True, "CPU flags unknown on this system"
+    found = [flag for flags in BF16_FLAGS.values() for flag in flags if flag in words]
+    if found:
+        return True, "this CPU has " + " and ".join(found)
+    wanted = " / ".join(f for flags in BF16_FLAGS.values() for f in flags)
+    return False, f"this CPU has no bf16 instructions ({wanted}), so bf16 would be emulated, many times slower"
+
+
 def choose_param_dtype(module: nn.Module, device: torch.device, cache_dir: str | os.PathLike | None = None,
-                       timer: Callable[[nn.Module, torch.device, str], float] | None = None) -> tuple[str, str]:
-    """(``bf16`` or ``fp32``, why). CUDA: bf16. CPU: the faster one measured, or the cached answer."""
+                       timer: Callable[..., float] | None = None,
+                       support: tuple[bool, str] | None = None,
+                       log: Callable[[str], None] = _to_stderr) -> tuple[str, str]:
+    """(``bf16`` or ``fp32``, why). CUDA: bf16. CPU without bf16 instructions: fp32, nothing timed.
+    Otherwise the cached answer, or the faster one measured within `BUDGET_S`.
+
+    ``timer(module, device, dtype, give_up_after=..., deadline=...)`` times one precision
+    (`time_train_step`);
+    ``support`` replaces `cpu_bf16_support`'s reading (tests)."""
     if torch.device(device).type == "cuda":
         return "bf16", "CUDA tensor cores"
-    timer = timer or time_train_step
+    capable, flags = support or cpu_bf16_support()
+    if not capable:
+        return "fp32", flags
     path = _cache_file(cache_dir)
     key = _machine_key(module)
     cached = _read_cache(path).get(key)
-    if cached in CHOICES:
+    if isinstance(cached, dict) and cached.get("choice") in CHOICES:
+        return cached["choice"], f"measured before on this machine and model, cached in {path}"
+    if cached in CHOICES:  # the cache's first form: the bare answer
         return cached, f"measured before on this machine and model, cached in {path}"
-    wall, cpu = time.perf_counter(), time.process_time()
-    seconds = {dtype: timer(module, torch.device(device), dtype) for dtype in CHOICES}
-    share = _core_share(time.perf_counter() - wall, time.process_time() - cpu)
-    choice = "bf16" if seconds["bf16"] < seconds["fp32"] else "fp32"
-    timed = (f"one training forward + backward took {seconds['bf16']:.3f} s in bf16 and "
-             f"{seconds['fp32']:.3f} s in fp32 on {PROBE_ROWS}x{PROBE_TOKENS} tokens")
-    if share is not None and share < BUSY_SHARE:  # other processes had the cores: the ratio may be off
-        return choice, (f"{timed}; not cached: this process got {share:.0%} of its {torch.get_num_threads()} "
-                        "threads' CPU time while timing (a busy machine), so the next run measures again")
-    _write_cache(path, key, choice)
+    log(f"compute precision: timing one training forward + backward in fp32 and bf16 ({flags}; "
+        f"at most {BUDGET_S:.0f} s, once per machine and model)")
+    choice, seconds, share = _measure(module, torch.device(device), timer or time_train_step)
+    busy = share is not None and share < BUSY_SHARE
+    _write_cache(path, key, {"choice": choice, "seconds": seconds, "cpu_share": share, "busy": busy,
+                             "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+    timed = (f"one training forward + backward took {_fmt(seconds['bf16'])} in bf16 and "
+             f"{_fmt(seconds['fp32'])} in fp32 on {PROBE_ROWS}x{PROBE_TOKENS} tokens")
+    if busy:  # other processes had the cores: the ratio may be off
+        return choice, (f"{timed}; measured on a busy machine (this process got {share:.0%} of its "
+                        f"{torch.get_num_threads()} threads' CPU time); cached in {path}: delete it to "
+                        "measure again on a quiet machine")
     return choice, f"{timed}; cached in {path}"
+
+
+def _measure(module: nn.Module, device: torch.device, timer: Callable[..., float]
+             ) -> tuple[str, dict[str, float], float | None]:
+    """fp32 first (the safe answer), then bf16, stopped once clearly slower; no pass starts after the
+    budget is spent."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    deadline = wall + BUDGET_S
+    fp32 = timer(module, device, "fp32", deadline=wall + BUDGET_S / 2)
+    bf16 = timer(module, device, "bf16", give_up_after=CLEARLY_SLOWER * fp32, deadline=deadline)
+    share = _core_share(time.perf_counter() - wall, time.process_time() - cpu)
+    return ("bf16" if bf16 < fp32 else "fp32"), {"bf16": bf16, "fp32": fp32}, share
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:.3f} s"
 
 
 BUSY_SHARE = 0.5
@@ -81,28 +149,38 @@ def _core_share(wall_s: float, cpu_s: float) -> float | None:
     return cpu_s / wall_s / max(torch.get_num_threads(), 1)
 
 
-def time_train_step(module: nn.Module, device: torch.device, dtype: str, repeats: int = 2) -> float:
+def time_train_step(module: nn.Module, device: torch.device, dtype: str, repeats: int = 2,
+                    give_up_after: float = float("inf"), deadline: float | None = None) -> float:
     """Best of ``repeats`` timed forward + backward passes (after one warm-up) on a random batch: the
     response log-probs of a causal LM, or the hidden states of a backbone (the critic's); the
-    gradients are dropped and the module's train/eval mode restored."""
+    gradients are dropped and the module's train/eval mode restored.
+
+    Stops early, returning the best time so far: after a timed pass slower than ``give_up_after``
+    seconds (this precision is clearly not the faster one), and when ``time.perf_counter()`` has
+    passed ``deadline`` (the warm-up's time is the answer if no timed pass ran: an overestimate)."""
     vocab = module.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (PROBE_ROWS, PROBE_TOKENS), generator=generator).to(device)
     was_training = module.training
     module.train()
-    best = float("inf")
+    best = warm_up = float("inf")
     try:
         for attempt in range(repeats + 1):
             start = time.perf_counter()
             with autocast_context(device, dtype):
                 out = _forward(module, ids)
             out.float().sum().backward()
+            took = time.perf_counter() - start
             if attempt:  # the first pass warms up kernels and the allocator
-                best = min(best, time.perf_counter() - start)
+                best = min(best, took)
+            else:
+                warm_up = took
+            if (attempt and took > give_up_after) or (deadline is not None and time.perf_counter() > deadline):
+                break
     finally:
         module.zero_grad(set_to_none=True)
         module.train(was_training)
-    return best
+    return best if best != float("inf") else warm_up
 
 
 def _forward(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -149,10 +227,10 @@ def _read_cache(path: Path) -> dict[str, Any]:
         return {}  # no cache yet, or a damaged one: measure again
 
 
-def _write_cache(path: Path, key: str, choice: str) -> None:
+def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**_read_cache(path), key: choice}
+        data = {**_read_cache(path), key: entry}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)

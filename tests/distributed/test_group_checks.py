@@ -32,7 +32,9 @@ def test_one_rank_trains_without_ray(tmp_path, monkeypatch):
 
 
 def _agreed_dtype_on_rank(rank, world, cache_dir):
-    """Rank 0 times its model (each rank's own timing could differ); every rank gets rank 0's answer."""
+    """Rank 0 decides (each rank's own timing could differ); every rank gets rank 0's answer. The
+    CPU's capabilities and the timings are injected, and disagree on purpose: rank 0 would measure
+    bf16 faster, rank 1 fp32."""
     import os
 
     import torch
@@ -40,18 +42,26 @@ def _agreed_dtype_on_rank(rank, world, cache_dir):
     from helpers.tiny_models import tiny_llama
     from helpers.tokenizer import build_tiny_tokenizer
     from posttrain.distributed.rank import RankPlacement
+    from posttrain.models import compute_dtype
     from posttrain.workers.prepare import decide_param_dtype
 
     os.environ["POSTTRAIN_CACHE_DIR"] = f"{cache_dir}/rank{rank}"  # no shared cache: rank 0 really measures
+    compute_dtype.cpu_bf16_support = lambda: (True, "injected")
+    timed = []
+
+    def timer(module, device, dtype, **bounds):
+        timed.append(dtype)
+        return {"bf16": 1.0, "fp32": 2.0}[dtype] if rank == 0 else {"bf16": 2.0, "fp32": 1.0}[dtype]
+
+    compute_dtype.time_train_step = timer
     place = RankPlacement(None, torch.device("cpu"), rank, world)
     choice = decide_param_dtype("auto", tiny_llama(build_tiny_tokenizer()), place.device, place.agree)
-    measured = os.path.exists(f"{cache_dir}/rank{rank}/precision.json")
-    return {"choice": choice, "measured": measured}
+    return {"choice": choice, "timed": timed}
 
 
 def test_ranks_agree_on_rank_zeros_auto_precision(tmp_path):
     from posttrain.distributed.fsdp import run_local_ranks
 
     results = run_local_ranks(_agreed_dtype_on_rank, 2, str(tmp_path))
-    assert results[0]["choice"] == results[1]["choice"] in ("bf16", "fp32")
-    assert [r["measured"] for r in results] == [True, False]
+    assert [r["choice"] for r in results] == ["bf16", "bf16"]  # rank 1 alone would have said fp32
+    assert [r["timed"] for r in results] == [["fp32", "bf16"], []]
