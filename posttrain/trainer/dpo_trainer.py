@@ -1,11 +1,12 @@
 """Offline DPO on the SFT trainer's loop and the RL workers (TRL's `DPOTrainer` semantics and names).
 
 One step: the next ``data.train_batch_size`` preference pairs (read and checked row by row by
-`posttrain.data.preference.PreferenceDataset`; chosen and rejected collated as adjacent rows sharing
-their prompt) -> the reference's summed log-probs of each
+`posttrain.data.preference.PreferenceDataset`, the one reader of preference rows; chosen and
+rejected collated as adjacent rows sharing their prompt) -> the reference's summed log-probs of each
 response (``workers.compute_ref_sequence_logps``, or the values computed once before training with
 ``dpo.precompute_ref_log_probs``) -> ``workers.update_dpo`` (one optimizer step of
-`posttrain.algorithms.dpo.dpo_loss` over all pairs of all ranks) -> metrics under TRL's names.
+`posttrain.algorithms.dpo.dpo_loss` over all pairs of all ranks, given each response's token count,
+which ``ipo`` averages by) -> metrics under TRL's names (`posttrain.algorithms.dpo.dpo_metrics`).
 
 The reference is the starting policy: a frozen copy (full fine-tuning), the actor with its LoRA
 adapters disabled (no second model), or, with ``precompute_ref_log_probs``, no model at all: the
