@@ -83,25 +83,26 @@ def dpo_loss_spec(loss_type: str) -> DPOLossSpec:
     """The registration of ``loss_type``; ConfigError listing the valid names otherwise."""
     spec = _DPO_LOSSES.get(loss_type)
     if spec is None:
-        raise ConfigError(f"unknown DPO loss_type {loss_type!r}; valid: {list(registered_dpo_losses())}")
+        raise ConfigError(f"dpo.loss_type={loss_type!r} is not a DPO loss; valid: {list(registered_dpo_losses())}")
     return spec
 
 
 def check_dpo_options(*, beta: float, loss_type: str, label_smoothing: float = 0.0) -> DPOLossSpec:
     """Validate the DPO knobs (for config validation, before anything loads); returns the loss's spec.
 
-    ConfigError naming the value: an unknown ``loss_type``, ``beta <= 0``, a ``label_smoothing`` for
-    a loss that ignores it, or one outside ``[0, 0.5)``.
+    ConfigError naming the config key (``dpo.*``, where the DPO trainer reads these) and the value:
+    an unknown ``loss_type``, ``beta <= 0``, a ``label_smoothing`` for a loss that ignores it, or one
+    outside ``[0, 0.5)``. The DPO config's validation (`posttrain.config.sft_load`) calls it.
     """
     spec = dpo_loss_spec(loss_type)
     if not beta > 0:
-        raise ConfigError(f"DPO beta={beta!r}: must be > 0 (TRL's default is 0.1)")
+        raise ConfigError(f"dpo.beta={beta!r}: must be > 0 (TRL's default is 0.1)")
     if label_smoothing and not spec.uses_label_smoothing:
         users = [n for n in registered_dpo_losses() if _DPO_LOSSES[n].uses_label_smoothing]
-        raise ConfigError(f"DPO label_smoothing={label_smoothing!r} has no effect with loss_type={loss_type!r}; "
+        raise ConfigError(f"dpo.label_smoothing={label_smoothing!r} has no effect with dpo.loss_type={loss_type!r}; "
                           f"set it to 0, or use a loss that reads it: {users}")
     if not 0.0 <= label_smoothing < 0.5:
-        raise ConfigError(f"DPO label_smoothing={label_smoothing!r}: must be in [0, 0.5) (the chance that a "
+        raise ConfigError(f"dpo.label_smoothing={label_smoothing!r}: must be in [0, 0.5) (the chance that a "
                           "preference label is flipped; 0.5 would mean the labels carry no information)")
     return spec
 

@@ -19,7 +19,6 @@ __all__ = ["DPOConfig", "DPODataConfig", "DPOSection", "SFTConfig", "SFTDataConf
            "SFTMultiTurnConfig", "SFTOptimConfig", "SFTTrainerConfig"]
 
 TRUNCATION_MODES = ("error", "left", "right")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
 
 def _cfg(**kwargs):
@@ -113,6 +112,8 @@ class DPODataConfig(SFTDataConfig):
     """Column holding the preferred response: text or chat messages (TRL's name)."""
     rejected_key: str = "rejected"
     """Column holding the dispreferred response: text or chat messages (TRL's name)."""
+    on_bad_row: str = "error"
+    """(posttrain) A bad pair (missing column, empty or equal chosen/rejected, mismatched prompt, too long): error (names file, row and column) or skip (counted by reason and reported)."""
 
 
 @_cfg()

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from posttrain.config.sft import DPO_LOSS_TYPES, TRUNCATION_MODES, DPOConfig, SFTConfig
+from posttrain.config.sft import TRUNCATION_MODES, DPOConfig, SFTConfig
 from posttrain.errors import ConfigError, read_utf8
 
 __all__ = ["load_dpo_config", "load_sft_config", "ranks", "rl_config_for", "sft_markdown_reference", "sft_problems",
@@ -218,15 +218,28 @@ def sft_problems(config: SFTConfig) -> list[str]:
     if unknown:
         out.append(f"trainer.logger has {unknown}; valid: console, file, tensorboard, wandb, mlflow")
     if isinstance(config, DPOConfig):
-        p = config.dpo
-        if p.loss_type not in DPO_LOSS_TYPES:
-            out.append(f"dpo.loss_type={p.loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}")
-        if p.beta <= 0:
-            out.append(f"dpo.beta={p.beta} must be positive")
-        if not 0.0 <= p.label_smoothing < 0.5:
-            out.append(f"dpo.label_smoothing={p.label_smoothing} must be in [0, 0.5)")
-        if config.data.multiturn.enable:
-            out.append("data.multiturn.enable=True: DPO rows hold prompt/chosen/rejected (text or messages); set False")
+        out += _dpo_problems(config)
+    return out
+
+
+def _dpo_problems(config: DPOConfig) -> list[str]:
+    """The `dpo.*` knobs (checked by the loss's own `check_dpo_options`) and DPO's data keys."""
+    from posttrain.algorithms.dpo import check_dpo_options
+    from posttrain.data.preference import ON_BAD_ROW
+
+    p, d, out = config.dpo, config.data, []
+    try:
+        check_dpo_options(beta=p.beta, loss_type=p.loss_type, label_smoothing=p.label_smoothing)
+    except ConfigError as err:
+        out.append(str(err))
+    if d.on_bad_row not in ON_BAD_ROW:
+        out.append(f"data.on_bad_row={d.on_bad_row!r}; valid: {', '.join(ON_BAD_ROW)}")
+    if d.multiturn.enable:
+        out.append("data.multiturn.enable=True: DPO rows hold prompt/chosen/rejected (text or messages); set False")
+    for key in ("prompt_dict_keys", "response_dict_keys"):
+        if getattr(d, key) is not None:
+            out.append(f"data.{key}={getattr(d, key)}: an SFT key; DPO reads the columns data.prompt_key, "
+                       "data.chosen_key and data.rejected_key as they are (text or chat messages); set null")
     return out
 
 
@@ -298,8 +311,8 @@ def sft_markdown_reference() -> str:
            "", "Their own tree: verl's `sft_trainer.yaml` keys (DPO adds TRL's names). Keys marked (posttrain) are ours.",
            "", "| key | type | default | meaning |", "|---|---|---|---|"]
     seen = set()
-    dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key", "dpo.",
-                "use_prefix_grouper")
+    dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key",
+                "data.on_bad_row", "dpo.", "use_prefix_grouper")
     for cls, only in ((SFTConfig, None), (DPOConfig, dpo_only)):
         for key, info in _keys(cls).items():
             if info.is_section or (only is None and key in seen):

@@ -30,11 +30,13 @@ instead and logs how many were skipped and why.
 
 Collated pairs (:func:`collate_pairs`) are laid out as the rollout's output, so the actor's
 log-prob code (shared-prompt forward included) runs on them unchanged: rows ``chosen_0,
-rejected_0, chosen_1, ...``.
+rejected_0, chosen_1, ...``. This is the one reader of preference rows: the DPO trainer builds it
+from its ``data.*`` keys (:meth:`PreferenceDataset.from_data_config`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import uuid
@@ -303,18 +305,23 @@ class PreferenceDataset(Dataset):
         on_bad_row: ``error`` raises the first bad row's :class:`PreferenceRowError`; ``skip`` leaves
             bad rows out, counted in ``skipped`` (by reason) and logged.
         apply_chat_template_kwargs: extra keyword arguments of ``apply_chat_template``.
+        max_rows: read only the first N rows over all files, bad ones included (None: all).
 
     Attributes:
         pairs: the :class:`PreferencePair` of each kept row; ``sources`` their ``"file row i"``.
         skipped: Counter of skipped rows by reason; ``num_skipped`` their total.
         num_truncated: pairs cut to ``max_length``.
+        ref_logps: ``[len, 2]`` summed reference log-probs of each pair's chosen and rejected response,
+            once :meth:`set_reference_logps` stored them (DPO's ``precompute_ref_log_probs``); items and
+            collated batches then carry them.
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer, *, prompt_key: str = "prompt",
                  chosen_key: str = "chosen", rejected_key: str = "rejected", max_length: int | None = 1024,
                  truncation: str = "error", apply_chat_template: bool = True, on_bad_row: str = "error",
-                 apply_chat_template_kwargs: dict | None = None):
-        self.files = [str(files)] if isinstance(files, (str, os.PathLike)) else [str(f) for f in files]
+                 apply_chat_template_kwargs: dict | None = None, max_rows: int | None = None):
+        files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+        self.files = [os.path.expanduser(str(f)) for f in files]
         if not self.files:
             raise DataError("no preference data files given")
         if truncation not in PAIR_TRUNCATION_MODES:
@@ -334,14 +341,27 @@ class PreferenceDataset(Dataset):
         self.skipped: Counter = Counter()
         self._first_skipped: dict[str, str] = {}
         self.num_truncated = 0
-        for path in self.files:
-            for i, row in enumerate(read_rows(path)):
-                self._add(row, f"{path} row {i}")
+        self.ref_logps: torch.Tensor | None = None
+        rows = ((path, i, row) for path in self.files for i, row in enumerate(read_rows(path)))
+        for path, i, row in itertools.islice(rows, max_rows):
+            self._add(row, f"{path} row {i}")
         if self.skipped:
             logger.warning("%s", self.skip_report())
         if not self.pairs:
             raise DataError(f"{', '.join(self.files)}: no usable preference pairs"
                             + (f" ({self.skip_report()})" if self.skipped else ""))
+
+    @classmethod
+    def from_data_config(cls, files: str | Sequence[str], tokenizer, data_config: Any,
+                         max_samples: int = -1) -> "PreferenceDataset":
+        """The DPO trainer's pairs: ``data.*`` of `posttrain.config.sft.DPOConfig` (the column keys,
+        ``max_length``, ``truncation``, ``on_bad_row``, ``apply_chat_template_kwargs``); ``max_samples``
+        (``data.train_max_samples`` / ``val_max_samples``): the first N rows, -1 for all."""
+        d = data_config
+        return cls(files, tokenizer, prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
+                   max_length=d.max_length, truncation=d.truncation, on_bad_row=d.on_bad_row,
+                   apply_chat_template_kwargs=d.apply_chat_template_kwargs,
+                   max_rows=max_samples if max_samples is not None and max_samples > 0 else None)
 
     def _add(self, row: dict, where: str) -> None:
         try:
@@ -376,8 +396,17 @@ class PreferenceDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         pair = self.pairs[i]
-        return {"prompt_ids": pair.prompt_ids, "chosen_ids": pair.chosen_ids, "rejected_ids": pair.rejected_ids,
+        item = {"prompt_ids": pair.prompt_ids, "chosen_ids": pair.chosen_ids, "rejected_ids": pair.rejected_ids,
                 "index": i}
+        if self.ref_logps is not None:
+            item["ref_logps"] = self.ref_logps[i]
+        return item
+
+    def set_reference_logps(self, ref_logps: torch.Tensor) -> None:
+        """Store ``[len, 2]`` reference log-probs (chosen, rejected) of every pair, in dataset order."""
+        if tuple(ref_logps.shape) != (len(self), 2):
+            raise ValueError(f"reference log-probs of shape {tuple(ref_logps.shape)}; expected ({len(self)}, 2)")
+        self.ref_logps = ref_logps.detach().to(torch.float32).cpu()
 
     def collate_fn(self, items: Sequence[dict[str, Any]]) -> Batch:
         """``items`` -> the interleaved chosen/rejected :class:`Batch` (:func:`collate_pairs`)."""
@@ -392,7 +421,7 @@ def _pad_id(tokenizer) -> int:
     return int(pad)
 
 
-_PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+_PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids", "ref_logps")
 
 
 def collate_pairs(items: Sequence[dict[str, Any] | PreferencePair], pad_token_id: int) -> Batch:
@@ -402,7 +431,10 @@ def collate_pairs(items: Sequence[dict[str, Any] | PreferencePair], pad_token_id
     Tensors (``P``: longest prompt, ``R``: longest response): ``prompts [2B, P]`` left-padded,
     ``responses [2B, R]`` right-padded, ``response_mask [2B, R]`` (1 on response tokens, end of turn
     included), ``input_ids / attention_mask / position_ids [2B, P+R]`` (positions count the prompt's
-    tokens from 0 and continue through the response), ``is_chosen [2B]`` bool. Non-tensors: ``uid``
+    tokens from 0 and continue through the response), ``is_chosen [2B]`` bool, ``pair_weight [2B]``
+    float ones (what the DPO update weighs each pair by; padding pairs that even out the ranks get 0),
+    and ``ref_logps [2B]`` float when every item carries ``ref_logps`` (its chosen and rejected
+    reference log-probs, :meth:`PreferenceDataset.set_reference_logps`). Non-tensors: ``uid``
     (one per pair, shared by its two rows: the item's ``uid``, else its ``index``, else a fresh
     uuid4) and every other key of the items, repeated on both rows. The two rows of a pair carry
     identical prompt tokens, mask and positions, so the shared-prompt forward encodes each prompt once.
@@ -435,7 +467,11 @@ def collate_pairs(items: Sequence[dict[str, Any] | PreferencePair], pad_token_id
         "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
         "position_ids": torch.cat([prompt_pos, response_pos], dim=1),
         "is_chosen": torch.arange(rows) % 2 == 0,
+        "pair_weight": torch.ones(rows, dtype=torch.float32),
     }
+    if all(it.get("ref_logps") is not None for it in items):
+        tensors["ref_logps"] = torch.cat([torch.as_tensor(it["ref_logps"], dtype=torch.float32).reshape(2)
+                                          for it in items])
     uids = [str(it["uid"]) if it.get("uid") is not None else
             (f"pair-{it['index']}" if it.get("index") is not None else str(uuid.uuid4())) for it in items]
     extra = [k for k in items[0] if k not in _PAIR_KEYS and k != "uid"]

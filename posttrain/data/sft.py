@@ -1,6 +1,7 @@
 """Supervised fine-tuning rows, tokenized into the RL batch layout.
 
-A row becomes what a rollout produces, so SFT (and DPO) run through the actor's log-prob code:
+A row becomes what a rollout produces, so SFT runs through the actor's log-prob code (DPO's
+preference pairs get the same layout from `posttrain.data.preference`):
 ``prompts`` ``[N, P]`` left-padded, ``responses`` ``[N, R]`` right-padded, ``input_ids``,
 ``attention_mask``, ``position_ids`` over prompt + response, and ``response_mask`` ``[N, R]`` = 1 on
 the tokens that are trained.
@@ -33,7 +34,7 @@ import torch
 from posttrain.batch import Batch
 from posttrain.data.schema import DataError, read_rows
 
-__all__ = ["PairDataset", "SFTDataset", "SFTExample", "collate_examples", "column_value", "load_sft_rows"]
+__all__ = ["SFTDataset", "SFTExample", "collate_examples", "column_value", "load_sft_rows"]
 
 
 @dataclass
@@ -44,8 +45,6 @@ class SFTExample:
     response: list[int]
     mask: list[int]
     uid: str
-    ref_logp: float | None = None
-    """DPO with ``precompute_ref_log_probs``: the reference's summed log-prob of the response."""
 
 
 def load_sft_rows(files: Any, max_samples: int = -1) -> list[tuple[str, int, dict]]:
@@ -240,58 +239,5 @@ def collate_examples(examples: Sequence[SFTExample], pad_token_id: int) -> Batch
     position_ids = torch.clamp(attention_mask.cumsum(-1) - 1, min=0)
     tensors = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
                "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask}
-    if all(e.ref_logp is not None for e in examples):
-        tensors["ref_logps"] = torch.tensor([e.ref_logp for e in examples], dtype=torch.float32)
     return Batch.from_dict(tensors, {"uid": np.array([e.uid for e in examples], dtype=object)},
                            {"temperature": 1.0})
-
-
-class PairDataset(SFTDataset):
-    """Preference rows (``data.prompt_key`` / ``chosen_key`` / ``rejected_key``, TRL's names; text or
-    chat messages) as pairs of `SFTExample`: chosen and rejected share the prompt's tokens and a uid,
-    so `collate_fn` lays them out as adjacent rows (chosen at even rows) that the shared-prompt
-    forward encodes once. Both responses end with the end-of-turn token, trained like an SFT answer.
-
-    Rows whose chosen and rejected are equal, or empty, are refused naming the file, row and column.
-    (The row reader of `posttrain.data.preference` checks more forms; this class only tokenizes.)
-    """
-
-    def _example(self, path: str, index: int, row: dict) -> tuple[SFTExample, SFTExample]:  # type: ignore[override]
-        where = f"{path}: row {index}"
-        cfg = self.config
-        prompt = column_value(row, cfg.prompt_key, cfg.prompt_dict_keys, where)
-        messages = _messages(prompt, f"{where}: column {cfg.prompt_key!r}") or [{"role": "user", "content": str(prompt)}]
-        if not any(str(m["content"]).strip() for m in messages):
-            raise DataError(f"{where}: column {cfg.prompt_key!r} is empty")
-        prompt_ids = self._ids(self._template(messages, row, True))
-        texts = [self._response_text(row, key, where) for key in (cfg.chosen_key, cfg.rejected_key)]
-        if texts[0] == texts[1]:
-            raise DataError(f"{where}: columns {cfg.chosen_key!r} and {cfg.rejected_key!r} are equal: the pair "
-                            "carries no preference")
-        uid = f"{os.path.basename(path)}:{index}"
-        pair = []
-        for text in texts:
-            response = self._ids(text) + [self.tokenizer.eos_token_id]
-            pair.append(self._fit(SFTExample(prompt_ids, response, [1] * len(response), uid), where))
-        if pair[0].prompt != pair[1].prompt:  # left truncation cut the prompt differently: keep the shorter
-            keep = min(len(pair[0].prompt), len(pair[1].prompt))
-            pair = [SFTExample(e.prompt[len(e.prompt) - keep:], e.response, e.mask, uid) for e in pair]
-        return pair[0], pair[1]
-
-    def _response_text(self, row: dict, key: str, where: str) -> str:
-        if key not in row:
-            raise DataError(f"{where}: no column {key!r} (columns: {', '.join(map(str, row))})")
-        value = row[key]
-        if not isinstance(value, str):
-            turns = _messages(value, f"{where}: column {key!r}")
-            if not turns or turns[-1]["role"] != "assistant":
-                raise DataError(f"{where}: column {key!r} must end with an assistant message")
-            value = turns[-1]["content"]
-        if not str(value).strip():
-            raise DataError(f"{where}: column {key!r} is empty")
-        return str(value)
-
-    def collate_fn(self, pairs: Sequence[tuple[SFTExample, SFTExample]]) -> Batch:  # type: ignore[override]
-        batch = collate_examples([e for pair in pairs for e in pair], self.pad_token_id)
-        batch["pair_weight"] = torch.ones(len(batch), dtype=torch.float32)
-        return batch

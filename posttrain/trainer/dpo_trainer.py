@@ -1,10 +1,12 @@
 """Offline DPO on the SFT trainer's loop and the RL workers (TRL's `DPOTrainer` semantics and names).
 
-One step: the next ``data.train_batch_size`` preference pairs (chosen and rejected as adjacent rows
-sharing their prompt, `posttrain.data.sft.PairDataset`) -> the reference's summed log-probs of each
+One step: the next ``data.train_batch_size`` preference pairs (read and checked row by row by
+`posttrain.data.preference.PreferenceDataset`, the one reader of preference rows; chosen and
+rejected collated as adjacent rows sharing their prompt) -> the reference's summed log-probs of each
 response (``workers.compute_ref_sequence_logps``, or the values computed once before training with
 ``dpo.precompute_ref_log_probs``) -> ``workers.update_dpo`` (one optimizer step of
-`posttrain.algorithms.dpo.dpo_loss` over all pairs of all ranks) -> metrics under TRL's names.
+`posttrain.algorithms.dpo.dpo_loss` over all pairs of all ranks, given each response's token count,
+which ``ipo`` averages by) -> metrics under TRL's names (`posttrain.algorithms.dpo.dpo_metrics`).
 
 The reference is the starting policy: a frozen copy (full fine-tuning), the actor with its LoRA
 adapters disabled (no second model), or, with ``precompute_ref_log_probs``, no model at all: the
@@ -50,18 +52,14 @@ class DPOTrainer(SFTTrainer):
         return super()._build_datasets()
 
     def _dataset(self, files: Any, max_samples: int) -> Any:
-        from posttrain.data.sft import PairDataset
+        from posttrain.data.preference import PreferenceDataset
 
-        return PairDataset(files, self.tokenizer, self.config.data, max_samples=max_samples)
+        return PreferenceDataset.from_data_config(files, self.tokenizer, self.config.data, max_samples)
 
     def _precompute(self, dataset: Any) -> None:
-        """Each response's summed log-prob under the starting policy, stored on its example."""
-        size = self.config.data.micro_batch_size_per_gpu * self.workers.world_size
-        for begin in range(0, len(dataset), size):
-            pairs = [dataset[i] for i in range(begin, min(len(dataset), begin + size))]
-            sums = self.workers.compute_sequence_logps(dataset.collate_fn(pairs))[:, 0].tolist()
-            for example, value in zip((e for pair in pairs for e in pair), sums):
-                example.ref_logp = float(value)
+        """Each pair's summed log-probs (chosen, rejected) under the starting policy, stored in ``dataset``."""
+        sums = [self.workers.compute_sequence_logps(batch)[:, 0] for batch in self._batches(dataset)]
+        dataset.set_reference_logps(torch.cat(sums).reshape(len(dataset), 2))
 
     def _reference_logps(self, batch: Batch) -> torch.Tensor:
         if "ref_logps" in batch:
@@ -80,23 +78,23 @@ class DPOTrainer(SFTTrainer):
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """The DPO loss and rewards of the held-out pairs under the current policy (no update): ``eval_*``."""
-        from posttrain.algorithms.dpo import dpo_loss
+        """The DPO loss and TRL's metrics of the held-out pairs under the current policy (no update), in
+        float64: ``eval_loss``, ``eval_rewards/*``, ``eval_logps/*`` (means over all pairs)."""
+        from posttrain.algorithms.dpo import dpo_loss, dpo_metrics
 
         if self.val_data is None:
             return {}
-        p, size = self.config.dpo, self.config.data.micro_batch_size_per_gpu * self.workers.world_size
+        p = self.config.dpo
         sums: dict[str, float] = {}
-        count = 0
-        for begin in range(0, len(self.val_data), size):
-            batch = self.collate([self.val_data[i] for i in range(begin, min(len(self.val_data), begin + size))])
+        for batch in self._batches(self.val_data):
             ref = self._reference_logps(batch).to(torch.float64)
-            policy = self.workers.compute_sequence_logps(batch)[:, 0].to(torch.float64)
-            losses, chosen, rejected = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=p.beta,
-                                                loss_type=p.loss_type, label_smoothing=p.label_smoothing)
-            for name, value in (("eval_loss", losses), ("eval_rewards/chosen", chosen),
-                                ("eval_rewards/rejected", rejected), ("eval_rewards/margins", chosen - rejected),
-                                ("eval_rewards/accuracies", (chosen > rejected).double())):
-                sums[name] = sums.get(name, 0.0) + float(value.sum())
-            count += len(losses)
-        return {k: v / max(count, 1) for k, v in sums.items()}
+            policy = self.workers.compute_sequence_logps(batch).to(torch.float64)  # [2B, 2]: sum, response tokens
+            logps, lengths = policy[:, 0], policy[:, 1]
+            losses, chosen, rejected = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta=p.beta,
+                                                loss_type=p.loss_type, label_smoothing=p.label_smoothing,
+                                                chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])
+            pairs = len(losses)  # dpo_metrics are means over this batch's pairs: weigh them by its size
+            means = {"loss": losses.mean(), **dpo_metrics(chosen, rejected, logps[0::2], logps[1::2])}
+            for name, mean in means.items():
+                sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + float(mean) * pairs
+        return {name: total / len(self.val_data) for name, total in sums.items()}

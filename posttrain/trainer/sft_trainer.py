@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -204,13 +204,18 @@ class SFTTrainer:
         """``val/loss``: NLL per trained token over the whole validation set."""
         if self.val_data is None:
             return {}
-        size = self.config.data.micro_batch_size_per_gpu * self.workers.world_size
         nll = tokens = 0.0
-        for begin in range(0, len(self.val_data), size):
-            batch = self.collate([self.val_data[i] for i in range(begin, min(len(self.val_data), begin + size))])
+        for batch in self._batches(self.val_data):
             sums = self.workers.compute_sft_loss(batch).to(torch.float64)
             nll, tokens = nll + float(sums[:, 0].sum()), tokens + float(sums[:, 1].sum())
         return {"val/loss": nll / max(tokens, 1.0)}
+
+    def _batches(self, dataset: Any) -> Iterator[Batch]:
+        """``dataset`` in order, collated ``data.micro_batch_size_per_gpu`` rows per rank at a time
+        (validation; DPO's reference log-probs computed once)."""
+        size = self.config.data.micro_batch_size_per_gpu * self.workers.world_size
+        for begin in range(0, len(dataset), size):
+            yield dataset.collate_fn([dataset[i] for i in range(begin, min(len(dataset), begin + size))])
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:

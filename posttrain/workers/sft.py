@@ -15,7 +15,8 @@ sharing their prompt; ``ref_logps`` ``[N]`` holds the reference's summed log-pro
 ``pair_weight`` ``[N]`` is 1 for real pairs and 0 for the padding pairs that make every rank hold as
 many pairs (a zero weight adds nothing to the loss or to the pair count). Micro-batches hold
 ``micro_batch_size_per_gpu`` pairs; the loss is the mean over all pairs of all ranks. The loss
-function is `posttrain.algorithms.dpo.dpo_loss` (TRL's semantics).
+function is `posttrain.algorithms.dpo.dpo_loss` (TRL's semantics), given each response's number of
+response tokens (`pair_logps`: what ``ipo`` averages its log-ratios by); the metrics are `dpo_metrics`.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _global_sum(value: torch.Tensor) -> tuple[float, int]:
 
 def dpo_update(actor: Any, batch: Any, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
     """One optimizer step of the DPO loss on ``batch``'s pairs (module docstring); TRL's metric names."""
-    from posttrain.algorithms.dpo import dpo_loss
+    from posttrain.algorithms.dpo import dpo_loss, dpo_metrics, pair_logps
 
     rows = len(batch["responses"])
     if rows % 2:
@@ -115,7 +116,7 @@ def dpo_update(actor: Any, batch: Any, beta: float, loss_type: str, label_smooth
     data = {k: batch[k] for k in keys}
     weight = data["pair_weight"][0::2].to(torch.float64)
     pairs, world = _global_sum(weight.sum())
-    pairs = max(pairs, 1.0)
+    scale = world / max(pairs, 1.0)  # FSDP averages gradients over ranks; the mean is over all ranks' pairs
     per_micro = max(1, int(actor.config.ppo_micro_batch_size_per_gpu))
     actor.module.train()
     actor.optimizer.zero_grad(set_to_none=True)
@@ -123,23 +124,20 @@ def dpo_update(actor: Any, batch: Any, beta: float, loss_type: str, label_smooth
     for start in range(0, rows // 2, per_micro):
         sel = torch.arange(2 * start, min(rows, 2 * (start + per_micro)))
         mb = {k: v[sel].to(actor.device) for k, v in data.items()}
-        log_prob = _forward(actor, mb)
-        logps = (log_prob * mb["response_mask"].to(log_prob.dtype)).sum(-1)
-        ref = mb["ref_logps"].to(logps.dtype)
+        chosen, rejected, chosen_lengths, rejected_lengths = pair_logps(_forward(actor, mb), mb["response_mask"])
+        ref = mb["ref_logps"].to(chosen.dtype)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta=beta, loss_type=loss_type,
-            label_smoothing=label_smoothing)
+            chosen, rejected, ref[0::2], ref[1::2], beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
         w = mb["pair_weight"][0::2].to(losses.dtype)
-        scale = world / pairs  # FSDP averages gradients over ranks; the mean is over all ranks' pairs
         loss = (losses * w).sum() * scale
         loss.backward()
         finite = finite and bool(torch.isfinite(loss))
-        stats = {"loss": losses, "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
-                 "rewards/margins": chosen_rewards - rejected_rewards,
-                 "rewards/accuracies": (chosen_rewards > rejected_rewards).to(losses.dtype),
-                 "logps/chosen": logps[0::2], "logps/rejected": logps[1::2]}
-        for name, value in stats.items():
-            meter.add(name, (value.detach() * w).sum() * scale)
+        meter.add("loss", loss.detach())
+        real = w > 0  # padding pairs (weight 0) count in the metrics no more than in the loss
+        stats = dpo_metrics(chosen_rewards[real], rejected_rewards[real], chosen[real], rejected[real])
+        for name, mean in stats.items():  # this micro-batch's share of the mean over all ranks' pairs
+            meter.add(name, mean * int(real.sum()) * scale if bool(real.any()) else 0.0)
     grad_norm, skipped = optimizer_step(actor.module.parameters(), actor.optimizer, actor.config.grad_clip, finite)
     meter.count("nonfinite_skipped", float(skipped))
     meter.end_mini_batch(grad_norm=float(grad_norm))

@@ -152,14 +152,14 @@ def test_unknown_loss_type_lists_the_valid_ones():
     assert set(DPO_LOSS_TYPES) == {"sigmoid", "hinge", "ipo", "robust"}
     t = torch.zeros(2)
     with pytest.raises(ConfigError,
-                       match=r"unknown DPO loss_type 'dpo'; valid: \['hinge', 'ipo', 'robust', 'sigmoid'\]"):
+                       match=r"dpo.loss_type='dpo' is not a DPO loss; valid: \['hinge', 'ipo', 'robust', 'sigmoid'\]"):
         dpo_loss(t, t, t, t, beta=0.1, loss_type="dpo")
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(beta=0.0, loss_type="sigmoid"), "beta=0.0: must be > 0"),
+    (dict(beta=0.0, loss_type="sigmoid"), "dpo.beta=0.0: must be > 0"),
     (dict(beta=-1.0, loss_type="ipo"), "must be > 0"),
-    (dict(beta=0.1, loss_type="ipo", label_smoothing=0.1), "no effect with loss_type='ipo'"),
+    (dict(beta=0.1, loss_type="ipo", label_smoothing=0.1), "no effect with dpo.loss_type='ipo'"),
     (dict(beta=0.1, loss_type="hinge", label_smoothing=0.1), r"loss that reads it: \['robust', 'sigmoid'\]"),
     (dict(beta=0.1, loss_type="robust", label_smoothing=0.5), r"must be in \[0, 0.5\)"),
     (dict(beta=0.1, loss_type="sigmoid", label_smoothing=-0.1), r"must be in \[0, 0.5\)"),

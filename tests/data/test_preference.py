@@ -243,9 +243,32 @@ def test_collate_pairs_layout_by_hand():
                                                 [0, 0, 1, 1, 1, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]] * 2 + [[0, 0, 0, 1, 2, 3]] * 2
     assert batch["is_chosen"].tolist() == [True, False, True, False]
+    assert batch["pair_weight"].tolist() == [1.0] * 4 and "ref_logps" not in batch
     uids = list(batch["uid"])
     assert uids[0] == uids[1] == "pair-7" and uids[2] == uids[3] and uids[2] != uids[0]
     assert list(batch["index"]) == [7, 7, None, None]
+    # precomputed reference log-probs (chosen, rejected) of each pair become one tensor in row order
+    with_ref = collate_pairs([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3], "ref_logps": (-1.5, -2.5)},
+                              {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5], "ref_logps": (-3.0, -4.0)}],
+                             pad)
+    assert with_ref["ref_logps"].tolist() == [-1.5, -2.5, -3.0, -4.0] and "ref_logps" not in with_ref.non_tensor_batch
+
+
+def test_the_dpo_trainers_reader_takes_the_data_keys_and_the_first_rows(tmp_path, tok):
+    from dataclasses import replace
+
+    from posttrain.config.sft import DPODataConfig
+
+    rows = [{"q": f"{i}+1?", "good": str(i + 1), "bad": str(i + 2)} for i in range(5)] + [{"q": "x", "good": "y"}]
+    path = _write(tmp_path, rows)
+    config = replace(DPODataConfig(), prompt_key="q", chosen_key="good", rejected_key="bad", max_length=64)
+    assert len(PreferenceDataset.from_data_config(path, tok, config, max_samples=5)) == 5  # the bad row 5 unread
+    with pytest.raises(PreferenceRowError, match=r"row 5: missing column 'bad' \(rejected_key\)"):
+        PreferenceDataset.from_data_config(path, tok, config)
+    skipping = PreferenceDataset.from_data_config(path, tok, replace(config, on_bad_row="skip"), max_samples=-1)
+    assert len(skipping) == 5 and skipping.num_skipped == 1
+    skipping.set_reference_logps(torch.arange(10.0).reshape(5, 2))
+    assert skipping[4]["ref_logps"].tolist() == [8.0, 9.0]
 
 
 def test_collated_pairs_share_prompts_and_give_the_plain_forward_log_probs(tmp_path, tok):

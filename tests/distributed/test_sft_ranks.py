@@ -38,13 +38,6 @@ def test_sft_two_ranks_equal_one_process(tmp_path, ray_cluster):
 def test_dpo_two_ranks_equal_one_process(tmp_path, ray_cluster):
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
-    try:
-        import posttrain.algorithms.dpo  # noqa: F401
-        real = True
-    except ImportError:
-        real = False
-    if not real:  # the ranks import it in their own processes
-        pytest.skip("posttrain.algorithms.dpo is not merged yet: the ranks need the real module")
     extra = ["trainer.total_training_steps=2", "optim.lr=3e-3"]
     one = DPOTrainer(tiny_dpo_config(tmp_path / "one", extra)).fit()
     two = DPOTrainer(tiny_dpo_config(tmp_path / "two", [*extra, "trainer.n_gpus_per_node=2"])).fit()

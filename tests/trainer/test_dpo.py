@@ -4,34 +4,13 @@ lr = 0), precomputed reference log-probs equal a reference model's, the LoRA ref
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from posttrain.data.schema import DataError, write_rows
+from posttrain.errors import ConfigError
 from helpers.sft import tiny_dpo_config
-
-
-def _local_dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta,
-                    loss_type, label_smoothing):
-    """TRL's sigmoid loss, written out in float64 (stands in until `posttrain.algorithms.dpo` is merged)."""
-    assert loss_type == "sigmoid"
-    chosen = policy_chosen_logps.double() - ref_chosen_logps.double()
-    rejected = policy_rejected_logps.double() - ref_rejected_logps.double()
-    logits = beta * (chosen - rejected)
-    losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
-    return losses, beta * chosen.detach(), beta * rejected.detach()
-
-
-@pytest.fixture(autouse=True)
-def dpo_loss_module(monkeypatch):
-    try:
-        import posttrain.algorithms.dpo  # noqa: F401  (the real one, once merged)
-    except ImportError:
-        monkeypatch.setitem(sys.modules, "posttrain.algorithms.dpo", types.SimpleNamespace(dpo_loss=_local_dpo_loss))
 
 
 def trainer(tmp_path, extra=(), **kw):
@@ -79,21 +58,54 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tmp_path):
     assert history[-1]["rewards/margins"] > history[0]["rewards/margins"]
 
 
+USER = {"role": "user", "content": "What is 2 + 2?"}
+
+
 @pytest.mark.parametrize("row, message", [
-    ({"prompt": "p", "chosen": "a", "rejected": "a"}, "are equal"),
-    ({"prompt": "p", "chosen": " ", "rejected": "a"}, "column 'chosen' is empty"),
-    ({"prompt": "p", "chosen": "a"}, "no column 'rejected'"),
+    ({"prompt": "p", "chosen": "a", "rejected": "a"}, "columns 'chosen' and 'rejected': chosen equals rejected"),
+    ({"prompt": "p", "chosen": " ", "rejected": "a"}, "column 'chosen': empty chosen"),
+    ({"prompt": "p", "chosen": "a"}, r"missing column 'rejected' \(rejected_key\)"),
+    ({"chosen": [USER, {"role": "assistant", "content": "4"}],  # message form, no prompt column: prompts differ
+      "rejected": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]},
+     "mismatched prompt"),
+    ({"prompt": "p" * 300, "chosen": "a", "rejected": "b"}, "column 'prompt': prompt is 3.. tokens, which leaves no "
+                                                            "room for a response within max_length=256"),
 ])
 def test_bad_pairs_are_one_error_naming_file_row_and_column(tmp_path, row, message):
-    from posttrain.config.sft import DPODataConfig
-    from posttrain.data.sft import PairDataset
-    from helpers.tokenizer import build_tiny_tokenizer
-
+    """The trainer reads pairs through `posttrain.data.preference` (every check, before any model loads)."""
     path = tmp_path / "pairs.jsonl"
     write_rows([{"prompt": "q", "chosen": "x", "rejected": "y"}, row], str(path))
     with pytest.raises(DataError, match=message) as err:
-        PairDataset(str(path), build_tiny_tokenizer(), DPODataConfig())
-    assert f"{path}: row 1" in str(err.value)
+        trainer(tmp_path, [f"data.train_files={path}", "data.val_files=null"])
+    assert str(err.value).startswith(f"{path} row 1")
+
+
+def test_bad_pairs_can_be_skipped_and_counted(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    good = [{"prompt": f"q{i}", "chosen": "x", "rejected": "y"} for i in range(8)]
+    write_rows(good[:3] + [{"prompt": "p", "chosen": "a", "rejected": "a"}, {"prompt": "p", "chosen": " ",
+                                                                             "rejected": "a"}] + good[3:], str(path))
+    t = trainer(tmp_path, [f"data.train_files={path}", "data.val_files=null", "data.on_bad_row=skip",
+                           "trainer.total_training_steps=1"])
+    assert len(t.train_data) == 8 and dict(t.train_data.skipped) == {"chosen == rejected": 1, "empty chosen": 1}
+    assert t.train_data.sources[3] == f"{path} row 5"
+    t.workers.shutdown()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dpo.loss_type=dpo", r"dpo.loss_type='dpo' is not a DPO loss; valid: \['hinge', 'ipo', 'robust', 'sigmoid'\]"),
+    ("dpo.beta=0", r"dpo.beta=0(.0)?: must be > 0"),
+    ("dpo.label_smoothing=0.5", r"dpo.label_smoothing=0.5: must be in \[0, 0.5\)"),
+    ("dpo.loss_type=ipo dpo.label_smoothing=0.1", r"dpo.label_smoothing=0.1 has no effect with dpo.loss_type='ipo'"),
+    ("data.on_bad_row=drop", r"data.on_bad_row='drop'; valid: error, skip"),
+    ("data.prompt_dict_keys=[question]", r"data.prompt_dict_keys=\['question'\]: an SFT key"),
+])
+def test_dpo_config_errors_name_the_key_at_load_time(override, message):
+    from posttrain.config.sft_load import load_dpo_config
+
+    with pytest.raises(ConfigError, match=message) as err:
+        load_dpo_config(overrides=override.split())
+    assert "\n" not in str(err.value)  # one problem, one line
 
 
 def test_pairs_share_their_prompt_in_adjacent_rows(tmp_path):
