@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # DPO of SmolLM2-135M-Instruct on preference pairs built from its own samples on the built-in arithmetic
-# task (chosen = a correct answer, rejected = a wrong one for the same prompt), then the held-out greedy
-# accuracy before and after. Build the pairs first with `posttrain prep pairs` (see `posttrain prep pairs
-# --help`) and point PAIRS at its output folder (train.* and, optionally, test.* files of prompt/chosen/
-# rejected rows). key=value arguments override.
+# task, then the held-out greedy accuracy before and after. The whole pipeline, on CPU:
+#   1. the built-in task's prompts as a parquet (the RL built-in run's train/test split: same seed, sizes)
+#   2. `posttrain prep pairs`: N samples per training prompt, scored by the rule reward; chosen = a
+#      correct answer, rejected = a wrong one for the same prompt
+#   3. `posttrain dpo` on those pairs, 4. `posttrain eval` on the held-out split
+# PAIRS=<file> skips steps 1-2 and uses pairs already written. key=value arguments override dpo keys.
 # The timed target (README): held-out flexible accuracy +10 points or more, the `posttrain dpo` line <= 5 min.
 set -ex
-PAIRS=${PAIRS:?set PAIRS to the folder written by posttrain prep pairs}
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-checkpoints/posttrain/arithmetic_dpo_smollm2}
-TRAIN=$(ls "$PAIRS"/train.* | head -1)
+DATA=${DATA:-$OUT/data}
+PROMPTS=${PROMPTS:-256}           # training prompts sampled for pairs
+SAMPLES=${SAMPLES:-4}             # samples per prompt
+
+if [ -z "${PAIRS:-}" ]; then
+    posttrain prep arithmetic --output "$DATA" --digits 2 --ops + --n-train 1024 --n-test 128 --prompt-style fewshot
+    time posttrain prep pairs --input "$DATA/train.parquet" --model "$MODEL" --output "$DATA/pairs.parquet" \
+        --n "$SAMPLES" --temperature 1.0 --max-new-tokens 48 --reward-key flexible_acc --limit "$PROMPTS" \
+        --batch-size 32
+    PAIRS="$DATA/pairs.parquet"
+fi
 
 posttrain eval --model "$MODEL" --batch-size 64                   # before
 time posttrain dpo \
     model.partial_pretrain="$MODEL" \
-    data.train_files="$TRAIN" \
+    data.train_files="$PAIRS" \
     data.val_files=null \
     data.train_batch_size=16 \
     data.micro_batch_size_per_gpu=16 \
