@@ -35,3 +35,25 @@ def test_every_user_error_class_is_a_posttrain_error():
     for cls in (posttrain.ConfigError, CheckpointError, DataError, RewardError, RewardFunctionError,
                 UnknownDataSourceError, ResumeError, NonFiniteError):
         assert issubclass(cls, PosttrainError), cls
+
+
+def test_the_tutorials_import_lines_work_as_written():
+    # The two import lines of verl-style tutorials, exactly as a user types them (issue 24).
+    from posttrain.trainer import PPOTrainer, GRPOTrainer, DPOTrainer, SFTTrainer
+    from posttrain.workers.rollout import HFRollout, vLLMRollout, SGLangRollout
+
+    from posttrain.rollout.hf import HFRolloutEngine
+    from posttrain.trainer.dpo_trainer import DPOTrainer as DpoTrainerClass
+    from posttrain.trainer.sft_trainer import SFTTrainer as SftTrainerClass
+    from posttrain.trainer.trainer import RLTrainer
+
+    assert PPOTrainer is GRPOTrainer is RLTrainer
+    assert DPOTrainer is DpoTrainerClass and SFTTrainer is SftTrainerClass
+    assert HFRollout is HFRolloutEngine and vLLMRollout.__name__ == "VLLMRolloutEngine"
+    # SGLang has no engine: the name imports, building one says what to use instead.
+    try:
+        SGLangRollout(None, None)
+    except NotImplementedError as err:
+        assert "Use HFRollout" in str(err) and "rollout.name=vllm" in str(err)
+    else:
+        raise AssertionError("SGLangRollout built an engine that does not exist")
