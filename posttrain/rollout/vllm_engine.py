@@ -199,6 +199,7 @@ class VLLMRolloutEngine:
             if not kwargs["enable_chunked_prefill"]:
                 kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0), int(max_len))
         extra = dict(_get(_get(c, "engine_kwargs", None), "vllm", None) or {})
+        check_single_replica(extra)
         if self.on_cpu:
             kwargs["block_size"] = int(extra.get("block_size", CPU_BLOCK_SIZE))
             if "kv_cache_memory_bytes" not in extra and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -305,6 +306,17 @@ class VLLMRolloutEngine:
                 llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+
+
+def check_single_replica(engine_kwargs: dict[str, Any]) -> None:
+    """Refuse engine_kwargs.vllm that would split the engine across processes: the engine lives in the
+    trainer's process with one full copy of the weights per rank, and the weight push, the plan's
+    memory model and `posttrain plan`'s wording all assume tensor parallel size 1."""
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if engine_kwargs.get(key, 1) not in (1, None):
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={engine_kwargs[key]}: posttrain runs "
+                             "one in-process vLLM engine per rank with the full weights, so only 1 is valid "
+                             "(more ranks: trainer.n_gpus_per_node)")
 
 
 def _get(obj: Any, key: str, default: Any) -> Any:
