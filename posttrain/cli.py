@@ -53,6 +53,17 @@ COMMANDS = {
 }
 
 
+def top_level_help() -> str:
+    """`posttrain --help`: the commands, and the options every command takes (parsed here, in `main`)."""
+    lines = ["usage: posttrain <command> [args] [--debug]", "", "commands:"]
+    lines += [f"  {name:8s} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "options (any command, any position):",
+              "  --debug  print the Python traceback of a user error too (same as POSTTRAIN_DEBUG=1); without it",
+              "           an error is one line, `error: ...`",
+              "  -h, --help  this text; `posttrain <command> --help` lists a command's own options", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Route to a sub-command. A user error (any `posttrain.errors.PosttrainError`) prints one
     ``error: ...`` line and returns its exit code; ``--debug`` (anywhere) or ``POSTTRAIN_DEBUG=1``
@@ -65,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: posttrain <command> [args]\n\ncommands:")
-        for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:8s} {help_text}")
+        print(top_level_help(), end="")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:] + debug
     if command == "config":
