@@ -1,6 +1,6 @@
 """posttrain: reinforcement-learning post-training of language models with verl's config keys."""
 
-from posttrain.config import ConfigError, PostTrainConfig, load_config
+from posttrain.config import BUILTIN_CONFIG, ConfigError, PostTrainConfig, load_config
 from posttrain.errors import PosttrainError
 
 __version__ = "0.1.0"
@@ -20,5 +20,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "PosttrainError", "PostTrainConfig", "load_config", "GRPOTrainer", "PPOTrainer", "RayPPOTrainer",
+__all__ = ["BUILTIN_CONFIG", "ConfigError", "PosttrainError", "PostTrainConfig", "load_config", "GRPOTrainer", "PPOTrainer", "RayPPOTrainer",
            "RLTrainer", "DPOTrainer", "SFTTrainer", "__version__"]

@@ -12,12 +12,16 @@ from posttrain.config import BUILTIN_CONFIG
 
 
 def _config_cmd(argv: list[str]) -> int:
-    from posttrain.config import derive_sizes, describe_sizes, load_config, to_yaml
+    from posttrain.config import ConfigError, derive_sizes, describe_sizes, load_config, to_yaml
     from posttrain.config.docs import keys_table, markdown_reference
 
     parser = argparse.ArgumentParser(prog="posttrain config", description="Print the resolved config as YAML.")
     parser.add_argument("--config", help="YAML file layered over the defaults")
     parser.add_argument("--builtin", action="store_true", help="start from the built-in default run instead of verl's defaults")
+    parser.add_argument("--builtin-yaml", action="store_true",
+                        help="print the built-in run's own YAML (posttrain/config/builtin.yaml), to start a config of your "
+                             "own: `posttrain config --builtin-yaml > my_run.yaml`, then `posttrain train --config my_run.yaml` "
+                             "or posttrain.load_config(path='my_run.yaml') run the built-in run")
     parser.add_argument("--keys", action="store_true", help="list every key with its default and meaning")
     parser.add_argument("--markdown", action="store_true", help="print the key reference as Markdown (docs/config.md)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as in verl scripts")
@@ -28,7 +32,17 @@ def _config_cmd(argv: list[str]) -> int:
     if args.markdown:
         sys.stdout.write(markdown_reference())
         return 0
+    if args.builtin_yaml:
+        if args.config or args.builtin or args.overrides:
+            raise ConfigError("posttrain config --builtin-yaml prints builtin.yaml as it is and takes no --config, "
+                              "--builtin or overrides; edit the file it writes instead")
+        sys.stdout.write(BUILTIN_CONFIG.read_text(encoding="utf-8"))
+        return 0
     config = load_config(args.config, args.overrides, base=BUILTIN_CONFIG if args.builtin else None)
+    # Every key is written resolved: a key that follows another (a `${...}` default) is frozen at its value here,
+    # so this output describes a run; a file to edit should start from --builtin-yaml.
+    print("# resolved config (keys that follow another are written as values); a YAML to edit: "
+          "posttrain config --builtin-yaml")
     print(to_yaml(config), end="")
     print("# derived batch sizes\n" + "\n".join(f"# {line}" for line in describe_sizes(derive_sizes(config)).splitlines()))
     return 0
@@ -53,6 +67,17 @@ COMMANDS = {
 }
 
 
+def top_level_help() -> str:
+    """`posttrain --help`: the commands, and the options every command takes (parsed here, in `main`)."""
+    lines = ["usage: posttrain <command> [args] [--debug]", "", "commands:"]
+    lines += [f"  {name:8s} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "options (any command, any position):",
+              "  --debug  print the Python traceback of a user error too (same as POSTTRAIN_DEBUG=1); without it",
+              "           an error is one line, `error: ...`",
+              "  -h, --help  this text; `posttrain <command> --help` lists a command's own options", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Route to a sub-command. A user error (any `posttrain.errors.PosttrainError`) prints one
     ``error: ...`` line and returns its exit code; ``--debug`` (anywhere) or ``POSTTRAIN_DEBUG=1``
@@ -65,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: posttrain <command> [args]\n\ncommands:")
-        for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:8s} {help_text}")
+        print(top_level_help(), end="")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:] + debug
     if command == "config":

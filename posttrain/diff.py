@@ -20,7 +20,7 @@ from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.scripts import ConfigSource, explicit_keys, load_source, read_source
 from posttrain.config.validate import get_key
-from posttrain.plan.flow import Flow, build_flow
+from posttrain.plan.flow import Flow, build_flow, rollout_description
 
 # Sections in the order a reader thinks about a run; the first matching prefix wins.
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -201,11 +201,13 @@ def _rollout_consequences(a: PostTrainConfig, b: PostTrainConfig, fa: Flow, fb: 
     ta, tb = fa.responses_per_step * fa.response_length, fb.responses_per_step * fb.response_length
     if ta != tb:
         out.append(f"B generates up to {tb:,} response tokens per step (A: {ta:,}): {_ratio(ta, tb)}")
-    if (fa.rollout_engine, fa.rollout_workers, fa.rollout_tp) != (fb.rollout_engine, fb.rollout_workers, fb.rollout_tp):
-        out.append(f"B runs {fb.rollout_workers} {fb.rollout_engine} rollout workers of tensor-parallel size "
-                   f"{fb.rollout_tp} "
-                   f"(A: {fa.rollout_workers} of size {fa.rollout_tp}), {fb.responses_per_worker} responses each "
-                   f"(A: {fa.responses_per_worker})")
+    if (fa.rollout_engine, fa.rollout_workers) != (fb.rollout_engine, fb.rollout_workers):
+        out.append(f"B's rollout: {rollout_description(fb)} (A: {rollout_description(fa)})")
+    if fa.rollout_tp_requested != fb.rollout_tp_requested and "hf" not in (fa.rollout_engine, fb.rollout_engine):
+        out.append(f"B requests rollout.tensor_model_parallel_size={fb.rollout_tp_requested} "
+                   f"(A: {fa.rollout_tp_requested}), which changes nothing that runs: this build runs each "
+                   f"{fb.rollout_engine} engine with TP {fb.rollout_tp} on every rank (one full copy of the weights "
+                   "per rank) in both")
     ua = a.actor_rollout_ref.rollout.gpu_memory_utilization
     ub = b.actor_rollout_ref.rollout.gpu_memory_utilization
     if ua != ub:

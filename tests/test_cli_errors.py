@@ -56,6 +56,24 @@ def test_debug_flag_and_env_show_the_traceback(tmp_path, capsys, monkeypatch):
     assert rc == 2 and "Traceback" in capsys.readouterr().err
 
 
+def test_top_level_help_lists_debug_and_the_flag_does_what_it_says(capsys, monkeypatch):
+    from posttrain.cli import COMMANDS
+
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: posttrain <command> [args] [--debug]" in out
+    assert "  --debug  print the Python traceback of a user error too (same as POSTTRAIN_DEBUG=1)" in out
+    assert all(f"\n  {name:8s} " in out for name in COMMANDS)
+    # used where the usage line puts it (after the command's arguments): the traceback, then the error line
+    assert main(["config", "data.train_batch_size=@x", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("error: ")
+    # negative control: without it, one line
+    assert main(["config", "data.train_batch_size=@x"]) == 2
+    _one_line(capsys, 2, 2, "data.train_batch_size")
+
+
 @pytest.mark.parametrize("value", ["@x", "`cmd`", "%d", ":", "&a", "*b", "!t", "{a", "'q"])
 def test_yaml_special_override_values_never_crash(value, capsys, monkeypatch):
     monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)

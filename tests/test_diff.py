@@ -59,7 +59,9 @@ def test_blog_scripts_consequences(blog_diff):
     assert "B samples 5 responses per prompt (A: 1): 5x the rollout work per prompt" in text
     # 1024 x 5 x 1024 = 5,242,880 response tokens vs 1024 x 1 x 512 = 524,288: 10x
     assert "B generates up to 5,242,880 response tokens per step (A: 524,288): 10x" in text
-    assert "B runs 4 vllm rollout workers of tensor-parallel size 2 (A: 2 of size 4)" in text
+    assert ("B requests rollout.tensor_model_parallel_size=2 (A: 4), which changes nothing that runs: this build "
+            "runs each vllm engine with TP 1 on every rank") in text
+    assert "workers of tensor-parallel size" not in text
     assert "actor: B's mini-batch is 160 responses per rank in 2 micro-batches of 80 (A: 32 in 2 of 16)" in text
     assert blog_diff.uses == {"critic": (True, False), "reference": (False, True)}
 

@@ -50,6 +50,27 @@ def test_console_backend_prints_headline_metrics_and_progress(tmp_path, capsys):
     assert "score/mean=0.25 pg_loss=0.5 val-core/acc@1=1" in lines[0]
 
 
+def test_console_shows_the_rollout_actor_probability_gap(tmp_path, capsys):
+    from posttrain.batch import Batch
+    from posttrain.trainer.metrics import rollout_actor_diff
+
+    # 2 responses x 3 tokens, the last token of the second masked out
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.8], [0.9, 0.1, 0.3]]))
+    actor = torch.log(torch.tensor([[0.4, 0.25, 0.6], [0.9, 0.2, 0.99]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = Batch.from_dict({"rollout_log_probs": rollout, "old_log_probs": actor, "response_mask": mask})
+    # |p_rollout - p_actor| on the 5 kept tokens: 0.1, 0, 0.2, 0, 0.1 -> mean 0.08 (0.69 masked out)
+    metrics = {"critic/score/mean": 0.5, **rollout_actor_diff(batch)}
+    assert metrics["training/rollout_actor_probs_diff_mean"] == pytest.approx(0.08)
+    tracking = Tracking(["console"], tmp_path, "proj", "exp", total_steps=2)
+    tracking.log(metrics, 1)
+    tracking.log({"critic/score/mean": 0.5}, 2)  # negative control: a step without engine log-probs
+    tracking.finish()
+    first, second = capsys.readouterr().out.splitlines()
+    assert "score/mean=0.5 rollout_actor_probs_diff_mean=0.08" in first
+    assert "rollout_actor_probs_diff" not in second and "diff_max" not in first
+
+
 def test_tensorboard_events_read_back(tmp_path, monkeypatch):
     _import_or_skip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -298,7 +298,8 @@ class RolloutConfig:
     free_cache_engine: bool = True
     """Release the KV cache between rollouts."""
     tensor_model_parallel_size: int = 2
-    """GPUs per inference-engine instance."""
+    """GPUs per inference-engine instance (verl). Read and not applied: posttrain runs one engine with tensor
+    parallel size 1 on every rank, each holding the full weights."""
     max_num_batched_tokens: int = 8192
     """Engine scheduler token budget."""
     max_model_len: Optional[int] = None

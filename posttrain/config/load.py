@@ -223,6 +223,13 @@ def load_config(
 ) -> PostTrainConfig:
     """Defaults (verl's) <- `base` YAML <- `path` YAML <- dotted overrides; then validated.
 
+    The starting point is verl's defaults (a GSM8K run from ~/data/rlhf/gsm8k), as for `posttrain train
+    --config FILE` and ``python -m posttrain.trainer.main_ppo``, so a YAML written for verl means the same
+    here; without a path, overrides land on those defaults too. The built-in run (what `posttrain train`
+    with no --config runs) is ``base=posttrain.BUILTIN_CONFIG``, or a copy of that file as ``path``:
+    `posttrain config --builtin-yaml > my_run.yaml` writes one to edit, and
+    ``load_config(path="my_run.yaml")`` then gives exactly the built-in run.
+
     Raises ConfigError, before any model loads, for unknown keys, wrong types, unknown choices
     and inconsistent settings.
     """

@@ -14,17 +14,22 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 from posttrain.config import ConfigError
 
 __all__ = [
     "ClusterResourceError",
+    "ClusterUnreachableError",
     "NodeResources",
+    "RayTarget",
     "bundle_for",
     "check_resources",
+    "choose_cluster",
     "connect",
+    "gcs_answers",
     "describe_nodes",
     "free_resources_per_node",
     "ip_sort_key",
@@ -49,6 +54,14 @@ class ClusterResourceError(ConfigError):
     """The Ray cluster cannot hold the requested ranks; the message names nodes and keys."""
 
 
+class ClusterUnreachableError(ConfigError):
+    """The Ray cluster the user named (``ray_kwargs.ray_init.address``, ``RAY_ADDRESS``) does not answer.
+    Raised at once: ``ray.init`` on a dead address retries for minutes without saying why."""
+
+
+CLEAN_UP = "`ray stop --force` ends the Ray processes left on this machine (every Ray cluster of this user here)"
+
+
 # ------------------------------------------------------------------------------------------ connect
 def connect(ray_init_kwargs: dict[str, Any] | None = None, device: str = "cpu") -> None:
     """Join a running Ray cluster or start a local one; a no-op when Ray is already initialised.
@@ -67,9 +80,11 @@ def connect(ray_init_kwargs: dict[str, Any] | None = None, device: str = "cpu") 
         return
     kwargs = {k: v for k, v in (ray_init_kwargs or {}).items() if v is not None}
     kwargs["runtime_env"] = _with_job_env(kwargs.get("runtime_env"), device)
-    address = kwargs.pop("address", None)
-    if address is None and not _cluster_running():
-        address = "local"
+    target = choose_cluster(kwargs.pop("address", None), os.environ.get("RAY_ADDRESS") or None,
+                            _recorded_address(kwargs.get("_temp_dir")), gcs_answers)
+    if target.note:
+        logger.warning(target.note)
+    address = target.address
     if address == "local":
         kwargs.setdefault("include_dashboard", False)
         ray.init(address="local", **kwargs)
@@ -81,16 +96,81 @@ def connect(ray_init_kwargs: dict[str, Any] | None = None, device: str = "cpu") 
     ray.init(address=address, **{k: v for k, v in kwargs.items() if k not in dropped})
 
 
-def _cluster_running() -> bool:
-    """Whether ``ray.init()`` would join a cluster: ``RAY_ADDRESS`` is set or ``ray start`` ran here.
+@dataclass(frozen=True)
+class RayTarget:
+    address: str
+    """What ``ray.init`` gets: ``local`` (start a new cluster for this run) or the cluster to join."""
+    note: Optional[str] = None
+    """A warning for the log (a recorded cluster that is gone), else None."""
 
-    Unlike ``address="auto"``, this does not pick up a stranger's ``ray.init`` cluster on a shared
-    machine (Ray's legacy fallback scans for any GCS process)."""
-    if os.environ.get("RAY_ADDRESS"):
+
+def choose_cluster(requested: Optional[str], env_address: Optional[str], recorded: Optional[tuple[str, str]],
+                   answers: Callable[[str], bool]) -> RayTarget:
+    """Which cluster this run uses; never one that does not answer.
+
+    ``requested``: ``ray_kwargs.ray_init.address``; ``env_address``: ``RAY_ADDRESS``; ``recorded``:
+    ``(address, file)`` that the last ``ray start`` on this machine wrote (``/tmp/ray/ray_current_cluster``),
+    or None; ``answers(address)``: whether a GCS listens there. A cluster the user named explicitly must
+    answer (else `ClusterUnreachableError`, at once). A recorded cluster that is gone (its processes
+    killed, or stopped without ``ray stop``, which would have removed the file) is skipped with a note:
+    the run starts its own local cluster. Processes that outlived a killed driver's own local cluster
+    need nothing: ``ray.init`` never records those, so a new run starts a fresh cluster beside them.
+    Unlike Ray's ``address="auto"``, nothing here joins a stranger's ``ray.init`` cluster.
+    """
+    if requested == "local":
+        return RayTarget("local")
+    if requested is not None:
+        _must_answer(requested, "ray_kwargs.ray_init.address", answers,
+                     "start it (`ray start --head` on its head node) or leave the key unset to start a local cluster")
+        return RayTarget(requested)
+    if env_address is not None:
+        _must_answer(env_address, "RAY_ADDRESS", answers,
+                     "start it (`ray start --head` on its head node) or unset RAY_ADDRESS to start a local cluster")
+        return RayTarget(env_address)
+    if recorded is None:
+        return RayTarget("local")
+    address, path = recorded
+    if answers(address):
+        return RayTarget(address)
+    return RayTarget("local", f"the Ray cluster that `ray start` recorded in {path} ({address}) does not answer: its "
+                              f"processes are gone; starting a new local cluster for this run instead. {CLEAN_UP}.")
+
+
+def _must_answer(address: str, source: str, answers: Callable[[str], bool], fix: str) -> None:
+    if _host_port(address) is not None and not answers(address):
+        raise ClusterUnreachableError(f"{source}={address}: no Ray cluster answers there; {fix}. If a killed run left "
+                                      f"Ray processes behind, {CLEAN_UP}.")
+
+
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    """``(host, port)`` of a plain ``host:port`` address; None for ``auto``, ``ray://...`` and the like,
+    which are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "/" in address or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def gcs_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at the GCS address (a live cluster does at once;
+    a dead one refuses or times out)."""
+    host_port = _host_port(address)
+    if host_port is None:
         return True
-    from ray._private import services  # the lookup ray.init itself does for address=None
+    try:
+        with socket.create_connection(host_port, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
-    return services.canonicalize_bootstrap_address(None) is not None
+
+def _recorded_address(temp_dir: Optional[str]) -> Optional[tuple[str, str]]:
+    """``(address, file)`` of the cluster the last ``ray start`` here recorded, or None (the file
+    ``ray.init`` itself reads for ``address=None``)."""
+    from ray._private import utils as ray_utils
+
+    address = ray_utils.read_ray_address(temp_dir)
+    return (address, ray_utils.get_ray_address_file(temp_dir)) if address else None
 
 
 def _with_job_env(runtime_env: Any, device: str) -> dict[str, Any]:

@@ -16,15 +16,13 @@ def plan_problems(config: PostTrainConfig, flow: Flow, dims: Optional[ModelDims]
     warnings: list[str] = []
     arr = config.actor_rollout_ref
     rollout, actor = arr.rollout, arr.actor
-    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    if rollout.name != "hf":
-        tp = rollout.tensor_model_parallel_size
-        if tp < 1 or tp > flow.world_size or flow.world_size % tp:
-            errors.append(f"{tp_key}={tp} must divide the {flow.world_size} GPUs "
-                          f"(trainer.nnodes x trainer.n_gpus_per_node) into whole rollout workers")
-        elif dims is not None and dims.heads is not None and dims.heads % tp:
-            errors.append(f"{tp_key}={tp} does not divide the model's {dims.heads} attention heads; "
-                          "the inference engine shards heads across tensor-parallel ranks")
+    if rollout.name == "sglang":
+        # `posttrain train` refuses it at start-up (posttrain.rollout.engines.SGLANG_MISSING); not imported
+        # here because that module loads torch and `plan` stays light.
+        errors.append("actor_rollout_ref.rollout.name=sglang: posttrain has no SGLang engine and `posttrain train` "
+                      "refuses it at start-up; use actor_rollout_ref.rollout.name=vllm or hf")
+    # tensor_model_parallel_size is read and not applied (plan.flow.ENGINE_TENSOR_PARALLEL), so a size that would
+    # not divide the GPUs or heads breaks nothing here; the flow's note says so instead of an error.
     if actor.use_kl_loss and actor.kl_loss_coef == 0:
         warnings.append("actor_rollout_ref.actor.use_kl_loss=True with kl_loss_coef=0: the reference model is loaded "
                         "and run for a term that weighs nothing")

@@ -18,6 +18,11 @@ from posttrain.config.schema import PostTrainConfig
 GSM8K_TRAIN_SIZE = 7473
 """Prompts in GSM8K's train split (openai/gsm8k, `main` config)."""
 
+ENGINE_TENSOR_PARALLEL = 1
+"""Tensor-parallel size every rollout engine here runs with, whatever rollout.tensor_model_parallel_size
+says: the vllm engine is built with tensor_parallel_size=1 on every rank (`posttrain.rollout.vllm_engine`)
+and the hf engine decodes with the rank's whole (gathered) module."""
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -81,8 +86,11 @@ class Flow:
     """responses x (max prompt + max response length): the padded upper bound."""
     rollout_engine: str
     rollout_tp: int
+    """Tensor-parallel size the engine really runs with: always `ENGINE_TENSOR_PARALLEL` (1)."""
+    rollout_tp_requested: int
+    """actor_rollout_ref.rollout.tensor_model_parallel_size as configured (read, not applied)."""
     rollout_workers: int
-    """Inference-engine instances: world / tensor_model_parallel_size."""
+    """Inference-engine instances: one full replica per rank, so the world size."""
     responses_per_worker: int
     prompts_per_worker: int
     forward_passes: tuple[ForwardPass, ...]
@@ -171,9 +179,10 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
     n, prompts = arr.rollout.n, config.data.train_batch_size
     responses = prompts * n
     per_rank = responses // dp
-    # The hf engine generates on each rank with the actor's weights; vllm/sglang run TP groups.
-    tp = 1 if arr.rollout.name == "hf" else max(1, arr.rollout.tensor_model_parallel_size)
-    workers = max(1, world // tp)
+    # Both engines generate on every rank with the whole model: hf on the actor's own module, vllm on
+    # an in-process engine built with tensor_parallel_size=1 (posttrain/rollout/vllm_engine.py).
+    tp = ENGINE_TENSOR_PARALLEL
+    workers = world
     p_len, r_len = config.data.max_prompt_length, config.data.max_response_length
 
     actor = critic = None
@@ -212,10 +221,28 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
         total, total_note = trainer.total_training_steps, "trainer.total_training_steps"
     return Flow(
         trainer.nnodes, trainer.n_gpus_per_node, world, sp, dp, prompts, n, responses, per_rank, p_len, r_len,
-        responses * (p_len + r_len), arr.rollout.name, tp, workers, responses // workers, prompts // workers,
+        responses * (p_len + r_len), arr.rollout.name, tp, arr.rollout.tensor_model_parallel_size, workers,
+        responses // workers, prompts // workers,
         tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
         sampling, multi_turn_budget(arr.rollout),
     )
+
+
+def rollout_description(f: Flow) -> str:
+    """What generates a step's responses, as it will run (the engine, its copies, the work of each)."""
+    share = f"{f.responses_per_worker} responses each ({f.prompts_per_worker} prompts x {f.n})"
+    if f.rollout_engine == "hf":
+        return f"hf on each of the {f.world_size} ranks (the actor's own weights): {share}"
+    return f"one {f.rollout_engine} engine per rank ({f.world_size} ranks, each with the full weights): {share}"
+
+
+def tensor_parallel_note(f: Flow) -> Optional[str]:
+    """The sentence saying that rollout.tensor_model_parallel_size is not applied, when it asks for more than 1
+    on an engine that would use it (verl's hf rollout ignores the key too, so hf gets no note)."""
+    if f.rollout_engine == "hf" or f.rollout_tp_requested == f.rollout_tp:
+        return None
+    return (f"tensor_model_parallel_size={f.rollout_tp_requested} requested; this build runs each {f.rollout_engine} "
+            f"engine with TP {f.rollout_tp} on its own rank, so the key is not applied")
 
 
 def multi_turn_budget(rollout: Any) -> Optional[str]:

@@ -18,9 +18,10 @@ The model, stated so a reader can check it (bytes per parameter P, per token T, 
 - Reward model (`reward_model.enable`): frozen like the reference (parameters in `model_dtype`,
   sharded, `param_offload` honoured), a forward without gradients and no logits (one score per
   row); its shape from its own config.json when at hand, tokens per sequence up to `max_length`.
-- Rollout engine (vllm, sglang): takes `gpu_memory_utilization` x GPU memory; of that, bf16 weights
-  P x 2 / tensor_parallel and the rest KV cache (the engine's own activation reserve is ignored).
-  KV per token: 2 (K and V) x layers x kv_heads x head_dim x 2 B, split across tensor-parallel ranks.
+- Rollout engine (vllm): takes `gpu_memory_utilization` x GPU memory; of that, bf16 weights P x 2
+  (a full copy on every rank: the engine runs with tensor parallel size 1 whatever
+  `rollout.tensor_model_parallel_size` says) and the rest KV cache (the engine's own activation
+  reserve is ignored). KV per token: 2 (K and V) x layers x kv_heads x head_dim x 2 B.
 - Roles are colocated (verl's hybrid engine): every GPU holds each role's resident shards, and the
   phases of a step (rollout, log-probs, values, updates) run one after another; the peak is the
   largest phase.
@@ -61,8 +62,8 @@ ASSUMPTIONS = (
     "activations saved per token per layer: (16 h + 8 i) B in bf16 (Korthikanti et al. 2022, flash attention, SwiGLU); "
     "with gradient checkpointing 2 h B plus one recomputed layer; forward without gradients (4 h + 4 i) B",
     "logits: [tokens, vocab] in bf16 (2 B), plus their gradient when training (4 B total)",
-    "rollout engine: gpu_memory_utilization x GPU memory = bf16 weights / TP + KV cache "
-    "(2 x layers x kv_heads x head_dim x 2 B per token, / TP)",
+    "rollout engine: gpu_memory_utilization x GPU memory = the full bf16 weights (TP 1 on every rank) + KV cache "
+    "(2 x layers x kv_heads x head_dim x 2 B per token)",
     "roles colocated on every GPU; phases run one after another; peak = largest phase",
 )
 
@@ -449,11 +450,12 @@ def _verdict(ctx: _Ctx, phases: list[Phase], roles: dict[str, dict[str, Any]],
     ro = roles["rollout"]
     if ro.get("engine_budget") is not None and ro["kv_cache"] <= 0:
         notes.append(f"the rollout engine's share ({fmt_bytes(ro['engine_budget'])}) does not hold its weights "
-                     f"({fmt_bytes(ro['weights'])}): raise rollout.gpu_memory_utilization or tensor_model_parallel_size")
+                     f"({fmt_bytes(ro['weights'])}): raise rollout.gpu_memory_utilization (tensor_model_parallel_size "
+                     "would not help: every rank's engine holds the full weights)")
         return "likely_oom", "likely out of memory: no room for the rollout KV cache; largest term: rollout weights", notes
     if "kv_capacity_sequences" in ro and ro["kv_capacity_sequences"] < ro["concurrent_sequences"]:
         notes.append(f"the KV cache holds {ro['kv_capacity_sequences']} sequences of {ctx.tokens} tokens at once, "
-                     f"fewer than the {ro['concurrent_sequences']} a rollout worker runs: the rest wait "
+                     f"fewer than the {ro['concurrent_sequences']} a rank's engine runs: the rest wait "
                      "(slower rollout, not OOM)")
     level, verdict = _level(ctx, phases, max(phases, key=lambda p: p.total), worst_case)
     if not ctx.shaped:

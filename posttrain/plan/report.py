@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Optional
 
-from posttrain.plan.flow import Flow, RoleUpdate
+from posttrain.plan.flow import Flow, RoleUpdate, rollout_description, tensor_parallel_note
 from posttrain.plan.memory import MemoryEstimate, fmt_bytes
 
 W = 24  # label column
@@ -47,12 +47,9 @@ def render_flow(f: Flow) -> list[str]:
            _row("prompts", f"{f.prompts_per_step:<6}(data.train_batch_size)"),
            _row("responses", f"{f.responses_per_step:<6}= {f.prompts_per_step} prompts x rollout.n={f.n}"),
            _row("per data-parallel rank", f"{f.responses_per_rank:<6}= {f.responses_per_step} / {f.dp_size} ranks")]
-    if f.rollout_engine == "hf":
-        out.append(_row("rollout", f"hf on each of the {f.world_size} ranks: {f.responses_per_rank} responses each"))
-    else:
-        out.append(_row("rollout", f"{f.rollout_workers} {f.rollout_engine} workers of tensor-parallel size {f.rollout_tp} "
-                        f"({f.world_size} / {f.rollout_tp}); each generates {f.responses_per_worker} responses "
-                        f"({f.prompts_per_worker} prompts x {f.n})"))
+    out.append(_row("rollout", rollout_description(f)))
+    if tensor_parallel_note(f):
+        out.append(_more(tensor_parallel_note(f)))
     out.append(_more(f"up to {f.prompt_length + f.response_length} tokens per sequence ({f.prompt_length} prompt + "
                      f"{f.response_length} response); up to {f.max_tokens_per_step:,} tokens per step"))
     if f.dynamic_sampling:
@@ -104,7 +101,7 @@ def _tokens(n: Optional[float]) -> str:
 def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
     pad = " " * 15
     if name == "rollout":
-        line = f"  {'rollout':<13}weights {fmt_bytes(r['weights'])} (bf16 / TP {r['tensor_parallel']})"
+        line = f"  {'rollout':<13}weights {fmt_bytes(r['weights'])} (bf16, the full weights on every rank)"
         if r.get("engine_budget") is not None:
             line += f"; engine share {fmt_bytes(r['engine_budget'])} leaves KV cache {fmt_bytes(r['kv_cache'])}"
         lines = [line]

@@ -88,6 +88,40 @@ class _DropKnownNoise(logging.Filter):
         return not record.getMessage().startswith(self.NOISE)
 
 
+class OneTritonNotice(logging.Filter):
+    """Let the first start-up line about Triton through and drop the later ones. On a CPU machine
+    with Triton installed vLLM says "Triton is installed but 0 active driver(s) found (expected 1).
+    Disabling Triton ..." and then "Triton not installed or not compatible ...", and torch, meeting
+    the placeholder module vLLM puts in its place, "Triton not available, find_triton_kernels = []":
+    contradictory or repeated. The first is the true one (each later line follows from it)."""
+
+    LOGGERS = ("vllm.triton_utils.importing", "torch._library.triton")
+    ABOUT_TRITON = ("Triton is installed", "Triton not installed", "Triton is not installed", "Triton not available",
+                    "Triton module has been replaced")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.ABOUT_TRITON):
+            return True
+        first, self.said = not self.said, True
+        return first
+
+    @classmethod
+    def install(cls) -> "OneTritonNotice":
+        """One shared instance on every logger that speaks about Triton (idempotent); before vLLM is
+        imported, since its lines are logged at import time."""
+        loggers = [logging.getLogger(name) for name in cls.LOGGERS]
+        existing = [f for log in loggers for f in log.filters if isinstance(f, cls)]
+        notice = existing[0] if existing else cls()
+        for log in loggers:
+            if notice not in log.filters:
+                log.addFilter(notice)
+        return notice
+
+
 def import_vllm():
     """The ``vllm`` module, in-process mode, or RuntimeError naming the install command.
 
@@ -95,6 +129,7 @@ def import_vllm():
     reports every weight push)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    OneTritonNotice.install()
     try:
         import vllm
         from vllm import LLM  # noqa: F401  (this import is what a broken torchvision breaks)
@@ -199,6 +234,7 @@ class VLLMRolloutEngine:
             if not kwargs["enable_chunked_prefill"]:
                 kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0), int(max_len))
         extra = dict(_get(_get(c, "engine_kwargs", None), "vllm", None) or {})
+        check_single_replica(extra)
         if self.on_cpu:
             kwargs["block_size"] = int(extra.get("block_size", CPU_BLOCK_SIZE))
             if "kv_cache_memory_bytes" not in extra and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -305,6 +341,17 @@ class VLLMRolloutEngine:
                 llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+
+
+def check_single_replica(engine_kwargs: dict[str, Any]) -> None:
+    """Refuse engine_kwargs.vllm that would split the engine across processes: the engine lives in the
+    trainer's process with one full copy of the weights per rank, and the weight push, the plan's
+    memory model and `posttrain plan`'s wording all assume tensor parallel size 1."""
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if engine_kwargs.get(key, 1) not in (1, None):
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}={engine_kwargs[key]}: posttrain runs "
+                             "one in-process vLLM engine per rank with the full weights, so only 1 is valid "
+                             "(more ranks: trainer.n_gpus_per_node)")
 
 
 def _get(obj: Any, key: str, default: Any) -> Any:

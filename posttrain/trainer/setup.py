@@ -56,16 +56,21 @@ def check_rollout_engine(config: PostTrainConfig) -> None:
     if rollout.name == "sglang":
         raise ConfigError(SGLANG_MISSING)
     if rollout.name == "vllm":
-        from posttrain.rollout.vllm_engine import import_vllm
+        from posttrain.rollout.vllm_engine import check_single_replica, import_vllm
 
+        try:
+            check_single_replica(dict(rollout.engine_kwargs.vllm or {}))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         try:
             import_vllm()
         except RuntimeError as err:
             raise ConfigError(str(err)) from None
         tp = rollout.tensor_model_parallel_size
         if tp != 1:
-            print(f"note: actor_rollout_ref.rollout.tensor_model_parallel_size={tp} is not applied: posttrain's "
-                  "in-process vLLM engine runs one full replica per rank (tensor parallel size 1)", flush=True)
+            print(f"note: actor_rollout_ref.rollout.tensor_model_parallel_size={tp} requested; this build runs each "
+                  "vllm engine with TP 1 on its own rank (one full copy of the weights per rank), so the key is not "
+                  "applied", flush=True)
     try:
         check_rollout_correction_config(config.algorithm.rollout_correction, bool(rollout.calculate_log_probs))
     except ValueError as err:

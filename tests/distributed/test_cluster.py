@@ -84,3 +84,67 @@ def test_job_environment_keeps_user_values():
     assert env["pip"] == ["x"]
     assert env["env_vars"] == {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "1"}
     assert "OMP_NUM_THREADS" not in cluster._with_job_env(None, "cuda")["env_vars"]
+
+
+# ---------------------------------------------------------------- which cluster a run joins or starts
+def _answers(*alive):
+    return lambda address: address in alive
+
+
+DEAD, LIVE = "10.0.0.9:6379", "10.0.0.1:6379"
+RECORDED_FILE = "/tmp/ray/ray_current_cluster"
+
+
+def test_no_cluster_anywhere_starts_a_local_one():
+    assert cluster.choose_cluster(None, None, None, _answers()) == cluster.RayTarget("local")
+
+
+def test_a_live_recorded_cluster_is_joined_and_a_dead_one_is_skipped_with_a_note():
+    assert cluster.choose_cluster(None, None, (LIVE, RECORDED_FILE), _answers(LIVE)).address == LIVE
+    target = cluster.choose_cluster(None, None, (DEAD, RECORDED_FILE), _answers(LIVE))
+    assert target.address == "local"
+    assert f"recorded in {RECORDED_FILE} ({DEAD}) does not answer" in target.note and "ray stop --force" in target.note
+
+
+def test_a_named_cluster_that_does_not_answer_is_one_error_at_once():
+    with pytest.raises(cluster.ClusterUnreachableError, match=rf"^RAY_ADDRESS={DEAD}: no Ray cluster answers there;.*"
+                                                              "unset RAY_ADDRESS.*ray stop --force"):
+        cluster.choose_cluster(None, DEAD, (LIVE, RECORDED_FILE), _answers(LIVE))
+    with pytest.raises(ConfigError, match=rf"ray_kwargs.ray_init.address={DEAD}: no Ray cluster answers"):
+        cluster.choose_cluster(DEAD, None, None, _answers(LIVE))
+    # live ones are joined; the explicit key wins over RAY_ADDRESS, which wins over the recorded file
+    assert cluster.choose_cluster(LIVE, DEAD, None, _answers(LIVE)).address == LIVE
+    assert cluster.choose_cluster(None, LIVE, (DEAD, RECORDED_FILE), _answers(LIVE)) == cluster.RayTarget(LIVE)
+    # "local" starts a new cluster whatever else exists; forms that are not host:port are left to Ray
+    assert cluster.choose_cluster("local", DEAD, (DEAD, RECORDED_FILE), _answers()).address == "local"
+    assert cluster.choose_cluster("ray://10.0.0.9:10001", None, None, _answers()).address == "ray://10.0.0.9:10001"
+
+
+def test_gcs_answers_only_where_something_listens():
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert cluster.gcs_answers(f"127.0.0.1:{port}")
+    # the same port once closed: refused (negative control)
+    assert not cluster.gcs_answers(f"127.0.0.1:{port}", timeout_s=1)
+
+
+def test_connect_starts_its_own_cluster_beside_a_dead_recorded_one(monkeypatch, caplog):
+    # Ray itself is replaced: the test checks what connect hands to ray.init, not Ray.
+    ray = pytest.importorskip("ray")
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "_recorded_address", lambda temp_dir: ("127.0.0.1:1", RECORDED_FILE))
+    cluster.connect({"num_cpus": 1}, "cpu")
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 1
+    assert "127.0.0.1:1) does not answer" in caplog.text
+    # negative control: RAY_ADDRESS pointing at the same dead address is an error, not a silent local start
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(cluster.ClusterUnreachableError):
+        cluster.connect({"num_cpus": 1}, "cpu")
+    assert len(calls) == 1

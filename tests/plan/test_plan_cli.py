@@ -15,7 +15,11 @@ def test_grpo_script_text(capsys, grpo_script, deepseek_dir):
     rc, out, _ = _run(capsys, str(grpo_script), "--model-config", str(deepseek_dir))
     assert rc == 0
     assert "responses               5120  = 1024 prompts x rollout.n=5" in out
-    assert "4 vllm workers of tensor-parallel size 2 (8 / 2); each generates 1280 responses (256 prompts x 5)" in out
+    assert ("one vllm engine per rank (8 ranks, each with the full weights): 640 responses each (128 prompts x 5)"
+            in out)
+    assert ("tensor_model_parallel_size=2 requested; this build runs each vllm engine with TP 1 on its own rank, "
+            "so the key is not applied") in out
+    assert "tensor-parallel size 2" not in out and "/ TP" not in out
     assert "4 rounds of 160 responses per rank" in out
     assert "each: 2 micro-batches of 80 (gradient accumulation 2)" in out
     assert "105 training steps in total" in out and "420 actor optimizer steps" in out
@@ -50,11 +54,22 @@ def test_all_problems_are_listed_not_just_the_first(capsys, grpo_script):
 
 
 def test_plan_specific_checks(capsys, grpo_script):
-    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.name=sglang",
                       "actor_rollout_ref.actor.kl_loss_coef=0", "--json")
     data = json.loads(out)
-    assert rc == 1 and any("tensor_model_parallel_size=3 must divide the 8 GPUs" in e for e in data["errors"])
+    assert rc == 1 and any("rollout.name=sglang: posttrain has no SGLang engine" in e for e in data["errors"])
     assert any("kl_loss_coef=0" in w for w in data["warnings"])
+
+
+def test_unapplied_tensor_parallel_size_is_a_note_not_an_error(capsys, grpo_script):
+    # TP 3 does not divide 8 GPUs; in verl that is an error, here the key is not applied, so nothing breaks.
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.tensor_model_parallel_size=3")
+    assert rc == 0 and "Problems: 0 errors" in out
+    assert "tensor_model_parallel_size=3 requested; this build runs each vllm engine with TP 1" in out
+    # negative control: the hf engine ignores the key in verl too, so no note
+    rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.name=hf")
+    assert rc == 0 and "tensor_model_parallel_size" not in out
+    assert "hf on each of the 8 ranks (the actor's own weights): 640 responses each (128 prompts x 5)" in out
 
 
 def test_bad_script_names_file_and_line(capsys, tmp_path):

@@ -12,8 +12,9 @@ def test_grpo_flow_by_hand(grpo_script, load_script):
     assert (f.world_size, f.dp_size) == (8, 8)
     # 1024 prompts x n=5 = 5120 responses; / 8 ranks = 640 per rank
     assert (f.prompts_per_step, f.responses_per_step, f.responses_per_rank) == (1024, 5120, 640)
-    # vllm with TP 2: 8 / 2 = 4 workers, each 5120 / 4 = 1280 responses = 256 prompts x 5
-    assert (f.rollout_tp, f.rollout_workers, f.responses_per_worker, f.prompts_per_worker) == (2, 4, 1280, 256)
+    # vllm, TP 2 requested but not applied: one engine per rank, 8 engines of 5120 / 8 = 640 responses = 128 prompts x 5
+    assert (f.rollout_tp_requested, f.rollout_tp) == (2, 1)
+    assert (f.rollout_workers, f.responses_per_worker, f.prompts_per_worker) == (8, 640, 128)
     # 5120 x (512 + 1024) tokens at most
     assert f.max_tokens_per_step == 5120 * 1536 == 7_864_320
     # old log-prob and reference: 640 / 160 = 4 rounds each; no critic pass
@@ -32,8 +33,8 @@ def test_grpo_flow_by_hand(grpo_script, load_script):
 
 def test_ppo_flow_by_hand(ppo_script, load_script):
     f = build_flow(load_script(ppo_script))
-    # n = 1: 1024 responses, 128 per rank; vllm TP 4 -> 2 workers of 512
-    assert (f.responses_per_step, f.responses_per_rank, f.rollout_workers, f.responses_per_worker) == (1024, 128, 2, 512)
+    # n = 1: 1024 responses, 128 per rank; vllm TP 4 requested, one engine per rank: 8 engines of 128
+    assert (f.responses_per_step, f.responses_per_rank, f.rollout_workers, f.responses_per_worker) == (1024, 128, 8, 128)
     # log-prob micro 32: 128 / 32 = 4 rounds; critic values use its ppo micro (32) -> 4 rounds; no reference
     assert [(p.name, p.rounds) for p in f.forward_passes] == [("old log-prob (actor)", 4), ("critic values", 4)]
     # actor: 256 x 1 / 8 = 32 per rank, micro 16 -> accumulation 2; 128 / 32 = 4 optimizer steps

@@ -89,12 +89,13 @@ def test_grpo_blog_script_on_80gib(grpo_script, deepseek_dir, load_script):
     # 16 B/param sharded over 8 GPUs: 4 + 4 + 8 = 16 x 6.91e9 / 8 = 13.8 GB per GPU
     assert actor["params"] + actor["grads"] + actor["optimizer"] == pytest.approx(16 * p / 8, rel=0.005)
     ro = m.roles["rollout"]
-    # vllm: 0.6 x 80 GiB = 48 GiB; bf16 weights / TP 2 = 6.91 GB; KV per token / TP 2 = 240 KiB
+    # vllm: 0.6 x 80 GiB = 48 GiB; TP 2 is not applied, so each rank's engine holds all bf16 weights, 2 x 6.91 GB,
+    # and all 32 kv heads: 2 x 30 layers x 32 x 128 x 2 B = 480 KiB per token
     assert ro["engine_budget"] == pytest.approx(0.6 * 80 * GiB)
-    assert ro["weights"] == pytest.approx(2 * p / 2, rel=0.005)
-    assert ro["kv_bytes_per_token"] == 2 * 30 * 16 * 128 * 2
-    # each worker has 1280 responses, at most max_num_seqs=1024 at once, 1536 tokens each
-    assert ro["kv_cache_needed"] == 1024 * 1536 * ro["kv_bytes_per_token"]
+    assert ro["tensor_parallel"] == 1 and ro["weights"] == pytest.approx(2 * p, rel=0.005)
+    assert ro["kv_bytes_per_token"] == 2 * 30 * 32 * 128 * 2
+    # each rank's engine has 640 responses (under max_num_seqs=1024), all at once, 1536 tokens each
+    assert ro["kv_cache_needed"] == 640 * 1536 * ro["kv_bytes_per_token"]
     # reference is offloaded: not resident during rollout
     rollout = next(ph for ph in m.phases if ph.name == "rollout")
     assert not any("reference" in t.name for t in rollout.terms)

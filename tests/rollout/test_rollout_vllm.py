@@ -60,6 +60,32 @@ def test_sglang_is_a_start_up_error(tmp_path):
         check_rollout_engine(tiny_config(tmp_path, ["actor_rollout_ref.rollout.name=sglang"]))
 
 
+def test_engine_kwargs_cannot_split_the_engine(tmp_path):
+    # checked before vLLM is imported, so this runs without vLLM too
+    config = tiny_config(tmp_path, ["actor_rollout_ref.rollout.name=vllm",
+                                    "+actor_rollout_ref.rollout.engine_kwargs.vllm.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.vllm\.tensor_parallel_size=2: .*only 1 is valid"):
+        check_rollout_engine(config)
+
+
+def test_the_engine_runs_the_tensor_parallel_size_plan_describes():
+    # `posttrain plan` says each engine runs with TP ENGINE_TENSOR_PARALLEL whatever tensor_model_parallel_size
+    # says; the kwargs the engine hands to vllm.LLM must agree (no vLLM needed to build them).
+    from types import SimpleNamespace
+
+    from posttrain.plan.flow import ENGINE_TENSOR_PARALLEL
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    rollout = SimpleNamespace(tensor_model_parallel_size=4, dtype="bfloat16", prompt_length=8, response_length=8,
+                              engine_kwargs=SimpleNamespace(vllm={"seed": 3}))
+    engine = SimpleNamespace(config=rollout, on_cpu=False, sleeps=False)
+    kwargs = VLLMRolloutEngine._engine_kwargs(engine, SimpleNamespace(), seed=0)
+    assert kwargs["tensor_parallel_size"] == ENGINE_TENSOR_PARALLEL == 1
+    rollout.engine_kwargs.vllm = {"tensor_parallel_size": 4}
+    with pytest.raises(ValueError, match="tensor_parallel_size=4"):
+        VLLMRolloutEngine._engine_kwargs(engine, SimpleNamespace(), seed=0)
+
+
 def test_rollout_correction_errors_at_start_up(tmp_path):
     config = tiny_config(tmp_path, ["algorithm.rollout_correction.rollout_rs=token_k1"])
     with pytest.raises(ConfigError, match="rollout_rs_threshold"):
