@@ -36,8 +36,8 @@ import torch
 
 from posttrain.checkpoint.layout import CheckpointError, capture_rng, restore_rng, safe_torch_load
 
-__all__ = ["RANK_RNG_DIR", "RankRngPlan", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng", "rank_rng_file",
-           "rank_rng_plan", "role_generators", "save_rank_rng", "saved_rank_count"]
+__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng", "rank_rng_file",
+           "rank_rng_plan", "restore_rank_rng", "role_generators", "save_rank_rng", "saved_rank_count"]
 
 RANK_RNG_DIR = "rng"
 _RANK_FILE = re.compile(r"rank_(\d+)\.pt")
@@ -57,9 +57,22 @@ def save_rank_rng(step_dir: str | Path, rank: int, generators: Mapping[str, torc
     ``step_dir/rng/rank_<rank>.pt`` (tensors and numbers only: loadable with ``weights_only``)."""
     path = rank_rng_file(step_dir, rank)
     path.parent.mkdir(exist_ok=True)  # every rank of the group writes into the same folder
-    state = {"process": capture_rng(), "generators": {name: g.get_state() for name, g in generators.items()}}
-    torch.save(state, path)
+    torch.save(capture_rank_rng(generators), path)
     return path
+
+
+def capture_rank_rng(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
+    """This process's generator states and the roles' ``generators`` (role name -> generator)."""
+    return {"process": capture_rng(), "generators": {name: g.get_state() for name, g in generators.items()}}
+
+
+def restore_rank_rng(state: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+    """Inverse of `capture_rank_rng`; a role the state does not hold (one the saving run did not
+    train) keeps its generator."""
+    restore_rng(state["process"])
+    for name, generator in generators.items():
+        if name in state["generators"]:
+            generator.set_state(state["generators"][name])
 
 
 def saved_rank_count(step_dir: str | Path) -> int:
@@ -156,11 +169,7 @@ def load_rank_rng(step_dir: str | Path, rank: int, world: int, generators: Mappi
 
 def _restore(state: Any, generators: Mapping[str, torch.Generator], path: Path) -> None:
     try:
-        process, saved = state["process"], state["generators"]
-        restore_rng(process)
-        for name, generator in generators.items():
-            if name in saved:  # a role this run trains that the saved run did not (e.g. a new critic) keeps its seed
-                generator.set_state(saved[name])
+        restore_rank_rng(state, generators)
     except (KeyError, TypeError, RuntimeError, ValueError) as err:
         raise CheckpointError(f"{path} is not a rank's RNG state ({type(err).__name__}: {err})") from err
 

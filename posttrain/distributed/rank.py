@@ -155,6 +155,18 @@ class RankWorker:
         step = verify_checkpoint(folder, content=False)["step"]
         return load_rank_rng(folder, self.rank, self.world_size, role_generators(roles), self.seed, step)
 
+    def mark_step(self) -> None:
+        """Remember this rank's random state as a step begins (the rollout is about to draw from it)."""
+        from posttrain.checkpoint.rank_rng import capture_rank_rng, role_generators
+
+        self._step_rng = capture_rank_rng(role_generators(self.roles.trained()))
+
+    def rewind_step(self) -> None:
+        """Back to the state `mark_step` remembered: the driver undid the step (stopped while scoring)."""
+        from posttrain.checkpoint.rank_rng import restore_rank_rng, role_generators
+
+        restore_rank_rng(self._step_rng, role_generators(self.roles.trained()))
+
     @staticmethod
     def ping(batch: Batch | None = None) -> int:
         """Rows received, nothing computed: a round trip that measures dispatch and gathering alone."""

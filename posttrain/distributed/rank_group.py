@@ -147,6 +147,12 @@ class RankWorkerGroup:
         """Every rank loads its shards and its own random state; what became of each rank's random state."""
         return self._ranks.call_all("load_checkpoint", str(folder))
 
+    def mark_step(self) -> None:
+        self._ranks.call_all("mark_step")
+
+    def rewind_step(self) -> None:
+        self._ranks.call_all("rewind_step")
+
     def shutdown(self) -> None:
         self._ranks.shutdown()
 

@@ -21,6 +21,8 @@ across the data-parallel ranks and gathering the results back in order.
     save_checkpoint(folder) -> role names                   each role writes folder/<role>/, each rank
                                                             folder/rng/rank_<r>.pt (posttrain.checkpoint.rank_rng)
     load_checkpoint(folder)                                 each role reads folder/<role>/, each rank its RNG file
+    mark_step() / rewind_step()                             each rank remembers its RNG state as a step begins /
+                                                            goes back to it (the trainer undid the step)
     shutdown()
 """
 
@@ -66,6 +68,10 @@ class WorkerGroup(Protocol):
     def save_checkpoint(self, folder: Path) -> list[str]: ...
 
     def load_checkpoint(self, folder: Path) -> None: ...
+
+    def mark_step(self) -> None: ...
+
+    def rewind_step(self) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -137,6 +143,18 @@ class LocalWorkerGroup:
             worker.load_checkpoint(Path(folder) / name)
         step = verify_checkpoint(folder, content=False)["step"]
         return load_rank_rng(folder, 0, 1, role_generators(roles), self.seed, step)
+
+    def mark_step(self) -> None:
+        """The roles' shuffle generators as the step begins (the trainer rewinds the process's own)."""
+        from posttrain.checkpoint.rank_rng import role_generators
+
+        self._step_generators = {name: g.get_state() for name, g in role_generators(self.roles.trained()).items()}
+
+    def rewind_step(self) -> None:
+        from posttrain.checkpoint.rank_rng import role_generators
+
+        for name, generator in role_generators(self.roles.trained()).items():
+            generator.set_state(self._step_generators[name])
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
