@@ -19,6 +19,11 @@ another world size (`rank_rng_plan`, printed by the driver with `describe_rank_r
   generators keep the state their role folder holds (rank 0's);
 - the saved states of ranks beyond the new world size are not used.
 
+A step the trainer undoes (a signal while rewards are computed) must not leave the ranks' streams
+advanced by its rollout, since the checkpoint saved next is the previous step's: each rank
+remembers its state as a step begins and goes back to it (``WorkerGroup.mark_step`` /
+``rewind_step``, with `capture_rank_rng` / `restore_rank_rng`).
+
 A checkpoint written before these files existed holds none: resumed in one process, the driver's
 ``rng_state.pt`` (that process's state) is restored as before and nothing is reseeded; on several
 ranks every rank is reseeded.
@@ -36,8 +41,8 @@ import torch
 
 from posttrain.checkpoint.layout import CheckpointError, capture_rng, restore_rng, safe_torch_load
 
-__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng", "rank_rng_file",
-           "rank_rng_plan", "restore_rank_rng", "role_generators", "save_rank_rng", "saved_rank_count"]
+__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng",
+           "rank_rng_file", "rank_rng_plan", "restore_rank_rng", "role_generators", "save_rank_rng", "saved_rank_count"]
 
 RANK_RNG_DIR = "rng"
 _RANK_FILE = re.compile(r"rank_(\d+)\.pt")
