@@ -39,9 +39,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from posttrain.checkpoint.layout import CheckpointError, capture_rng, restore_rng, safe_torch_load
+from posttrain.checkpoint.layout import CheckpointError, _read_manifest, capture_rng, restore_rng, safe_torch_load
 
-__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng",
+__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "checkpoint_step", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng",
            "rank_rng_file", "rank_rng_plan", "restore_rank_rng", "role_generators", "save_rank_rng", "saved_rank_count"]
 
 RANK_RNG_DIR = "rng"
@@ -158,18 +158,29 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def load_rank_rng(step_dir: str | Path, rank: int, world: int, generators: Mapping[str, torch.Generator],
-                  seed: int, step: int) -> str:
+                  seed: int, step: int | None = None) -> str:
     """Restore this rank's state from ``step_dir`` (see the module docstring for another world size);
-    returns ``"restored"``, ``"reseeded"`` or ``"kept"`` (an older one-process checkpoint)."""
+    returns ``"restored"``, ``"reseeded"`` or ``"kept"`` (an older one-process checkpoint). ``step``
+    (for a fresh seed): default the checkpoint's (`checkpoint_step`)."""
     plan = rank_rng_plan(saved_rank_count(step_dir), world)
     if rank in plan.restored:
         state = safe_torch_load(rank_rng_file(step_dir, rank))
         _restore(state, generators, rank_rng_file(step_dir, rank))
         return "restored"
     if rank in plan.reseeded:
-        _reseed(fresh_seed(seed, rank, step))
+        _reseed(fresh_seed(seed, rank, checkpoint_step(step_dir) if step is None else step))
         return "reseeded"
     return "kept"
+
+
+def checkpoint_step(step_dir: str | Path) -> int:
+    """The step a checkpoint folder holds: its manifest's, else its ``global_step_N`` name's, else 0
+    (a folder of role states written outside a `CheckpointManager`, as tests do)."""
+    manifest = _read_manifest(Path(step_dir))
+    if manifest is not None:
+        return int(manifest["step"])
+    named = re.fullmatch(r"global_step_(\d+)", Path(step_dir).name)
+    return int(named[1]) if named else 0
 
 
 def _restore(state: Any, generators: Mapping[str, torch.Generator], path: Path) -> None:

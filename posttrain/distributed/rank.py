@@ -145,15 +145,13 @@ class RankWorker:
     def load_checkpoint(self, folder: str) -> str:
         """Each role's state, then this rank's random state (its own when the checkpoint holds it, else
         reseeded: `posttrain.checkpoint.rank_rng`); returns what became of the random state."""
-        from posttrain.checkpoint import verify_checkpoint
         from posttrain.checkpoint.rank_rng import load_rank_rng, role_generators
 
         roles = self.roles.trained()
         for name, worker in roles.items():
             with self._resident(worker, with_optimizer=True):
                 worker.load_checkpoint(Path(folder) / name)
-        step = verify_checkpoint(folder, content=False)["step"]
-        return load_rank_rng(folder, self.rank, self.world_size, role_generators(roles), self.seed, step)
+        return load_rank_rng(folder, self.rank, self.world_size, role_generators(roles), self.seed)
 
     def mark_step(self) -> None:
         """Remember this rank's random state as a step begins (the rollout is about to draw from it)."""

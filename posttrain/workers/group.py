@@ -135,14 +135,12 @@ class LocalWorkerGroup:
 
     def load_checkpoint(self, folder: Path) -> str:
         """Each role's state, then rank 0's saved random state (`posttrain.checkpoint.rank_rng`)."""
-        from posttrain.checkpoint import verify_checkpoint
         from posttrain.checkpoint.rank_rng import load_rank_rng, role_generators
 
         roles = self.roles.trained()
         for name, worker in roles.items():
             worker.load_checkpoint(Path(folder) / name)
-        step = verify_checkpoint(folder, content=False)["step"]
-        return load_rank_rng(folder, 0, 1, role_generators(roles), self.seed, step)
+        return load_rank_rng(folder, 0, 1, role_generators(roles), self.seed)
 
     def mark_step(self) -> None:
         """The roles' shuffle generators as the step begins (the trainer rewinds the process's own)."""

@@ -135,3 +135,32 @@ def test_one_process_resuming_a_two_rank_checkpoint_says_what_is_reseeded(tmp_pa
            "rank 1 is not used" in out
     assert [r["step"] for r in rows] == [2]
     assert torch.equal(seen["torch"], saved_rank0["process"]["torch"])  # rank 0's own, not rank 1's
+
+
+def test_the_fresh_seeds_step_comes_from_the_manifest_the_folder_name_or_zero(tmp_path):
+    from posttrain.checkpoint import CheckpointManager
+    from posttrain.checkpoint.rank_rng import checkpoint_step
+
+    manager = CheckpointManager(tmp_path / "root")
+    sealed = manager.save(5, _writer, {"x": 1})
+    assert checkpoint_step(sealed) == 5
+    (tmp_path / "global_step_9").mkdir()
+    assert checkpoint_step(tmp_path / "global_step_9") == 9
+    loose = tmp_path / "roles"  # role folders written by a worker group alone (no manifest)
+    loose.mkdir()
+    save_rank_rng(loose, 0, {})
+    assert checkpoint_step(loose) == 0
+    assert load_rank_rng(loose, 1, 2, {}, seed=3) == "reseeded"
+    got = torch.rand(2)
+    seed_all(fresh_seed(3, 1, 0))
+    assert torch.equal(got, torch.rand(2))
+    manager.unlock()
+
+
+def _writer(folder):
+    """A worker group's save: one role folder and rank 0's RNG state."""
+    from posttrain.checkpoint import RoleState, write_role
+
+    write_role(folder / "actor", RoleState(model={"w": torch.zeros(2)}))
+    save_rank_rng(folder, 0, {})
+    return ["actor"]
