@@ -14,8 +14,8 @@ another world size (`rank_rng_plan`, printed by the driver with `describe_rank_r
 
 - a rank below the saved world size restores that rank's saved state;
 - a rank at or above it has no saved state: its generators are reseeded from
-  ``(trainer.seed, rank, step)`` (`fresh_seed`: reproducible, and never one of the start-up seeds
-  ``trainer.seed + r``, so it does not replay another rank's first steps); its roles' shuffle
+  ``(trainer.seed, rank, step)`` (`fresh_seed`: reproducible, a hash rather than ``trainer.seed + r``,
+  so it does not replay the first steps of the rank that started with that seed); its roles' shuffle
   generators keep the state their role folder holds (rank 0's);
 - the saved states of ranks beyond the new world size are not used.
 
@@ -41,8 +41,9 @@ import torch
 
 from posttrain.checkpoint.layout import CheckpointError, _read_manifest, capture_rng, restore_rng, safe_torch_load
 
-__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "checkpoint_step", "describe_rank_rng_plan", "fresh_seed", "load_rank_rng",
-           "rank_rng_file", "rank_rng_plan", "restore_rank_rng", "role_generators", "save_rank_rng", "saved_rank_count"]
+__all__ = ["RANK_RNG_DIR", "RankRngPlan", "capture_rank_rng", "checkpoint_step", "describe_rank_rng_plan", "fresh_seed",
+           "load_rank_rng", "rank_rng_file", "rank_rng_plan", "restore_rank_rng", "role_generators", "save_rank_rng",
+           "saved_rank_count"]
 
 RANK_RNG_DIR = "rng"
 _RANK_FILE = re.compile(r"rank_(\d+)\.pt")

@@ -81,8 +81,8 @@ def test_world_size_change_messages():
                       "saved RNG state; the saved state of rank 1 is not used")
 
     grow = describe_rank_rng_plan(rank_rng_plan(2, 4), seed=7, step=3)
-    assert grow.startswith("note: the checkpoint was saved by 2 ranks and resumes on 4 ranks; ranks 0, 1 continue their "
-                           "own saved RNG state; ranks 2, 3 have no saved state and are reseeded from "
+    assert grow.startswith("note: the checkpoint was saved by 2 ranks and resumes on 4 ranks; ranks 0, 1 continue "
+                           "their own saved RNG state; ranks 2, 3 have no saved state and are reseeded from "
                            "(trainer.seed=7, rank, step=3)")
     assert f"rank 2: {fresh_seed(7, 2, 3)}, rank 3: {fresh_seed(7, 3, 3)}" in grow
     assert "not used" not in grow
