@@ -8,6 +8,8 @@ loaded without executing code. Nothing here imports workers or distributed place
     dcp     sharded state with ``torch.distributed.checkpoint`` (any world size, trainable-only
             option, a metadata reader that never unpickles code)
     ranks   this process's rank and whether a module's state is per-rank (FSDP2)
+    rank_rng  each rank's random state (``rng/rank_<r>.pt``) and what a resume at another world
+            size reseeds
 """
 
 from posttrain.checkpoint import layout

@@ -9,7 +9,9 @@ root/
               huggingface/       config.json + tokenizer files (enough to export the actor alone)
     critic/   the same files
     extra_state.json                  trainer step, data sampler, KL controller, config fingerprint
-    rng_state.pt                      python / numpy / torch (/ cuda) generator states
+    rng_state.pt                      the driver's python / numpy / torch (/ cuda) generator states
+    rng/rank_<r>.pt                   each rank's own: those, plus its roles' shuffle generators
+                                      (written by the ranks, `posttrain.checkpoint.rank_rng`)
     COMPLETE                          manifest {file: size} + {file: sha256}, the last file written before the rename
 ```
 

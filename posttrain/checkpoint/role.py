@@ -4,7 +4,8 @@ Two layouts of a role folder, both loadable at any world size:
 
 - one process: ``model.safetensors`` + ``optimizer.pt`` (`posttrain.checkpoint.layout.write_role`);
 - FSDP2 ranks: ``dcp/`` (`torch.distributed.checkpoint`: every rank writes its own shards, keyed
-  by parameter name) + ``lr_scheduler.pt`` / ``generator.pt`` from rank 0.
+  by parameter name) + ``lr_scheduler.pt`` / ``generator.pt`` from rank 0 (every rank's own
+  shuffle generator is also in its ``rng/rank_<r>.pt``, `posttrain.checkpoint.rank_rng`, which wins).
 
 Both carry ``huggingface/`` (config, tokenizer) for export. With LoRA (``trainable_only``) the weights
 and optimizer state are those of the trainable parameters alone (adapters, a critic's value head):

@@ -68,6 +68,7 @@ class RankWorker:
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         arr = config.actor_rollout_ref
         self.rank, world = init_distributed(backend_for(device_type), timeout_s=arr.nccl_timeout)
+        self.seed, self.world_size = seed, world
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         torch.manual_seed(seed + self.rank)  # each rank samples its own responses
         mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
@@ -130,17 +131,39 @@ class RankWorker:
             return self.actor.update_dpo(batch, beta, loss_type, label_smoothing)
 
     def save_checkpoint(self, folder: str) -> list[str]:
-        """Every rank writes its shards of each role into ``folder/<role>/`` (a collective)."""
+        """Every rank writes its shards of each role into ``folder/<role>/`` (a collective), and its own
+        random state into ``folder/rng/rank_<r>.pt`` (`posttrain.checkpoint.rank_rng`)."""
+        from posttrain.checkpoint.rank_rng import role_generators, save_rank_rng
+
         roles = self.roles.trained()
         for name, worker in roles.items():
             with self._resident(worker, with_optimizer=True):
                 worker.save_checkpoint(Path(folder) / name)
+        save_rank_rng(folder, self.rank, role_generators(roles))
         return list(roles)
 
-    def load_checkpoint(self, folder: str) -> None:
-        for name, worker in self.roles.trained().items():
+    def load_checkpoint(self, folder: str) -> str:
+        """Each role's state, then this rank's random state (its own when the checkpoint holds it, else
+        reseeded: `posttrain.checkpoint.rank_rng`); returns what became of the random state."""
+        from posttrain.checkpoint.rank_rng import load_rank_rng, role_generators
+
+        roles = self.roles.trained()
+        for name, worker in roles.items():
             with self._resident(worker, with_optimizer=True):
                 worker.load_checkpoint(Path(folder) / name)
+        return load_rank_rng(folder, self.rank, self.world_size, role_generators(roles), self.seed)
+
+    def mark_step(self) -> None:
+        """Remember this rank's random state as a step begins (the rollout is about to draw from it)."""
+        from posttrain.checkpoint.rank_rng import capture_rank_rng, role_generators
+
+        self._step_rng = capture_rank_rng(role_generators(self.roles.trained()))
+
+    def rewind_step(self) -> None:
+        """Back to the state `mark_step` remembered: the driver undid the step (stopped while scoring)."""
+        from posttrain.checkpoint.rank_rng import restore_rank_rng, role_generators
+
+        restore_rank_rng(self._step_rng, role_generators(self.roles.trained()))
 
     @staticmethod
     def ping(batch: Batch | None = None) -> int:

@@ -47,7 +47,7 @@ class RankWorkerGroup:
         self._ranks = RayActorPool(RankWorker, (worker_config, seed, tokenizer, device), nnodes=t.nnodes,
                                      n_gpus_per_node=t.n_gpus_per_node, device=device,
                                      placement_timeout_s=t.ray_wait_register_center_timeout)
-        self.world_size = self._ranks.world_size
+        self.world_size, self.seed = self._ranks.world_size, seed
         self.has_ref, self.has_critic = uses_reference(config), uses_critic(config)
         self.has_rm = bool(config.reward_model.enable)
         self.balance = bool(t.balance_batch)
@@ -143,8 +143,15 @@ class RankWorkerGroup:
     def save_checkpoint(self, folder: Path) -> list[str]:
         return self._ranks.call_all("save_checkpoint", str(folder))[0]
 
-    def load_checkpoint(self, folder: Path) -> None:
-        self._ranks.call_all("load_checkpoint", str(folder))
+    def load_checkpoint(self, folder: Path) -> list[str]:
+        """Every rank loads its shards and its own random state; what became of each rank's random state."""
+        return self._ranks.call_all("load_checkpoint", str(folder))
+
+    def mark_step(self) -> None:
+        self._ranks.call_all("mark_step")
+
+    def rewind_step(self) -> None:
+        self._ranks.call_all("rewind_step")
 
     def shutdown(self) -> None:
         self._ranks.shutdown()

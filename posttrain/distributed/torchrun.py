@@ -59,7 +59,7 @@ class TorchrunGroup:
         from posttrain.distributed.rank import RankWorker
 
         self.worker = RankWorker(config, seed, tokenizer, device_type_for(device))
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size, self.seed = dist.get_rank(), dist.get_world_size(), seed
         self.has_ref, self.has_critic, self.has_rm = self.worker.ref is not None, False, False
 
     # ------------------------------------------------------------------ helpers
@@ -118,8 +118,8 @@ class TorchrunGroup:
         dist.barrier()  # every shard is on disk before rank 0 seals the folder
         return roles
 
-    def load_checkpoint(self, folder: Path) -> None:
-        self.worker.load_checkpoint(str(folder))
+    def load_checkpoint(self, folder: Path) -> str:
+        return self.worker.load_checkpoint(str(folder))
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -5,6 +5,9 @@ the save on SIGINT/SIGTERM and the final Hugging Face export.
 
 The workers save and load their own state (``WorkerGroup.save_checkpoint(folder)``), so nothing
 here touches a model or an optimizer: the same code serves one process and a Ray group of ranks.
+Each rank saves and restores its own random state (``rng/rank_<r>.pt``); a resume at another world
+size says on the console which ranks continue their saved state and which are reseeded, with which
+seeds (`posttrain.checkpoint.rank_rng`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Mapping
 
 from posttrain.checkpoint import (CheckpointError, CheckpointManager, checkpoint_problem, is_step_dir_name,
                                   read_run_state, restore_rng)
+from posttrain.checkpoint.rank_rng import describe_rank_rng_plan, rank_rng_plan, saved_rank_count
 from posttrain.config import ConfigError
 
 __all__ = ["ResumeError", "RunState", "check_compatible", "config_fingerprint", "export_final", "prepare_folder",
@@ -253,11 +257,17 @@ def _restore(trainer_config, workers, train_loader, kl_ctrl, fingerprint) -> Run
     except ValueError as err:
         raise ResumeError(f"{path}: {err} (data.train_batch_size, data.gen_batch_size or data.train_files "
                           "changed?)") from err
+    plan = rank_rng_plan(saved_rank_count(path), workers.world_size)
+    # The driver's generators first, then each rank's own (in one process the driver is rank 0: its
+    # saved rank state is the one that holds; see posttrain.checkpoint.rank_rng).
+    restore_rng(saved.rng)
     workers.load_checkpoint(path)
     if kl_ctrl is not None and saved.extra.get("kl_ctrl"):
         kl_ctrl.load_state_dict(saved.extra["kl_ctrl"])
-    restore_rng(saved.rng)
     run = RunState(int(saved.extra["global_step"]), int(saved.extra.get("nonfinite_streak", 0)))
+    change = describe_rank_rng_plan(plan, workers.seed, saved.step)
+    if change:
+        print(change, flush=True)
     print(f"resumed from {path} at step {run.global_step}", flush=True)
     return run
 

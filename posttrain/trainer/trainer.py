@@ -348,12 +348,14 @@ class RLTrainer:
             loader = self.data.train_loader
             epoch = loader.epoch  # of the batch drawn next (the loader then moves on)
             before = (loader.state_dict(), capture_rng())
+            self.workers.mark_step()  # each rank's own generators (the rollout draws from them)
             try:
                 metrics = self.train_step(self._draw_prompts())
             except (RewardInterrupted, EpochsExhausted) as stop:  # this step changed no weights yet
                 self.global_step -= 1
                 loader.load_state_dict(before[0])
                 restore_rng(before[1])
+                self.workers.rewind_step()  # so a resume from the last saved step draws what it would have
                 if isinstance(stop, EpochsExhausted):
                     self._end_with_the_data()
                 break

@@ -18,8 +18,11 @@ across the data-parallel ranks and gathering the results back in order.
     compute_sequence_logps(batch) -> [N, 2]                 per row: summed log-prob of trained tokens, count
     compute_ref_sequence_logps(batch) -> [N, 2]             the same under the reference (DPO)
     update_dpo(batch, beta, loss_type, label_smoothing)     DPO: one step on chosen/rejected row pairs
-    save_checkpoint(folder) -> role names                   each role writes folder/<role>/
-    load_checkpoint(folder)                                 each role reads folder/<role>/
+    save_checkpoint(folder) -> role names                   each role writes folder/<role>/, each rank
+                                                            folder/rng/rank_<r>.pt (posttrain.checkpoint.rank_rng)
+    load_checkpoint(folder)                                 each role reads folder/<role>/, each rank its RNG file
+    mark_step() / rewind_step()                             each rank remembers its RNG state as a step begins /
+                                                            goes back to it (the trainer undid the step)
     shutdown()
 """
 
@@ -42,6 +45,8 @@ class WorkerGroup(Protocol):
     """What the trainer may call on its workers (see the module docstring for shapes)."""
 
     world_size: int
+    seed: int
+    """The run's seed (each rank seeds its generators from it; a rank reseeded at resume too)."""
     has_ref: bool
     has_critic: bool
     has_rm: bool
@@ -64,6 +69,10 @@ class WorkerGroup(Protocol):
 
     def load_checkpoint(self, folder: Path) -> None: ...
 
+    def mark_step(self) -> None: ...
+
+    def rewind_step(self) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -72,8 +81,8 @@ class LocalWorkerGroup:
 
     world_size = 1
 
-    def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None):
-        self.actor, self.ref, self.critic, self.rm = actor, ref, critic, rm
+    def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None, seed: int = 0):
+        self.actor, self.ref, self.critic, self.rm, self.seed = actor, ref, critic, rm, seed
         self.roles = Roles(actor, ref, critic, rm)
         self.has_ref, self.has_critic, self.has_rm = ref is not None, critic is not None, rm is not None
 
@@ -114,14 +123,36 @@ class LocalWorkerGroup:
         return self.actor.update_dpo(batch, beta, loss_type, label_smoothing)
 
     def save_checkpoint(self, folder: Path) -> list[str]:
+        """Each role's folder, and this process's random state as rank 0's (``rng/rank_0.pt``), so a run
+        of several ranks resumed from it continues rank 0's streams."""
+        from posttrain.checkpoint.rank_rng import role_generators, save_rank_rng
+
         roles = self.roles.trained()
         for name, worker in roles.items():
             worker.save_checkpoint(Path(folder) / name)
+        save_rank_rng(folder, 0, role_generators(roles))
         return list(roles)
 
-    def load_checkpoint(self, folder: Path) -> None:
-        for name, worker in self.roles.trained().items():
+    def load_checkpoint(self, folder: Path) -> str:
+        """Each role's state, then rank 0's saved random state (`posttrain.checkpoint.rank_rng`)."""
+        from posttrain.checkpoint.rank_rng import load_rank_rng, role_generators
+
+        roles = self.roles.trained()
+        for name, worker in roles.items():
             worker.load_checkpoint(Path(folder) / name)
+        return load_rank_rng(folder, 0, 1, role_generators(roles), self.seed)
+
+    def mark_step(self) -> None:
+        """The roles' shuffle generators as the step begins (the trainer rewinds the process's own)."""
+        from posttrain.checkpoint.rank_rng import role_generators
+
+        self._step_generators = {name: g.get_state() for name, g in role_generators(self.roles.trained()).items()}
+
+    def rewind_step(self) -> None:
+        from posttrain.checkpoint.rank_rng import role_generators
+
+        for name, generator in role_generators(self.roles.trained()).items():
+            generator.set_state(self._step_generators[name])
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
@@ -132,4 +163,4 @@ def build_local_group(config: Any, device: torch.device, seed: int, actor_module
     """Every role of the run in this process (`posttrain.workers.build.build_roles`, placed on ``device``)."""
     roles = build_roles(config, InProcess(device), seed, tokenizer=tokenizer, actor_module=actor_module,
                         critic_module=critic_module)
-    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm)
+    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed)
