@@ -50,7 +50,8 @@ def test_multi_turn_trajectories_equal_the_hf_engines(tok):
     model = vllm_llama(tok, seed=1, eos_boost=3.0)
     engine = VLLMRolloutEngine(model, tok, config=ENGINE, seed=0)
     try:
-        sampling = SamplingParams(n=2, temperature=0.0, do_sample=False, response_length=60)
+        engine.update_weights(model)  # the engine starts from dummy weights
+        sampling = SamplingParams(n=2, temperature=0.0, do_sample=False, response_length=160)
         got = _loop(engine, tok, user_turns=2).generate(_prompts(tok), sampling)
     finally:
         engine.shutdown()
