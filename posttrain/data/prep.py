@@ -17,6 +17,7 @@ import os
 import re
 import sys
 
+from posttrain.cli_args import non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.latex import last_boxed_answer
 from posttrain.data.schema import DataError, read_rows, write_rows
@@ -162,11 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("arithmetic", help="the built-in arithmetic task -> train.parquet, test.parquet")
     a.add_argument("--output", required=True, help="output directory")
-    a.add_argument("--n-train", type=int, default=128)
-    a.add_argument("--n-test", type=int, default=64)
-    a.add_argument("--digits", type=int, default=1, help="operand width")
+    a.add_argument("--n-train", type=positive_int, default=128)
+    a.add_argument("--n-test", type=positive_int, default=64)
+    a.add_argument("--digits", type=positive_int, default=1, help="operand width")
     a.add_argument("--ops", default="+-*", help="operators to use, e.g. '+' or '+-*'")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
     a.set_defaults(func=_prep_arithmetic)
 
