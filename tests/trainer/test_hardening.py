@@ -207,3 +207,22 @@ def test_a_model_folder_without_a_tokenizer_is_one_clear_error(tmp_path, no_mode
     (folder / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match=rf"actor_rollout_ref.model.path={folder}: cannot load its tokenizer"):
         RLTrainer(_config(tmp_path, [f"actor_rollout_ref.model.path={folder}"]))
+
+
+def test_resume_path_equal_to_the_checkpoint_root_names_the_latest_step(tmp_path, no_models):
+    # before: refused as "outside trainer.default_local_dir", which it is not
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, 2)
+    _fake_checkpoint(root, 4)
+    _fake_checkpoint(root, 6, complete=False)  # the newest is unfinished: the latest complete one is named
+    for given in (root, tmp_path / "." / "ckpt"):
+        with pytest.raises(ConfigError) as err:
+            RLTrainer(_config(tmp_path, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={given}"]))
+        message = str(err.value)
+        assert "is the checkpoint root (the folder holding global_step_2, global_step_4, global_step_6)" in message
+        assert f"set trainer.resume_from_path={root / 'global_step_4'} (its latest complete checkpoint)" in message
+        assert "trainer.resume_mode=auto" in message and "outside" not in message
+    # negative control: the step folder itself is accepted (the run starts building its models)
+    with pytest.raises(AssertionError, match="the models were loaded"):
+        RLTrainer(_config(tmp_path, ["trainer.resume_mode=resume_path",
+                                     f"trainer.resume_from_path={root / 'global_step_4'}"]))
