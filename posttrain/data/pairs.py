@@ -260,7 +260,7 @@ def add_pairs_parser(sub) -> None:
                    help="compute precision of generation (auto: the faster on this machine)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
-    p.set_defaults(func=_prep_pairs)
+    p.set_defaults(func=_prep_pairs, output_kind="file")
 
 
 def _prep_pairs(args: argparse.Namespace) -> int:

@@ -84,4 +84,4 @@ def add_parsers(sub) -> None:
     a.add_argument("--ops", default="+", help="operators to use, e.g. '+' or '+-*'")
     a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
-    a.set_defaults(func=_prep_arithmetic_sft)
+    a.set_defaults(func=_prep_arithmetic_sft, output_kind="folder")

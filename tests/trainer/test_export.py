@@ -112,7 +112,8 @@ def test_an_interrupted_export_leaves_the_previous_one_or_nothing(saved, tmp_pat
         raise OSError(errno.ENOSPC, "No space left on device", str(folder))
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
-    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed: No space left on device"):
+    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed: cannot write .*: No space left on device "
+                                              r"\(ENOSPC: the disk is full\); free space there, or pass another --output"):
         export_actor(root, out)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_export")]
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
