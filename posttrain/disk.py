@@ -21,7 +21,8 @@ from typing import Any, Iterator
 
 from posttrain.errors import PosttrainError
 
-__all__ = ["DiskWriteError", "folder_problem", "os_error_of", "save_torch", "write_failure_message", "writing"]
+__all__ = ["DiskWriteError", "folder_problem", "naming", "os_error_of", "save_torch", "write_failure_message",
+           "writing"]
 
 MEANINGS = {
     errno.ENOSPC: ("the disk is full", "free space there"),
@@ -95,12 +96,25 @@ def writing(path: str | os.PathLike, what: str, elsewhere: str,
         raise error(message) from err
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """A write failure inside the block becomes a plain `OSError` naming ``path`` (the libraries' own
+    errors name no file, so the message would only name the folder)."""
+    try:
+        yield
+    except BaseException as err:
+        os_err = os_error_of(err)
+        if os_err is None or isinstance(err, PosttrainError):
+            raise
+        raise OSError(os_err.errno, os_err.strerror, os_err.filename or os.fspath(path)) from err
+
+
 def save_torch(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` through a Python file: a failed write keeps its `OSError` (errno, file name) as the
-    context of torch's ``RuntimeError``, where writing to a path loses it."""
+    """``torch.save`` through a Python file: a failed write keeps its `OSError` (errno, file name), where
+    writing to a path turns it into ``RuntimeError: ... unexpected pos`` with no errno."""
     import torch
 
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         torch.save(obj, f)
 
 

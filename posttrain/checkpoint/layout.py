@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from posttrain.disk import DiskWriteError, save_torch, writing
+from posttrain.disk import DiskWriteError, naming, save_torch, writing
 from posttrain.errors import PosttrainError
 
 __all__ = [
@@ -435,7 +435,8 @@ def write_role(folder: Path, role: RoleState) -> None:
 
     folder = Path(folder)
     folder.mkdir()
-    save_file(_unshared(role.model), folder / MODEL_FILE, metadata={"format": "pt"})
+    with naming(folder / MODEL_FILE):  # safetensors names no file in its errors
+        save_file(_unshared(role.model), folder / MODEL_FILE, metadata={"format": "pt"})
     for obj, name in ((role.optimizer, OPTIMIZER_FILE), (role.scheduler, SCHEDULER_FILE),
                       (role.generator, GENERATOR_FILE)):
         if obj is not None:
