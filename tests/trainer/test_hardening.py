@@ -73,7 +73,8 @@ def test_unwritable_checkpoint_folder_is_found_at_start_up(tmp_path, no_models):
 
 def test_checkpoint_folder_that_is_a_file_is_found_at_start_up(tmp_path, no_models):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="trainer.default_local_dir=.*cannot create or write the checkpoint folder"):
+    with pytest.raises(ConfigError, match=r"trainer.default_local_dir=.*/file/ckpt: .*/file \(a folder above .*/file/ckpt\) "
+                                          r"is a file, so it cannot hold files; set it to a folder"):
         RLTrainer(_config(tmp_path, [f"trainer.default_local_dir={tmp_path / 'file' / 'ckpt'}"]))
 
 
