@@ -398,7 +398,8 @@ def _write_roles(folder: Path, roles: Mapping[str, RoleState] | Callable[[Path],
     return names
 
 
-def check_weights_fit(source: Path | str, saved: dict[str, tuple], model: dict[str, tuple], strict: bool = True) -> None:
+def check_weights_fit(source: Path | str, saved: dict[str, tuple], model: dict[str, tuple],
+                      strict: bool = True) -> None:
     """Refuse weights saved from a model of another shape (``name -> shape`` of both; ``strict``: the
     names must match too) with one `CheckpointError` naming the file, a parameter and both shapes,
     instead of torch's size-mismatch traceback."""

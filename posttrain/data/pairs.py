@@ -234,7 +234,8 @@ def _pair_row(nt: dict, k: int, chosen: Sample, rejected: Sample) -> dict[str, A
 
 def add_pairs_parser(sub) -> None:
     """Add the ``pairs`` sub-command to ``posttrain prep``'s sub-parsers."""
-    from posttrain.cli_args import finite_float, int_at_least, non_negative_int, positive_float, positive_int, probability
+    from posttrain.cli_args import (finite_float, int_at_least, non_negative_int, positive_float, positive_int,
+                                    probability)
 
     p = sub.add_parser("pairs", help="preference pairs from a model's own samples, scored by the rule reward",
                        description=__doc__.split("\n\n")[0])

@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{name}", type=positive_int)
     p.add_argument("--gpu-memory", type=memory_size, default="80GiB", help="memory of one GPU (default 80GiB)")
     p.add_argument("--train-size", type=positive_int, help="training prompts (default: counted from data.train_files)")
-    p.add_argument("--mean-tokens", type=positive_int, help="typical prompt+response tokens (default: the maximum, worst case)")
+    p.add_argument("--mean-tokens", type=positive_int,
+                   help="typical prompt+response tokens (default: the maximum, worst case)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

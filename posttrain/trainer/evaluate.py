@@ -235,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=positive_int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--max-response-length", type=positive_int, default=None,
                         help="new tokens per response (default: data.max_response_length of the built-in config)")
-    parser.add_argument("--batch-size", type=positive_int, default=None, help="prompts per generation batch (default: all)")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="prompts per generation batch (default: all)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
-    parser.add_argument("--show", type=non_negative_int, default=0, metavar="K", help="also print the first K responses")
+    parser.add_argument("--show", type=non_negative_int, default=0, metavar="K",
+                        help="also print the first K responses")
     parser.add_argument("--json", action="store_true", help="print the result (with every response) as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (over the built-in config)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
