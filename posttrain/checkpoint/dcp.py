@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from posttrain.checkpoint.layout import CheckpointError
+from posttrain.checkpoint.layout import CheckpointError, check_weights_fit
 
 __all__ = [
     "SafeFileSystemReader",
@@ -195,6 +195,7 @@ def load_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.op
     state = _role_state(module, optimizer, extra, options)
     if trainable_only:
         _check_trainable_saved(path, state["model"], metadata)
+    _check_shapes(path, state["model"], metadata, strict=not trainable_only)
     planner = WeightsOnlyLoadPlanner(source=os.fspath(path))
     with _single_process_is_intended(), _refusals_unwrapped():
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=not _distributed())
@@ -203,6 +204,14 @@ def load_sharded(path: str | os.PathLike, module: nn.Module, optimizer: torch.op
     set_state_dict(module, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}),
                    options=dataclasses.replace(options, strict=not trainable_only))
     return state.get("extra")
+
+
+def _check_shapes(path: str | os.PathLike, model_state: Mapping[str, Any], metadata: Metadata, strict: bool) -> None:
+    """The saved tensors' global shapes (from ``.metadata``) against this model's, before DCP reads any."""
+    saved = {key[len("model."):]: tuple(md.size) for key, md in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(md, "size")}
+    model = {name: tuple(t.shape) for name, t in model_state.items() if isinstance(t, torch.Tensor)}
+    check_weights_fit(path, saved, model, strict)
 
 
 def _check_trainable_saved(path: str | os.PathLike, model_state: Mapping[str, Any], metadata: Metadata) -> None:

@@ -45,14 +45,17 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from posttrain.disk import DiskWriteError, naming, save_torch, writing
 from posttrain.errors import PosttrainError
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "CheckpointManager",
     "LoadedCheckpoint",
     "RoleState",
     "capture_rng",
+    "check_weights_fit",
     "checkpoint_problem",
     "is_step_dir_name",
     "load_checkpoint",
@@ -84,6 +87,16 @@ _ROLE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 class CheckpointError(PosttrainError, RuntimeError):
     """A checkpoint is missing, incomplete, unsafe to load, or from a different run config."""
+
+
+class CheckpointWriteError(CheckpointError, DiskWriteError):
+    """A checkpoint could not be written (full disk, quota, read-only, permissions); names the path."""
+
+
+def write_failed_advice(root: str | os.PathLike) -> str:
+    """What to do when a save into ``root`` fails (the end of `posttrain.disk.write_failure_message`)."""
+    return (f"set trainer.default_local_dir to a folder on another disk; the previous checkpoint in {root} is "
+            "intact (a save is written aside and renamed into place only when complete)")
 
 
 @dataclass
@@ -148,12 +161,10 @@ class CheckpointManager:
         ``roles``: ``{name: RoleState}``, or a writer ``fn(folder) -> role names`` that writes one
         sub-folder per role into ``folder`` (the workers' own ``save_checkpoint``, possibly on many ranks).
         """
-        try:
+        # a full disk, a folder made read-only: one error naming the path; the previous checkpoint is untouched
+        with writing(self.root, f"saving the checkpoint of step {step} failed", write_failed_advice(self.root),
+                     error=CheckpointWriteError):
             return self._save(step, roles, extra)
-        except OSError as err:  # a full disk, a folder made read-only: the previous checkpoint is untouched
-            where = err.filename or self.root
-            raise CheckpointError(f"saving the checkpoint of step {step} failed: {err.strerror or err} ({where}); "
-                                  f"the previous checkpoint in {self.root} is intact") from err
 
     def _save(self, step, roles, extra) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -164,7 +175,7 @@ class CheckpointManager:
         try:
             names = _write_roles(tmp, roles)
             _write_json(tmp / EXTRA_FILE, dict(extra))
-            torch.save(capture_rng(), tmp / RNG_FILE)
+            save_torch(capture_rng(), tmp / RNG_FILE)
             _seal(tmp, int(step), names)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed process leaves it to the next save instead
@@ -389,6 +400,30 @@ def _write_roles(folder: Path, roles: Mapping[str, RoleState] | Callable[[Path],
     return names
 
 
+def check_weights_fit(source: Path | str, saved: dict[str, tuple], model: dict[str, tuple],
+                      strict: bool = True) -> None:
+    """Refuse weights saved from a model of another shape (``name -> shape`` of both; ``strict``: the
+    names must match too) with one `CheckpointError` naming the file, a parameter and both shapes,
+    instead of torch's size-mismatch traceback."""
+    differ = [(k, saved[k], shape) for k, shape in model.items() if k in saved and tuple(saved[k]) != tuple(shape)]
+    missing = sorted(set(model) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(model)) if strict else []
+    if not (differ or missing or unexpected):
+        return
+    parts = []
+    if differ:
+        name, was, now = differ[0]
+        more = f" ({len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
+        parts.append(f"parameter {name} has shape {list(was)} in the checkpoint but {list(now)} in this model{more}")
+    if missing:
+        parts.append(f"{len(missing)} parameters of this model are not in the checkpoint (e.g. {missing[:2]})")
+    if unexpected:
+        parts.append(f"the checkpoint holds {len(unexpected)} parameters this model lacks (e.g. {unexpected[:2]})")
+    raise CheckpointError(f"{source}: saved from a model of another shape: {'; '.join(parts)}. Resume with the model "
+                          "the checkpoint was trained from (the model path it was saved with), or start over with "
+                          "trainer.start_over=True or another trainer.default_local_dir")
+
+
 def _check_role_names(names: list[str]) -> None:
     if not names:
         raise CheckpointError("save() needs at least one role (e.g. {'actor': RoleState(...)})")
@@ -403,11 +438,12 @@ def write_role(folder: Path, role: RoleState) -> None:
 
     folder = Path(folder)
     folder.mkdir()
-    save_file(_unshared(role.model), folder / MODEL_FILE, metadata={"format": "pt"})
+    with naming(folder / MODEL_FILE):  # safetensors names no file in its errors
+        save_file(_unshared(role.model), folder / MODEL_FILE, metadata={"format": "pt"})
     for obj, name in ((role.optimizer, OPTIMIZER_FILE), (role.scheduler, SCHEDULER_FILE),
                       (role.generator, GENERATOR_FILE)):
         if obj is not None:
-            torch.save(obj, folder / name)
+            save_torch(obj, folder / name)
     if role.hf_config is not None:
         role.hf_config.save_pretrained(folder / HF_DIR)
     if role.tokenizer is not None:

@@ -30,9 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.checkpoint.dcp import load_sharded, save_sharded
-from posttrain.checkpoint.layout import (GENERATOR_FILE, HF_DIR, MODEL_FILE, SCHEDULER_FILE, CheckpointError, RoleState,
-                                         load_role, safe_torch_load, write_role)
+from posttrain.checkpoint.layout import (GENERATOR_FILE, HF_DIR, MODEL_FILE, SCHEDULER_FILE, CheckpointError,
+                                         CheckpointWriteError, RoleState, check_weights_fit, load_role, safe_torch_load,
+                                         write_failed_advice, write_role)
 from posttrain.checkpoint.ranks import is_sharded, process_rank
+from posttrain.disk import save_torch, writing
 
 __all__ = ["DCP_DIR", "load_role_into", "load_role_state", "read_full_weights", "save_role", "save_role_state"]
 
@@ -44,12 +46,16 @@ def save_role(folder: str | Path, role: Any, *, tokenizer: Any = None, adapter_f
     ``folder``; sharded models: every rank calls it. With LoRA (``role.lora``) the weights are the
     trainable parameters alone, plus ``lora_base.json`` (which base they belong to), and with
     ``adapter_folder`` also ``lora_adapter/`` (a peft folder: the actor's export)."""
-    lora = role.lora
-    save_role_state(Path(folder), role.module, role.optimizer, role.lr_scheduler, role.generator,
-                    hf_config=role.module.config, tokenizer=tokenizer, trainable_only=lora is not None)
-    if lora is not None:
-        write = lora.write if adapter_folder else lora.write_base_record
-        write(folder, rank=process_rank())
+    lora, folder = role.lora, Path(folder)
+    # a failed write is one error naming the path, raised on the rank that hit it (the driver reports it);
+    # folder = <root>/.tmp_global_step_N_<pid>/<role>, so the advice names the checkpoint root
+    with writing(folder, f"saving the {folder.name} checkpoint on rank {process_rank()} failed",
+                 write_failed_advice(folder.parent.parent), error=CheckpointWriteError):
+        save_role_state(folder, role.module, role.optimizer, role.lr_scheduler, role.generator,
+                        hf_config=role.module.config, tokenizer=tokenizer, trainable_only=lora is not None)
+        if lora is not None:
+            write = lora.write if adapter_folder else lora.write_base_record
+            write(folder, rank=process_rank())
 
 
 def load_role_into(folder: str | Path, role: Any) -> None:
@@ -82,8 +88,8 @@ def save_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
     dist.barrier()
     save_sharded(folder / DCP_DIR, module, optimizer, trainable_only=trainable_only)
     if process_rank() == 0:
-        torch.save(lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
-        torch.save(generator.get_state(), folder / GENERATOR_FILE)
+        save_torch(lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+        save_torch(generator.get_state(), folder / GENERATOR_FILE)
         if hf_config is not None:
             hf_config.save_pretrained(folder / HF_DIR)
         if tokenizer is not None:
@@ -107,6 +113,8 @@ def load_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
     state = load_role(folder)
     if trainable_only:
         _check_trainable_keys(folder, module, state.model)
+    check_weights_fit(folder / MODEL_FILE, {k: tuple(v.shape) for k, v in state.model.items()},
+                      {k: tuple(v.shape) for k, v in module.state_dict().items()}, strict=not trainable_only)
     if is_sharded(module):
         _load_full_into_sharded(module, optimizer, state, trainable_only)
     else:

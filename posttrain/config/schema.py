@@ -155,7 +155,7 @@ class FilterGroupsConfig:
     metric: Optional[str] = None
     """Per-response value compared within a group (required when enabled): acc or score (fields the reward manager records), seq_reward or seq_final_reward (the response's summed score)."""
     max_num_gen_batches: int = 0
-    """Most generation rounds per training step before the run stops with an error (0: no limit)."""
+    """Most generation rounds per training step before the run stops with an error (0: no limit of rounds, but a step that has drawn a whole epoch of prompts without filling its batch stops with an error, since more rounds would repeat the same prompts)."""
 
 
 @_cfg()

@@ -117,6 +117,9 @@ def generate_problems(
     n_train: int, n_test: int, digits: int = 1, ops: Sequence[str] = ("+", "-", "*"), seed: int = 0
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, test) problems; deterministic in all arguments, test questions distinct and not in train."""
+    for name, value, least in (("n_train", n_train, 0), ("n_test", n_test, 0), ("digits", digits, 1)):
+        if value < least:  # a negative count would slice rows off the end
+            raise ValueError(f"{name}={value!r} must be a whole number >= {least}")
     ops = _check_ops(ops)
     rng = random.Random(f"posttrain-arithmetic-{digits}-{''.join(ops)}-{seed}")
     space = _space_size(digits, ops)

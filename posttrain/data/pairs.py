@@ -234,31 +234,34 @@ def _pair_row(nt: dict, k: int, chosen: Sample, rejected: Sample) -> dict[str, A
 
 def add_pairs_parser(sub) -> None:
     """Add the ``pairs`` sub-command to ``posttrain prep``'s sub-parsers."""
+    from posttrain.cli_args import (finite_float, int_at_least, non_negative_int, positive_float, positive_int,
+                                    probability)
+
     p = sub.add_parser("pairs", help="preference pairs from a model's own samples, scored by the rule reward",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="prompt parquet/jsonl in verl's RL schema (e.g. from prep gsm8k)")
     p.add_argument("--model", required=True,
                    help="HF folder, .gguf file, smollm2-135m-instruct, hub id, or a checkpoint (global_step_N)")
     p.add_argument("--output", required=True, help="pairs file to write (.parquet or .jsonl)")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt (>= 2)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per sample")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
-    p.add_argument("--threshold", type=float, default=1.0,
+    p.add_argument("--n", type=int_at_least(2), default=8, help="samples per prompt (>= 2)")
+    p.add_argument("--temperature", type=positive_float, default=1.0)
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens per sample")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generation batch")
+    p.add_argument("--threshold", type=finite_float, default=1.0,
                    help="a sample is correct when its score is at least this (built-in scorers: 1 = right)")
     p.add_argument("--reward-key", default="score",
                    help="the scorer's field compared with --threshold (e.g. flexible_acc for the arithmetic task)")
-    p.add_argument("--pairs-per-prompt", type=int, default=1)
-    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-prompt-length", type=int, default=1024, help="longer prompts are an error")
+    p.add_argument("--pairs-per-prompt", type=positive_int, default=1)
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-prompt-length", type=positive_int, default=1024, help="longer prompts are an error")
     p.add_argument("--reward-path", default=None, help="custom reward function file (default: built-in scorers)")
     p.add_argument("--reward-name", default="compute_score", help="function name in --reward-path")
     p.add_argument("--param-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="compute precision of generation (auto: the faster on this machine)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
-    p.set_defaults(func=_prep_pairs)
+    p.set_defaults(func=_prep_pairs, output_kind="file")
 
 
 def _prep_pairs(args: argparse.Namespace) -> int:

@@ -17,9 +17,11 @@ import os
 import re
 import sys
 
+from posttrain.cli_args import non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.latex import last_boxed_answer
 from posttrain.data.schema import DataError, read_rows, write_rows
+from posttrain.disk import folder_problem
 
 __all__ = ["main", "gsm8k_rows", "math_rows", "GSM8K_INSTRUCTION", "MATH_INSTRUCTION"]
 
@@ -145,6 +147,26 @@ def _prep_arithmetic(args) -> int:
     return 0
 
 
+def _check_output(args: argparse.Namespace) -> None:
+    """``--output`` of the right kind before any work: a folder for the datasets (train/test files go
+    into it), a file for ``pairs``."""
+    output = getattr(args, "output", None)
+    if not output:
+        return
+    path = os.path.expanduser(output)
+    if args.output_kind == "folder":
+        blocked = folder_problem(path)
+        if blocked:
+            raise DataError(f"--output {output}: {blocked}; prep {args.dataset} writes train.parquet and "
+                            "test.parquet into a folder: give a new or existing folder")
+    elif os.path.isdir(path):
+        raise DataError(f"--output {output} is a folder; prep {args.dataset} writes one file: give a file name "
+                        "ending in .parquet or .jsonl")
+    elif folder_problem(os.path.dirname(os.path.abspath(path))):
+        raise DataError(f"--output {output}: {folder_problem(os.path.dirname(os.path.abspath(path)))}; "
+                        "give a file in a folder")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="posttrain prep", description="Write prompt parquet files in verl's RL schema.")
     sub = ap.add_subparsers(dest="dataset", required=True)
@@ -152,23 +174,23 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gsm8k", help="GSM8K (openai/gsm8k) -> train.parquet, test.parquet")
     g.add_argument("--input", help="directory with train.jsonl and test.jsonl (default: download with `datasets`)")
     g.add_argument("--output", required=True, help="output directory")
-    g.set_defaults(func=_prep_gsm8k)
+    g.set_defaults(func=_prep_gsm8k, output_kind="folder")
 
     m = sub.add_parser("math", help="MATH-style problems with \\boxed{} solutions -> parquet")
     m.add_argument("--input", required=True, help="a .jsonl/.json/.parquet file, or a directory with train/test files")
     m.add_argument("--output", help="output directory (default: beside the input)")
     m.add_argument("--split", help="split name for a single input file (default: its file name, e.g. 'train')")
-    m.set_defaults(func=_prep_math)
+    m.set_defaults(func=_prep_math, output_kind="folder")
 
     a = sub.add_parser("arithmetic", help="the built-in arithmetic task -> train.parquet, test.parquet")
     a.add_argument("--output", required=True, help="output directory")
-    a.add_argument("--n-train", type=int, default=128)
-    a.add_argument("--n-test", type=int, default=64)
-    a.add_argument("--digits", type=int, default=1, help="operand width")
+    a.add_argument("--n-train", type=positive_int, default=128)
+    a.add_argument("--n-test", type=positive_int, default=64)
+    a.add_argument("--digits", type=positive_int, default=1, help="operand width")
     a.add_argument("--ops", default="+-*", help="operators to use, e.g. '+' or '+-*'")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
-    a.set_defaults(func=_prep_arithmetic)
+    a.set_defaults(func=_prep_arithmetic, output_kind="folder")
 
     from posttrain.data.pairs import add_pairs_parser  # preference pairs from a model's own samples
     from posttrain.data.prep_sft import add_parsers  # SFT rows (worked answers)
@@ -182,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one preparation; returns 0, or 2 with the error printed for bad input."""
     args = build_parser().parse_args(argv)
     try:
+        _check_output(args)
         return args.func(args)
     except (DataError, ValueError) as e:
         print(f"posttrain prep {args.dataset}: error: {e}", file=sys.stderr)

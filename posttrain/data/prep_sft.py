@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from posttrain.cli_args import non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.schema import write_rows
 
@@ -77,10 +78,10 @@ def add_parsers(sub) -> None:
     """``posttrain prep arithmetic-sft`` (added to `posttrain.data.prep`'s parser)."""
     a = sub.add_parser("arithmetic-sft", help="the built-in arithmetic task with worked answers (SFT + RL rows)")
     a.add_argument("--output", required=True, help="output directory")
-    a.add_argument("--n-train", type=int, default=1024)
-    a.add_argument("--n-test", type=int, default=128)
-    a.add_argument("--digits", type=int, default=2, help="operand width")
+    a.add_argument("--n-train", type=positive_int, default=1024)
+    a.add_argument("--n-test", type=positive_int, default=128)
+    a.add_argument("--digits", type=positive_int, default=2, help="operand width")
     a.add_argument("--ops", default="+", help="operators to use, e.g. '+' or '+-*'")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
-    a.set_defaults(func=_prep_arithmetic_sft)
+    a.set_defaults(func=_prep_arithmetic_sft, output_kind="folder")

@@ -17,6 +17,7 @@ import json
 import os
 from typing import Any
 
+from posttrain.disk import folder_problem, writing
 from posttrain.errors import PosttrainError, read_utf8
 
 __all__ = ["DataError", "SUPPORTED_SUFFIXES", "read_rows", "write_rows", "validate_row"]
@@ -70,9 +71,27 @@ def _read_json(path: str) -> list[dict[str, Any]]:
 
 
 def write_rows(rows: list[dict[str, Any]], path: str) -> None:
-    """Write rows to parquet (by suffix ``.parquet``) or JSON lines."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if path.endswith(".parquet"):
+    """Write rows to parquet (by suffix ``.parquet``) or JSON lines, into a temporary file renamed into
+    place: a full disk leaves no half-written file, and is one `DiskWriteError` naming the path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    blocked = folder_problem(folder)
+    if blocked:
+        raise DataError(f"cannot write {path}: {blocked}; choose another output folder")
+    if os.path.isdir(path):
+        raise DataError(f"cannot write {path}: it is a folder; give a file name ending in .parquet or .jsonl")
+    tmp = os.path.join(folder, f".tmp_{os.path.basename(path)}_{os.getpid()}")
+    try:
+        with writing(path, f"writing {len(rows)} rows failed", "choose an output folder on another disk"):
+            os.makedirs(folder, exist_ok=True)
+            _write_rows_to(rows, tmp, parquet=path.endswith(".parquet"))
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_rows_to(rows: list[dict[str, Any]], path: str, parquet: bool) -> None:
+    if parquet:
         import pyarrow as pa
         import pyarrow.parquet as pq
 

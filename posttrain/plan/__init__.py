@@ -102,18 +102,21 @@ def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[Mode
 
 
 def _parser() -> argparse.ArgumentParser:
+    from posttrain.cli_args import memory_size, positive_float, positive_int
+
     p = argparse.ArgumentParser(prog="posttrain plan", description=__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="*", help="a launch script or YAML file, then key=value overrides")
     p.add_argument("--config", help="YAML config layered over the defaults")
     p.add_argument("--script", help="launch script whose key=value arguments are applied (after --config)")
     p.add_argument("--model-config", help="model folder or config.json (default: actor_rollout_ref.model.path)")
     g = p.add_argument_group("model shape when no config.json is at hand")
-    g.add_argument("--params", type=float, help="parameter count, e.g. 7e9")
+    g.add_argument("--params", type=positive_float, help="parameter count, e.g. 7e9")
     for name in ("hidden", "layers", "heads", "kv-heads", "vocab", "intermediate"):
-        g.add_argument(f"--{name}", type=int)
-    p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
-    p.add_argument("--train-size", type=int, help="training prompts (default: counted from data.train_files)")
-    p.add_argument("--mean-tokens", type=int, help="typical prompt+response tokens (default: the maximum, worst case)")
+        g.add_argument(f"--{name}", type=positive_int)
+    p.add_argument("--gpu-memory", type=memory_size, default="80GiB", help="memory of one GPU (default 80GiB)")
+    p.add_argument("--train-size", type=positive_int, help="training prompts (default: counted from data.train_files)")
+    p.add_argument("--mean-tokens", type=positive_int,
+                   help="typical prompt+response tokens (default: the maximum, worst case)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -154,11 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_source(source, overrides, validate=False)
         dims, why = resolve_dims(config, args.model_config, params=args.params, hidden=args.hidden, layers=args.layers,
                                  heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab, intermediate=args.intermediate)
-        gpu = parse_bytes(args.gpu_memory)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    plan = build_plan(config, source=source.label, dims=dims, dims_reason=why, gpu_memory=gpu,
+    plan = build_plan(config, source=source.label, dims=dims, dims_reason=why, gpu_memory=args.gpu_memory,
                       train_size=args.train_size, mean_tokens=args.mean_tokens)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))

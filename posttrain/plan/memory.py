@@ -115,14 +115,10 @@ class MemoryEstimate:
 
 
 def parse_bytes(text: str) -> float:
-    """'80GiB' -> 80 x 2**30, '141GB' -> 141e9, '80' -> 80 GiB."""
-    units = {"tib": 1024**4, "tb": 1e12, "gib": GiB, "gb": 1e9, "g": GiB, "mib": 1024**2, "mb": 1e6}
-    t = text.strip().lower().replace(" ", "")
-    unit = next((u for u in units if t.endswith(u)), "")
-    try:
-        return float(t[: len(t) - len(unit)]) * (units[unit] if unit else GiB)
-    except ValueError:
-        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GiB, 141GB or 24") from None
+    """'80GiB' -> 80 x 2**30, '141GB' -> 141e9, '80' -> 80 GiB (`posttrain.cli_args.bytes_from_text`)."""
+    from posttrain.cli_args import bytes_from_text
+
+    return bytes_from_text(text)
 
 
 def fmt_bytes(n: Optional[float]) -> str:

@@ -39,12 +39,20 @@ def score_row(fn: Callable, row: int, data_source: Any, solution: str, ground_tr
         return ("ok", value)
     except RowTimeout:
         return ("error", f"timed out after {timeout:g} s (reward.timeout_s)", "")
+    except SystemExit as e:  # sys.exit(3) would end the run with the non-finite-loss exit code, unexplained
+        return ("error", exit_message(e), traceback.format_exc())
     except Exception as e:  # any scorer failure is reported with its row
         return ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
+def exit_message(err: SystemExit) -> str:
+    """What a scorer that called ``sys.exit`` is reported as (KeyboardInterrupt is not caught: Ctrl-C stops)."""
+    return (f"it called sys.exit({err.code!r}); a reward function must return a score (or raise an exception), "
+            "never end the process")
 
 
 def score_chunk(fn: Callable, jobs: list[tuple], timeout: float | None = None) -> list[tuple]:

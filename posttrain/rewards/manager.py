@@ -25,7 +25,7 @@ import torch
 
 from posttrain.batch import Batch, response_mask_of
 from posttrain.errors import PosttrainError
-from posttrain.rewards._worker import die_with_parent, is_finite_number, score_chunk, score_row
+from posttrain.rewards._worker import die_with_parent, exit_message, is_finite_number, score_chunk, score_row
 from posttrain.rewards.dispatch import default_compute_score
 
 __all__ = ["ERRORS_KEY", "RewardManager", "BatchRewardFn", "OverlongBuffer", "RewardError", "RewardInterrupted",
@@ -76,6 +76,13 @@ def _scoring():
 def _row_name(i: int, data_source: Any, extra_info: Any) -> str:
     index = extra_info.get("index") if isinstance(extra_info, dict) else None
     return f"row {i} (data_source={data_source!r}" + (f", extra_info.index={index!r})" if index is not None else ")")
+
+
+def _function_name(fn: Callable) -> str:
+    """``compute_score (in /path/reward.py)`` for a custom function, else the function's name."""
+    path = getattr(fn, "path", None)
+    name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return f"{name} (in {path})" if path else str(name)
 
 
 def _valid_response_tokens(batch: Batch, response_mask: torch.Tensor) -> torch.Tensor:
@@ -283,7 +290,8 @@ class RewardManager:
             if res[0] == "error":
                 if self.on_error == "raise":
                     raise RewardError(
-                        f"reward function failed on {_row_name(i, data_source, extra_info)}: {res[1]}"
+                        f"reward function {_function_name(self.compute_score)} failed on "
+                        f"{_row_name(i, data_source, extra_info)}: {res[1]}"
                         f"{_where(res[2])}; reward.on_error=zero scores such rows 0 and counts them"
                     )
                 errors[i] = 1.0
@@ -352,7 +360,11 @@ class BatchRewardFn:
 
     def __call__(self, batch: Batch) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         with _scoring():
-            out = self.fn(batch)
+            try:
+                out = self.fn(batch)
+            except SystemExit as err:  # its exit code would pass for the trainer's own (3: non-finite losses)
+                raise RewardError(f"batch reward function {_function_name(self.fn)} failed on a batch of "
+                                  f"{len(batch)} rows: {exit_message(err)}") from err
         extra: dict[str, np.ndarray] = {}
         if isinstance(out, tuple):
             out, extra = out

@@ -12,7 +12,11 @@ Follows verl's DAPO trainer (`recipe/dapo/dapo_ray_trainer.py`, `RayDAPOTrainer.
   is cut to exactly `train_batch_size * n` responses (the surplus groups of the last round are
   discarded, as verl discards them);
 - `max_num_gen_batches` > 0 bounds the rounds of one step: when that many rounds kept too few groups
-  the run stops with an error (verl raises ValueError there); 0 means no bound.
+  the run stops with an error (verl raises ValueError there); 0 means no bound in verl. Here 0 still
+  ends: a step that has drawn a whole epoch of prompts and still holds too few groups stops the run
+  with `DynamicSamplingStalled` (exit code 1), since more rounds would only repeat the same prompts
+  (a reward that never varies within a group would otherwise loop forever in silence);
+- every round prints one line: the groups kept so far and the groups needed.
 
 The loader is the trainer's own, so its saved position after a step counts every batch the step
 drew, and a resumed run draws the same batches as an uninterrupted one.
@@ -21,7 +25,7 @@ drew, and a resumed run draws the same batches as an uninterrupted one.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -30,15 +34,22 @@ import torch
 from posttrain.batch import Batch
 from posttrain.errors import PosttrainError
 
-__all__ = ["DynamicSampling", "EpochsExhausted", "GenerationLimitError", "concat_rounds", "kept_group_rows",
-           "metric_values"]
+__all__ = ["DynamicSampling", "DynamicSamplingStalled", "EpochsExhausted", "GenerationLimitError", "concat_rounds",
+           "kept_group_rows", "metric_values"]
 
 # Batch keys whose columns start with the prompt (left-padded, so a wider prompt pads on the left).
 _PROMPT_KEYS = {"prompts": "pad", "input_ids": "pad", "attention_mask": 0, "position_ids": 0}
 
 
 class GenerationLimitError(PosttrainError, RuntimeError):
-    """`algorithm.filter_groups.max_num_gen_batches` rounds kept fewer than `data.train_batch_size` groups."""
+    """`algorithm.filter_groups.max_num_gen_batches` rounds kept fewer than `data.train_batch_size` groups
+    (exit code 1, a user error found while running)."""
+
+
+class DynamicSamplingStalled(GenerationLimitError):
+    """With `max_num_gen_batches=0` (no limit of rounds), one step drew a whole epoch of prompts and still
+    kept fewer than `data.train_batch_size` groups: more rounds would only repeat the same prompts, so
+    the run stops (exit code 1) instead of generating forever."""
 
 
 class EpochsExhausted(Exception):
@@ -107,8 +118,12 @@ class DynamicSampling:
         metric: `algorithm.filter_groups.metric`.
         train_batch_size: groups a training batch holds (`data.train_batch_size`).
         n: responses per group (`actor_rollout_ref.rollout.n`).
-        max_rounds: `algorithm.filter_groups.max_num_gen_batches` (0: no bound).
+        max_rounds: `algorithm.filter_groups.max_num_gen_batches` (0: no bound of rounds).
         pad_token_id: pads prompts when rounds of different prompt widths are joined.
+        epoch_prompts: prompts the train loader gives per epoch; with ``max_rounds=0`` a step that has
+            drawn this many without filling its batch stops (`DynamicSamplingStalled`). 0: no bound.
+        step: the training step, for the log lines and messages.
+        log: where the one line per round goes.
     """
 
     metric: str
@@ -116,6 +131,9 @@ class DynamicSampling:
     n: int
     max_rounds: int
     pad_token_id: int
+    epoch_prompts: int = 0
+    step: int = 0
+    log: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
     def collect(self, prompts: Batch, draw: Callable[[], Batch],
                 generate_and_score: Callable[[Batch, int], tuple[Batch, dict]]) -> tuple[Batch, dict, dict]:
@@ -126,7 +144,7 @@ class DynamicSampling:
         prompts from ``first_uid`` (uids stay unique across the rounds of a step); ``draw()`` gives
         the next prompt batch.
         """
-        kept, extras, sizes = [], [], []
+        kept, extras, sizes, seen = [], [], [], set()
         groups_kept = groups_dropped = rounds = drawn = 0
         while True:
             rounds += 1
@@ -134,19 +152,46 @@ class DynamicSampling:
             drawn += len(prompts)
             extras.append(extra)
             sizes.append(len(batch))
-            rows, k, d = kept_group_rows(batch.non_tensor_batch["uid"], metric_values(batch, extra, self.metric))
+            values = metric_values(batch, extra, self.metric)
+            if len(seen) < 8:  # a few of the values seen, for the message when nothing varies
+                seen.update(np.unique(values).tolist()[:8])
+            rows, k, d = kept_group_rows(batch.non_tensor_batch["uid"], values)
             groups_kept, groups_dropped = groups_kept + k, groups_dropped + d
             if len(rows):
                 kept.append(batch.index_select(rows))
-            if groups_kept >= self.train_batch_size:
+            full = groups_kept >= self.train_batch_size
+            self.log(self._round_line(rounds, groups_kept, groups_dropped, drawn, full))
+            if full:
                 break
             if self.max_rounds > 0 and rounds >= self.max_rounds:
                 raise GenerationLimitError(self._limit_message(rounds, groups_kept, drawn))
+            if self.max_rounds == 0 and 0 < self.epoch_prompts <= drawn:
+                raise DynamicSamplingStalled(self._stalled_message(rounds, groups_kept, drawn, seen))
             prompts = draw()
         training = concat_rounds(kept, self.pad_token_id).slice(0, self.train_batch_size * self.n)
         metrics = {"train/num_gen_batches": float(rounds), "train/num_groups_kept": float(groups_kept),
                    "train/num_groups_dropped": float(groups_dropped)}
         return training, _concat_extra(extras, sizes), metrics
+
+    def _round_line(self, rounds: int, groups_kept: int, groups_dropped: int, drawn: int, full: bool) -> str:
+        where = f"step {self.step} " if self.step else ""
+        then = "the batch is full" if full else "drawing more prompts"
+        return (f"dynamic sampling: {where}round {rounds}: {min(groups_kept, self.train_batch_size)}/"
+                f"{self.train_batch_size} groups kept so far ({drawn} prompts drawn, {groups_dropped} groups dropped "
+                f"with equal {self.metric}); {then}")
+
+    def _stalled_message(self, rounds: int, groups_kept: int, drawn: int, seen: set) -> str:
+        values = ", ".join(f"{v:g}" for v in sorted(seen, key=lambda v: (v != v, v))[:8])  # nan last
+        where = f"step {self.step}: " if self.step else ""
+        return (f"dynamic sampling: {where}{rounds} generation rounds drew {drawn} prompts, a whole epoch of the "
+                f"{self.epoch_prompts} training prompts, and kept only {groups_kept} groups whose {self.metric} "
+                f"differs, fewer than data.train_batch_size={self.train_batch_size}; the other groups' responses "
+                f"all scored the same ({self.metric} values seen: {values}), so more rounds would repeat the same "
+                "prompts forever (algorithm.filter_groups.max_num_gen_batches=0 sets no limit of rounds). Check that "
+                "the reward function can score responses differently, use prompts the model neither always nor never "
+                "solves, lower data.train_batch_size, raise actor_rollout_ref.rollout.n or "
+                "actor_rollout_ref.rollout.temperature, or set algorithm.filter_groups.max_num_gen_batches=K to allow "
+                "K rounds per step (more than an epoch of prompts)")
 
     def _limit_message(self, rounds: int, groups_kept: int, drawn: int) -> str:
         return (f"dynamic sampling: {rounds} generation rounds ({drawn} prompts) kept {groups_kept} groups whose "

@@ -92,6 +92,10 @@ def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
     from posttrain.trainer.setup import build_reward_fn, data_files
     from posttrain.trainer.validation import run_validation
 
+    if n is not None and n < 1:  # a negative n would be a Python slice: rows[:-3] drops three rows
+        from posttrain.config import ConfigError
+
+        raise ConfigError(f"n={n}: the number of prompts to evaluate must be >= 1 (or None for all)")
     _check_model_flags(model, tokenizer)
     with resolve_model(model) as path:
         config = _config(path, data, max_response_length, batch_size, list(overrides))
@@ -220,18 +224,22 @@ def format_result(res: dict[str, Any], show: int = 0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from posttrain.cli_args import non_negative_int, positive_int
+
     parser = argparse.ArgumentParser(
         prog="posttrain eval", description="Greedy accuracy of a model or checkpoint on a dataset, per data source.")
     parser.add_argument("--model", required=True,
                         help="HF folder, .gguf file, smollm2-135m-instruct, hub id, or a checkpoint (global_step_N)")
     parser.add_argument("--data", nargs="+", action="extend", metavar="FILE",
                         help="parquet/jsonl files in verl's schema (default: the built-in run's test split)")
-    parser.add_argument("--n", type=int, default=None, help="evaluate only the first N prompts")
-    parser.add_argument("--max-response-length", type=int, default=None,
+    parser.add_argument("--n", type=positive_int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-response-length", type=positive_int, default=None,
                         help="new tokens per response (default: data.max_response_length of the built-in config)")
-    parser.add_argument("--batch-size", type=int, default=None, help="prompts per generation batch (default: all)")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="prompts per generation batch (default: all)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
-    parser.add_argument("--show", type=int, default=0, metavar="K", help="also print the first K responses")
+    parser.add_argument("--show", type=non_negative_int, default=0, metavar="K",
+                        help="also print the first K responses")
     parser.add_argument("--json", action="store_true", help="print the result (with every response) as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (over the built-in config)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

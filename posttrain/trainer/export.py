@@ -31,8 +31,10 @@ from posttrain.checkpoint import (
     MODEL_FILE,
     CheckpointError,
     CheckpointManager,
+    CheckpointWriteError,
     verify_checkpoint,
 )
+from posttrain.disk import os_error_of, write_failure_message
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.checkpoint.role import DCP_DIR, read_full_weights
 
@@ -163,15 +165,16 @@ def _write_atomically(out: Path, write) -> None:
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
-    except OSError as err:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():
             os.replace(old, out)  # the previous export stays
-        raise CheckpointError(f"exporting to {out} failed: {err.strerror or err} ({err.filename or parent}); "
-                              "nothing was changed there") from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os_err = os_error_of(err)  # safetensors and torch wrap the system's error in their own
+        if os_err is None:
+            raise
+        raise CheckpointWriteError(write_failure_message(
+            os_err, parent, f"exporting to {out} failed", f"pass another --output (trainer.default_local_dir for the "
+            f"final export); nothing was changed in {out}"), os_err.filename or parent, os_err.errno) from err
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -24,9 +24,10 @@ from typing import Any
 from posttrain.config import PostTrainConfig, uses_critic
 from posttrain.errors import ConfigError
 from posttrain.checkpoint import CheckpointManager
+from posttrain.disk import folder_problem
 
-__all__ = ["check_data_files", "check_lora_config", "check_model_paths", "check_reward_model", "claim_checkpoint_folder",
-           "model_path_problem", "preflight"]
+__all__ = ["check_data_files", "check_lora_config", "check_model_paths", "check_reward_model", "check_run_dir",
+           "claim_checkpoint_folder", "model_path_problem", "preflight"]
 
 # owner/name (or a bare legacy name such as gpt2): what the hub accepts as a repository id.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -179,12 +180,29 @@ def check_data_files(config: PostTrainConfig) -> list[str]:
     return problems
 
 
+def check_run_dir(config: Any) -> list[str]:
+    """The run folder (metrics, plots: ``trainer.run_dir``, default outputs/<project>/<experiment>) must
+    be a folder or creatable as one; found here, not when the first metrics are written."""
+    from posttrain.trainer.setup import run_dir
+
+    path = run_dir(config)
+    blocked = folder_problem(path)
+    if not blocked:
+        return []
+    key = f"trainer.run_dir={config.trainer.run_dir}" if config.trainer.run_dir else (
+        f"the run folder {path} (trainer.run_dir unset: outputs/<trainer.project_name>/<trainer.experiment_name>)")
+    return [f"{key}: {blocked}; set trainer.run_dir to a folder (new or existing)"]
+
+
 def claim_checkpoint_folder(config: PostTrainConfig, manager: CheckpointManager) -> None:
     """Create ``trainer.default_local_dir``, prove it is writable, lock it for this run (one writer),
     and apply the folder rule (`resume.prepare_folder`). Raises `CheckpointError` / `ConfigError`."""
     from posttrain.trainer.resume import prepare_folder
 
     root = manager.root
+    blocked = folder_problem(root)
+    if blocked:
+        raise ConfigError(f"trainer.default_local_dir={root}: {blocked}; set it to a folder (new or existing)")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".tmp_probe_{uuid.uuid4().hex}"
@@ -229,7 +247,7 @@ def preflight(config: PostTrainConfig, actor_module: Any = None, critic_module: 
               tokenizer: Any = None) -> None:
     """Model paths and data files: one `ConfigError` listing every problem."""
     problems = (check_model_paths(config, actor_module, critic_module, tokenizer) + check_data_files(config)
-                + check_reward_model(config, tokenizer))
+                + check_reward_model(config, tokenizer) + check_run_dir(config))
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

@@ -163,6 +163,9 @@ def prepare_folder(trainer_config: Any, manager: CheckpointManager) -> None:
                           f"checkpoints ({listed}); starting over there would mix the two runs: {fixes}")
     if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
         source = Path(trainer.resume_from_path).expanduser().absolute()
+        given_root = _checkpoint_root_given(trainer.resume_from_path, source)
+        if given_root:
+            raise ResumeError(given_root)
         if source.parent.resolve() != root.resolve():
             raise ResumeError(f"trainer.resume_from_path={trainer.resume_from_path} is outside "
                               f"trainer.default_local_dir={root}, which holds another run's checkpoints ({listed}); "
@@ -208,15 +211,30 @@ def resolve_resume(trainer_config: Any) -> Path | None:
         raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)")
     path = Path(raw).expanduser().absolute()
     if not is_step_dir_name(path.name):
-        hint = ""
-        if path.is_dir():
-            latest = CheckpointManager(path).latest()
-            hint = f" (its latest is {latest})" if latest else ""
-        raise CheckpointError(f"trainer.resume_from_path={raw} must be a global_step_N folder{hint}")
+        raise CheckpointError(_checkpoint_root_given(raw, path)
+                              or f"trainer.resume_from_path={raw} must be a global_step_N folder")
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(f"trainer.resume_from_path={raw}: {problem}")
     return path
+
+
+def _checkpoint_root_given(raw: str, path: Path) -> str | None:
+    """The error for a ``trainer.resume_from_path`` that is a checkpoint root (the folder holding the
+    global_step_N folders) rather than one checkpoint, naming the one to use; None for any other path."""
+    if is_step_dir_name(path.name) or not path.is_dir():
+        return None
+    manager = CheckpointManager(path)
+    steps = manager.step_dirs()
+    if not steps:
+        return None
+    latest = manager.latest()
+    held = ", ".join(p.name for p in steps[-3:]) + (" ..." if len(steps) > 3 else "")
+    use = (f"set trainer.resume_from_path={latest} (its latest complete checkpoint)" if latest is not None else
+           f"none of them is complete ({checkpoint_problem(steps[-1])}), so there is nothing to resume there;")
+    return (f"trainer.resume_from_path={raw} is the checkpoint root (the folder holding {held}), not one "
+            f"checkpoint: {use} or resume the latest with trainer.resume_mode=auto "
+            f"trainer.default_local_dir={path}")
 
 
 # ---------------------------------------------------------------------- save / restore

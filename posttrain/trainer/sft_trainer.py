@@ -156,6 +156,7 @@ class SFTTrainer:
                     problems.append(f"{key}: {path} {'is a folder' if path.is_dir() else 'does not exist'}")
                 elif not str(path).endswith(SUPPORTED_SUFFIXES):
                     problems.append(f"{key}: {path} is not a {'/'.join(SUPPORTED_SUFFIXES)} file")
+        problems += preflight.check_run_dir(self.config)  # the same keys as an RL run (trainer.run_dir)
         if problems:
             raise ConfigError("; ".join(problems))
 

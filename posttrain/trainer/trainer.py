@@ -213,9 +213,11 @@ class RLTrainer:
         if not fg.enable:
             batch, extra = self._generate_and_score(prompts, timer)
         else:
+            loader = self.data.train_loader
             sampling = DynamicSampling(fg.metric, self.config.data.train_batch_size,
                                        self.config.actor_rollout_ref.rollout.n, fg.max_num_gen_batches,
-                                       self.data.train.pad_token_id)
+                                       self.data.train.pad_token_id, step=self.global_step,
+                                       epoch_prompts=len(loader) * loader.sampler.batch_size)
             batch, extra, counts = sampling.collect(prompts, self._draw_prompts,
                                                     lambda p, first_uid: self._generate_and_score(p, timer, first_uid))
             metrics.update(counts)

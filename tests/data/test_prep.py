@@ -84,3 +84,45 @@ def test_arithmetic_prep(tmp_path):
     assert (len(train), len(test)) == (40, 8)
     assert {r["data_source"] for r in train} == {"posttrain/arithmetic"}
     assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+
+
+# ---------------------------------------------------------------------- issue 24: outputs that cannot be written
+def test_output_of_the_wrong_kind_is_one_error_before_any_work(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for dataset in ("arithmetic", "arithmetic-sft"):
+        assert main([dataset, "--output", str(a_file), "--n-train", "4", "--n-test", "2"]) == 2
+        err = capsys.readouterr().err
+        assert (f"posttrain prep {dataset}: error: --output {a_file}: {a_file} is a file, so it cannot hold files; "
+                f"prep {dataset} writes train.parquet and test.parquet into a folder") in err, err
+    assert main(["arithmetic", "--output", str(a_file / "sub")]) == 2
+    assert f"{a_file} (a folder above {a_file / 'sub'}) is a file" in capsys.readouterr().err
+    # pairs writes one file: a folder there is refused before the model loads
+    argv = ["pairs", "--input", "x.parquet", "--model", "no_model", "--output", str(tmp_path)]
+    assert main(argv) == 2
+    assert f"--output {tmp_path} is a folder; prep pairs writes one file" in capsys.readouterr().err
+    assert a_file.read_text() == "x"  # nothing was written over it
+
+
+def test_a_full_disk_while_writing_rows_names_the_file_and_leaves_none(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import pyarrow.parquet as pq
+
+    from posttrain.cli import main as cli_main
+
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    real = pq.write_table
+
+    def full_disk(table, where, *args, **kwargs):
+        real(table, where, *args, **kwargs)  # a partial file exists when the disk fills up
+        raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", full_disk)
+    out = tmp_path / "out"
+    assert cli_main(["prep", "arithmetic", "--output", str(out), "--n-train", "5", "--n-test", "3"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"error: writing 5 rows failed: cannot write {out / 'train.parquet'}: Error writing bytes to file. "
+                    "Detail: [errno 28] No space left on device (ENOSPC: the disk is full); free space there, or choose "
+                    "an output folder on another disk"), last
+    assert list(out.iterdir()) == []  # no half-written file that looks complete

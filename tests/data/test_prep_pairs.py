@@ -47,21 +47,34 @@ def task(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flag, value, match", [
-    ("--n", "1", "--n 1: a pair needs at least 2 samples per prompt"),
-    ("--temperature", "0", "--temperature 0.0: must be > 0"),
-    ("--max-new-tokens", "0", "--max-new-tokens 0: must be >= 1"),
-    ("--batch-size", "0", "--batch-size 0: must be >= 1"),
-    ("--pairs-per-prompt", "0", "--pairs-per-prompt 0: must be >= 1"),
-    ("--limit", "0", "--limit 0: must be >= 1"),
-    ("--top-p", "1.5", r"--top-p 1.5: must be in \(0, 1\]"),
+    # numeric flags: argparse's error from posttrain.cli_args (exit 2 before anything loads)
+    ("--n", "1", "argument --n: 1 is not valid: must be a whole number >= 2"),
+    ("--temperature", "0", "argument --temperature: 0 is not valid: must be a finite number > 0"),
+    ("--max-new-tokens", "0", "argument --max-new-tokens: 0 is not valid: must be a whole number >= 1"),
+    ("--batch-size", "0", "argument --batch-size: 0 is not valid: must be a whole number >= 1"),
+    ("--pairs-per-prompt", "0", "argument --pairs-per-prompt: 0 is not valid: must be a whole number >= 1"),
+    ("--limit", "0", "argument --limit: 0 is not valid: must be a whole number >= 1"),
+    ("--top-p", "1.5", r"argument --top-p: 1.5 is not valid: must be a number in \(0, 1\]"),
     ("--output", "pairs.csv", "--output pairs.csv: give a .parquet or .jsonl file name"),
 ])
 def test_bad_arguments_are_one_clear_error(task, capsys, flag, value, match):
     argv = ["pairs", "--input", task["data"], "--model", task["model"], "--output", "out.parquet", flag, value]
-    assert prep.main(argv) == 2
+    try:
+        code = prep.main(argv)
+    except SystemExit as stop:  # argparse's own error
+        code = stop.code
+    assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("posttrain prep pairs: error: ")
+    assert err.splitlines()[-1].startswith("posttrain prep pairs: error: ")
     assert re.search(match, err), err
+
+
+def test_the_python_api_checks_the_same_values(task):
+    from posttrain.config import ConfigError
+    from posttrain.data.pairs import sample_pairs
+
+    with pytest.raises(ConfigError, match="--n 1: a pair needs at least 2 samples per prompt"):
+        sample_pairs(task["model"], task["data"], n=1)
 
 
 def test_unknown_data_source_fails_before_generating(task, tmp_path):

@@ -3,6 +3,7 @@
 scores are errors naming the row; pool workers never outlive the process that started them."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,17 @@ def deaf(data_source, solution_str, ground_truth, extra_info=None):
 
 def nan(data_source, solution_str, ground_truth, extra_info=None):
     return float("nan") if ground_truth == "4" else 1.0
+
+def quits(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth == "4":
+        import sys
+        sys.exit(3)
+    return 1.0
+
+def ctrl_c(data_source, solution_str, ground_truth, extra_info=None):
+    if ground_truth == "4":
+        raise KeyboardInterrupt
+    return 1.0
 """
 
 
@@ -79,6 +91,47 @@ def test_nan_and_inf_rewards_name_the_row(tmp_path, tok):
     with pytest.raises(RewardError, match=r"non-finite reward on 1 of 3 rows: row 1 \(data_source='s1', "
                                           r"extra_info.index=1\) = inf"):
         batch_fn(b)
+
+
+def test_a_reward_that_calls_sys_exit_is_a_reward_error_naming_the_row(tmp_path, tok):
+    path = write_fn(tmp_path, HANG)
+    fn = load_custom_reward_fn(path, "quits")
+    b = make_batch(tok, ["a", "b", "c"], ["1", "4", "2"], sources=["s0", "s1", "s2"])
+    expected = (rf"reward function quits \(in {re.escape(path)}\) failed on row 1 \(data_source='s1', "
+                r"extra_info.index=1\): it called sys.exit\(3\); a reward function must return a score")
+    for workers in (0, 2):  # in this process and in the scoring pool
+        manager = RewardManager(tok, compute_score=fn, num_workers=workers)
+        with pytest.raises(RewardError, match=expected):
+            manager(b)
+        manager.close()
+    scores, extra = RewardManager(tok, compute_score=fn, on_error="zero")(b)
+    assert scores.sum(1).tolist() == [1.0, 0.0, 1.0] and extra["reward/errors"].tolist() == [0.0, 1.0, 0.0]
+    with pytest.raises(RewardError, match=r"batch reward function leave failed on a batch of 3 rows: it called "
+                                          r"sys.exit\(3\)"):
+        def leave(batch):
+            sys.exit(3)
+        BatchRewardFn(leave)(b)
+    # Ctrl-C inside a scorer still stops at once (it is not a reward error)
+    with pytest.raises(KeyboardInterrupt):
+        RewardManager(tok, compute_score=load_custom_reward_fn(path, "ctrl_c"), on_error="zero")(b)
+
+
+def test_a_run_whose_reward_calls_sys_exit_ends_with_the_reward_error_code(tmp_path, capsys, monkeypatch):
+    # before: the run ended silently with exit code 3, the code of non-finite losses
+    from helpers.tiny_run import tiny_overrides
+    from posttrain.cli import main
+
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    reward = tmp_path / "exits.py"
+    reward.write_text("import sys\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    sys.exit(3)\n")
+    rc = main(["train", *tiny_overrides(tmp_path, [f"custom_reward_function.path={reward}",
+                                                  "trainer.total_training_steps=1"])])
+    err = capsys.readouterr().err
+    assert rc == RewardError.exit_code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert re.match(rf"error: step 1: reward function compute_score \(in {re.escape(str(reward))}\) failed on row 0 "
+                    r"\(data_source='posttrain/arithmetic', extra_info.index=\d+\): it called sys.exit\(3\)", last), err
 
 
 CHILD = """

@@ -342,8 +342,12 @@ def test_resolve_resume_modes(tmp_path):
     assert resolve_resume(SimpleNamespace(trainer=trainer("auto"))) == tmp_path / "global_step_2"
     assert resolve_resume(trainer("disable")) is None
     assert resolve_resume(trainer("resume_path", str(tmp_path / "global_step_1"))) == tmp_path / "global_step_1"
-    with pytest.raises(CheckpointError, match=r"must be a global_step_N folder \(its latest is .*global_step_2\)"):
+    with pytest.raises(CheckpointError, match=r"is the checkpoint root \(the folder holding global_step_1, "
+                                              r"global_step_2\), not one checkpoint: set trainer.resume_from_path="
+                                              r".*global_step_2 \(its latest complete checkpoint\)"):
         resolve_resume(trainer("resume_path", str(tmp_path)))
+    with pytest.raises(CheckpointError, match=r"=.*global_step_1/actor must be a global_step_N folder$"):
+        resolve_resume(trainer("resume_path", str(tmp_path / "global_step_1" / "actor")))
     with pytest.raises(CheckpointError, match="global_step_9 does not exist"):
         resolve_resume(trainer("resume_path", str(tmp_path / "global_step_9")))
     with pytest.raises(CheckpointError, match="needs trainer.resume_from_path"):

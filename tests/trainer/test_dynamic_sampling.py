@@ -21,8 +21,8 @@ from helpers.tiny_run import tiny_overrides
 from posttrain.batch import Batch
 from posttrain.config import ConfigError, find_problems, load_config
 from posttrain.errors import PosttrainError
-from posttrain.trainer.dynamic_sampling import (DynamicSampling, GenerationLimitError, concat_rounds, kept_group_rows,
-                                                metric_values)
+from posttrain.trainer.dynamic_sampling import (DynamicSampling, DynamicSamplingStalled, GenerationLimitError,
+                                                concat_rounds, kept_group_rows, metric_values)
 from posttrain.trainer.trainer import RLTrainer
 
 
@@ -151,6 +151,42 @@ def test_limit_of_generation_rounds_stops_with_verls_error():
     draw, drawn = _draws(_prompts([3, 4]), _prompts([5, 6]))
     batch, _, metrics = DynamicSampling("acc", 2, N, 3, 0).collect(_prompts([1, 2]), draw, gen)
     assert batch["prompts"][:, -1].tolist() == [1, 1, 5, 5] and metrics["train/num_gen_batches"] == 3.0
+
+
+def test_no_limit_of_rounds_still_ends_after_an_epoch_and_logs_every_round():
+    # max_num_gen_batches=0 (verl's "no limit") and a reward that never varies: every group is dropped.
+    # An epoch holds 6 prompts (3 batches of 2); after 3 rounds the step stops with one clear error.
+    table = {k: ONES for k in range(1, 9)}
+    lines = []
+    draw, drawn = _draws(_prompts([3, 4]), _prompts([5, 6]), _prompts([7, 8]))
+    ds = DynamicSampling("acc", train_batch_size=2, n=N, max_rounds=0, pad_token_id=0, epoch_prompts=6, step=7,
+                         log=lines.append)
+    with pytest.raises(DynamicSamplingStalled) as err:
+        ds.collect(_prompts([1, 2]), draw, FakeRounds(table))
+    assert len(drawn) == 2  # rounds 2 and 3 drew; the fourth batch was never drawn
+    message = str(err.value)
+    for needle in ("step 7: 3 generation rounds drew 6 prompts, a whole epoch of the 6 training prompts",
+                   "kept only 0 groups", "data.train_batch_size=2", "acc values seen: 1)",
+                   "algorithm.filter_groups.max_num_gen_batches=K"):
+        assert needle in message, message
+    assert isinstance(err.value, GenerationLimitError) and err.value.exit_code == 1
+    assert lines == [f"dynamic sampling: step 7 round {r}: 0/2 groups kept so far ({2 * r} prompts drawn, {r * 2} "
+                     "groups dropped with equal acc); drawing more prompts" for r in (1, 2, 3)]
+    # negative control: one varying group per round fills the batch in round 2, before the epoch ends
+    lines.clear()
+    draw, drawn = _draws(_prompts([3, 4]))
+    ds.collect(_prompts([1, 2]), draw, FakeRounds({**table, 1: MIXED, 3: MIXED}))
+    assert lines[-1].endswith("round 2: 2/2 groups kept so far (4 prompts drawn, 2 groups dropped with equal acc); "
+                              "the batch is full") and len(lines) == 2
+
+
+def test_a_positive_limit_of_rounds_keeps_verls_meaning_beyond_an_epoch():
+    # max_num_gen_batches=3 allows 3 rounds even when that is more than an epoch (2 prompts here)
+    gen = FakeRounds({1: ONES, 2: ONES, 3: ZEROS, 4: ZEROS, 5: MIXED, 6: MIXED})
+    draw, drawn = _draws(_prompts([3, 4]), _prompts([5, 6]))
+    ds = DynamicSampling("acc", 2, N, max_rounds=3, pad_token_id=0, epoch_prompts=2, log=lambda line: None)
+    batch, _, metrics = ds.collect(_prompts([1, 2]), draw, gen)
+    assert batch["prompts"][:, -1].tolist() == [5, 5, 6, 6] and metrics["train/num_gen_batches"] == 3.0
 
 
 def test_groups_of_one_are_all_kept():
@@ -347,6 +383,33 @@ def test_run_ends_when_the_epochs_are_used_up(tmp_path, capsys):
     # the loader stands where the last finished step left it (the unfinished step's draws are undone)
     state = trainer.data.train_loader.state_dict()
     assert state["epoch"] * 4 + state["position"] == sum(r["train/num_gen_batches"] for r in history)
+
+
+CONSTANT_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+"""
+
+
+def test_a_reward_that_never_varies_stops_the_run_instead_of_looping(tmp_path, capsys, monkeypatch):
+    # verl's default max_num_gen_batches=0 and a step count set: without the epoch bound this never ends
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    from posttrain.cli import main
+
+    reward = tmp_path / "constant.py"
+    reward.write_text(CONSTANT_REWARD)
+    overrides = tiny_overrides(tmp_path, [*DAPO, f"custom_reward_function.path={reward}",
+                                          "algorithm.filter_groups.max_num_gen_batches=0",
+                                          "reward_model.overlong_buffer.enable=False",
+                                          "trainer.total_training_steps=100"], n_train=12)
+    rc = main(["train", *overrides])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.err
+    rounds = [line for line in captured.out.splitlines() if line.startswith("dynamic sampling: step 1 round")]
+    assert len(rounds) == 4  # 12 prompts in batches of 3: one epoch, then the error
+    assert rounds[-1].startswith("dynamic sampling: step 1 round 4: 0/4 groups kept so far (12 prompts drawn")
+    assert captured.err.strip().splitlines()[-1].startswith("error: dynamic sampling: step 1: 4 generation rounds "
+                                                            "drew 12 prompts, a whole epoch of the 12 training prompts")
 
 
 # ---------------------------------------------------------------------- posttrain plan

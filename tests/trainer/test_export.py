@@ -112,7 +112,8 @@ def test_an_interrupted_export_leaves_the_previous_one_or_nothing(saved, tmp_pat
         raise OSError(errno.ENOSPC, "No space left on device", str(folder))
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
-    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed: No space left on device"):
+    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed: cannot write .*: No space left on device "
+                                              r"\(ENOSPC: the disk is full\); free space there, or pass another --output"):
         export_actor(root, out)
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_export")]
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
@@ -122,3 +123,22 @@ def test_an_interrupted_export_leaves_the_previous_one_or_nothing(saved, tmp_pat
     with pytest.raises(CheckpointError):
         export_actor(root, out)
     assert (out / "model.safetensors").read_bytes() == first  # the previous export is intact
+
+
+
+def test_a_full_disk_inside_safetensors_is_the_same_clear_error(saved, tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error type, the errno only in its text: found all the same."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from posttrain.checkpoint import CheckpointWriteError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    root, _, _ = saved
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    with pytest.raises(CheckpointWriteError, match=rf"exporting to {tmp_path / 'hf'} failed: cannot write {tmp_path}: "
+                                                   r"No space left on device \(ENOSPC: the disk is full\)"):
+        export_actor(root, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_export")]

@@ -3,6 +3,7 @@ nothing is ever lost: one writer per checkpoint folder, a predictable rule for a
 another run's checkpoints, content-checked manifests, changed settings named on resume."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def test_unwritable_checkpoint_folder_is_found_at_start_up(tmp_path, no_models):
 
 def test_checkpoint_folder_that_is_a_file_is_found_at_start_up(tmp_path, no_models):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="trainer.default_local_dir=.*cannot create or write the checkpoint folder"):
+    with pytest.raises(ConfigError, match=r"trainer.default_local_dir=.*/file/ckpt: .*/file \(a folder above .*/file/ckpt\) "
+                                          r"is a file, so it cannot hold files; set it to a folder"):
         RLTrainer(_config(tmp_path, [f"trainer.default_local_dir={tmp_path / 'file' / 'ckpt'}"]))
 
 
@@ -207,3 +209,138 @@ def test_a_model_folder_without_a_tokenizer_is_one_clear_error(tmp_path, no_mode
     (folder / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match=rf"actor_rollout_ref.model.path={folder}: cannot load its tokenizer"):
         RLTrainer(_config(tmp_path, [f"actor_rollout_ref.model.path={folder}"]))
+
+
+def test_resume_path_equal_to_the_checkpoint_root_names_the_latest_step(tmp_path, no_models):
+    # before: refused as "outside trainer.default_local_dir", which it is not
+    root = tmp_path / "ckpt"
+    _fake_checkpoint(root, 2)
+    _fake_checkpoint(root, 4)
+    _fake_checkpoint(root, 6, complete=False)  # the newest is unfinished: the latest complete one is named
+    for given in (root, tmp_path / "." / "ckpt"):
+        with pytest.raises(ConfigError) as err:
+            RLTrainer(_config(tmp_path, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={given}"]))
+        message = str(err.value)
+        assert "is the checkpoint root (the folder holding global_step_2, global_step_4, global_step_6)" in message
+        assert f"set trainer.resume_from_path={root / 'global_step_4'} (its latest complete checkpoint)" in message
+        assert "trainer.resume_mode=auto" in message and "outside" not in message
+    # negative control: the step folder itself is accepted (the run starts building its models)
+    with pytest.raises(AssertionError, match="the models were loaded"):
+        RLTrainer(_config(tmp_path, ["trainer.resume_mode=resume_path",
+                                     f"trainer.resume_from_path={root / 'global_step_4'}"]))
+
+
+# ---------------------------------------------------------------------- issue 24: writes that fail, folders of the wrong kind
+ENOSPC_TEXT = r"No space left on device \(ENOSPC: the disk is full\); free space there"
+
+
+def _full_disk_safetensors(*args, **kwargs):
+    """safetensors' own error type and text on a full disk (what its Rust writer reports)."""
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _full_disk_torch_save(obj, f, *args, **kwargs):
+    """torch.save's behaviour on a full disk: the file's OSError turns into a RuntimeError without errno."""
+    import errno
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+def _quota_json(path, data):
+    import errno
+
+    raise OSError(errno.EDQUOT, "Disk quota exceeded", str(path))
+
+
+@pytest.mark.parametrize("target,replacement,meaning", [
+    ("safetensors.torch.save_file", _full_disk_safetensors, ENOSPC_TEXT),
+    ("torch.save", _full_disk_torch_save, ENOSPC_TEXT),
+    ("posttrain.checkpoint.layout._write_bytes", _quota_json, r"Disk quota exceeded \(EDQUOT: your disk quota is used up\)"),
+])
+def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_previous_one(tmp_path, monkeypatch, target, replacement,
+                                                                             meaning):
+    from posttrain.checkpoint import CheckpointWriteError
+    from posttrain.disk import DiskWriteError
+
+    root = tmp_path / "ckpt"
+    first = _fake_checkpoint(root, 1)
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, replacement)
+    with pytest.raises(CheckpointWriteError) as err:
+        _fake_checkpoint(root, 2)
+    message = str(err.value)
+    assert re.search(rf"^saving the checkpoint of step 2 failed: cannot write {re.escape(str(root))}\S*: {meaning}", message), message
+    assert f"or set trainer.default_local_dir to a folder on another disk; the previous checkpoint in {root} is intact" in message
+    assert isinstance(err.value, DiskWriteError) and err.value.exit_code == 1
+    monkeypatch.undo()
+    assert CheckpointManager(root).latest() == first and verify_checkpoint(first)  # untouched, still loads
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".lock")) == [
+        "global_step_1", "latest_checkpointed_iteration.txt"]  # no half-written folder left behind
+
+
+def test_a_full_disk_during_a_run_is_one_error_line(tmp_path, capsys, monkeypatch):
+    from posttrain.cli import main
+
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    overrides = tiny_overrides(tmp_path, ["trainer.save_freq=1", "trainer.total_training_steps=1"])
+    monkeypatch.setattr("safetensors.torch.save_file", _full_disk_safetensors)
+    rc = main(["train", *overrides])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.match(rf"error: saving the actor checkpoint on rank 0 failed: cannot write {re.escape(str(tmp_path))}/ckpt/"
+                    rf"\.tmp_global_step_1_\d+/actor/model\.safetensors: {ENOSPC_TEXT}, or set trainer.default_local_dir", last), last
+
+
+def test_run_dir_and_checkpoint_dir_that_are_files_are_found_at_start_up(tmp_path, no_models):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=rf"trainer.run_dir={a_file}: {a_file} is a file, so it cannot hold files; "
+                                          r"set trainer.run_dir to a folder"):
+        RLTrainer(_config(tmp_path, [f"trainer.run_dir={a_file}"]))
+    with pytest.raises(ConfigError, match=rf"trainer.run_dir={a_file}/run: {a_file} \(a folder above {a_file}/run\) "
+                                          "is a file"):
+        RLTrainer(_config(tmp_path, [f"trainer.run_dir={a_file / 'run'}"]))
+    with pytest.raises(ConfigError, match=rf"trainer.default_local_dir={a_file}: {a_file} is a file, so it cannot hold "
+                                          r"files; set it to a folder"):
+        RLTrainer(_config(tmp_path, [f"trainer.default_local_dir={a_file}"]))
+
+
+def test_resuming_onto_a_model_of_another_shape_names_the_parameter_and_both_shapes(tmp_path):
+    from helpers.tiny_models import tiny_llama
+    from helpers.tokenizer import build_tiny_tokenizer
+    from posttrain.cli import main
+
+    RLTrainer(_config(tmp_path, ["trainer.save_freq=1", "trainer.total_training_steps=1"])).fit()
+    tok = build_tiny_tokenizer()
+    narrow = tmp_path / "narrow_model"
+    tiny_llama(tok, hidden_size=32, intermediate_size=64).save_pretrained(narrow)
+    tok.save_pretrained(narrow)
+    other = [f"actor_rollout_ref.model.path={narrow}", f"critic.model.path={narrow}", "trainer.total_training_steps=2"]
+    with pytest.raises(ConfigError) as err:
+        RLTrainer(_config(tmp_path, other)).fit()
+    message = str(err.value)
+    saved = tmp_path / "ckpt" / "global_step_1" / "actor" / "model.safetensors"
+    assert message.startswith(f"{saved}: saved from a model of another shape: parameter "), message
+    assert re.search(rf"parameter model\.embed_tokens\.weight has shape \[{len(tok)}, 64\] in the checkpoint but "
+                     rf"\[{len(tok)}, 32\] in this model \(\d+ more parameters differ\)", message), message
+    assert "trainer.start_over=True" in message
+
+
+def test_sharded_weights_of_another_shape_are_refused_before_reading(tmp_path):
+    from helpers.tiny_models import tiny_llama
+    from helpers.tokenizer import build_tiny_tokenizer
+    from posttrain.checkpoint.dcp import load_sharded, save_sharded
+
+    tok = build_tiny_tokenizer()
+    save_sharded(tmp_path / "dcp", tiny_llama(tok, num_hidden_layers=3))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'dcp'}: saved from a model of another shape: the checkpoint "
+                                              r"holds 9 parameters this model lacks \(e.g. \['model.layers.2"):
+        load_sharded(tmp_path / "dcp", tiny_llama(tok))
+    wide = tiny_llama(tok, num_hidden_layers=3)
+    load_sharded(tmp_path / "dcp", wide)  # negative control: the same shape loads

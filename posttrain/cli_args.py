@@ -1,0 +1,116 @@
+"""Argument types for every numeric command-line flag (``type=`` of argparse).
+
+A count or size is checked where it is read, so ``--n -3`` is refused with argparse's one-line error
+(``argument --n: -3 is not valid: must be a whole number >= 1``, exit code 2) instead of reaching a
+Python slice (``rows[:-3]`` drops three rows without a word). Every numeric flag of every
+sub-command uses one of these types; ``tests/test_cli_args.py`` walks the parsers to keep it so.
+
+This module imports nothing from posttrain, so any command's parser may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+__all__ = ["NUMERIC_TYPES", "bytes_from_text", "finite_float", "int_at_least", "memory_size", "non_negative_int",
+           "positive_float", "positive_int", "probability"]
+
+
+def _refuse(text: str, valid: str) -> argparse.ArgumentTypeError:
+    # argparse prefixes the flag: "argument --n: -3 is not valid: must be a whole number >= 1"
+    return argparse.ArgumentTypeError(f"{text} is not valid: must be {valid}")
+
+
+def _whole_number(text: str, valid: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise _refuse(repr(text), valid) from None
+
+
+def _number(text: str, valid: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _refuse(repr(text), valid) from None
+    if not math.isfinite(value):
+        raise _refuse(text, valid)
+    return value
+
+
+NUMERIC_TYPES: set[Callable[[str], object]] = set()
+"""Every type made here (what the parser walk in the tests accepts for a numeric flag)."""
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """The type of a whole-number flag whose smallest valid value is ``minimum``."""
+    valid = f"a whole number >= {minimum}"
+
+    def parse(text: str) -> int:
+        value = _whole_number(text, valid)
+        if value < minimum:
+            raise _refuse(text, valid)
+        return value
+
+    parse.__name__ = f"int_at_least_{minimum}"
+    NUMERIC_TYPES.add(parse)
+    return parse
+
+
+positive_int = int_at_least(1)
+"""A count or size: 1, 2, ..."""
+positive_int.__name__ = "positive_int"
+
+non_negative_int = int_at_least(0)
+"""A seed or a count where 0 means none: 0, 1, ..."""
+non_negative_int.__name__ = "non_negative_int"
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a temperature, a parameter count)."""
+    value = _number(text, "a finite number > 0")
+    if value <= 0:
+        raise _refuse(text, "a finite number > 0")
+    return value
+
+
+def probability(text: str) -> float:
+    """A share in (0, 1] (top-p)."""
+    value = _number(text, "a number in (0, 1]")
+    if not 0 < value <= 1:
+        raise _refuse(text, "a number in (0, 1]")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """Any finite number (a score threshold may be negative); nan and inf are refused."""
+    return _number(text, "a finite number")
+
+
+def memory_size(text: str) -> float:
+    """A memory size > 0 in bytes: '80GiB', '141GB', '512MiB', or a plain number of GiB ('24')."""
+    valid = "a memory size > 0 such as 80GiB, 141GB or 24 (GiB)"
+    try:
+        value = bytes_from_text(text)
+    except ValueError:
+        raise _refuse(repr(text), valid) from None
+    if not math.isfinite(value) or value <= 0:
+        raise _refuse(text, valid)
+    return value
+
+
+def bytes_from_text(text: str) -> float:
+    """'80GiB' -> 80 x 2**30, '141GB' -> 141e9, '80' -> 80 GiB (any sign; `memory_size` checks it)."""
+    units = {"tib": 1024**4, "tb": 1e12, "gib": _GIB, "gb": 1e9, "g": _GIB, "mib": 1024**2, "mb": 1e6}
+    t = text.strip().lower().replace(" ", "")
+    unit = next((u for u in units if t.endswith(u)), "")
+    try:
+        return float(t[: len(t) - len(unit)]) * (units[unit] if unit else _GIB)
+    except ValueError:
+        raise ValueError(f"cannot read a memory size from {text!r}; write e.g. 80GiB, 141GB or 24") from None
+
+
+_GIB = 1024**3
+NUMERIC_TYPES.update((positive_float, probability, finite_float, memory_size))
