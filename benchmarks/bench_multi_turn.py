@@ -45,10 +45,15 @@ def build_config(args):
                  "trainer.save_freq=-1", "trainer.total_training_steps=1",
                  f"actor_rollout_ref.rollout.multi_turn.interaction_config_path="
                  f"{ROOT / 'examples/interaction_config/arithmetic_interaction_config.yaml'}"]
-    for key, value in (("data.train_batch_size", args.prompts), ("actor_rollout_ref.rollout.n", args.n),
+    for key, value in (("data.train_batch_size", args.prompts), ("actor_rollout_ref.actor.ppo_mini_batch_size", args.prompts),
+                       ("actor_rollout_ref.rollout.n", args.n),
                        ("data.max_response_length", args.response_length)):
         if value is not None:
             overrides.append(f"{key}={value}")
+    if args.tiny:
+        overrides += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]
     return load_config(RETRY_YAML, overrides=overrides)
 
 
