@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import re
 import statistics
 import time
@@ -95,7 +96,12 @@ def prepare_hf_model(model_dir: str | None = None, dst: str = DEFAULT_HF_DIR) ->
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-    os.replace(tmp, dst)
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # another benchmark wrote the same folder meanwhile: keep its copy
+        if not os.path.exists(os.path.join(dst, "config.json")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return dst
 
 
