@@ -35,6 +35,7 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
                               validate_config, worker_config)
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
+from posttrain.resident import PhasePeaks
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        place_on_last_token, scoring_in_progress)
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
@@ -116,6 +117,7 @@ class RLTrainer:
         """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
         self._phase = "start-up"
         self._nonfinite_streak = 0
+        self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.resident)
 
     # ------------------------------------------------------------------ reward function (Python API)
     @property
@@ -160,7 +162,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
-        cfg, w, timer, metrics = self.config, self.workers, StageTimer(), {}
+        cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory), {}
         correction = cfg.algorithm.rollout_correction
         with timer("step"):
             batch = self._rollout(prompts, timer, metrics)
@@ -199,7 +201,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     metrics.update(w.update_actor(batch))
         metrics.update(compute_data_metrics(batch, self.use_critic))
-        metrics.update(timer.metrics())
+        metrics.update(timer.metrics() | w.memory_metrics())  # seconds and peak resident memory per phase
         metrics.update(throughput(batch, timer.seconds["step"], self.sizes.world_size))
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.data.train_loader.epoch})
         self.last_batch = batch

@@ -18,6 +18,7 @@ across the data-parallel ranks and gathering the results back in order.
     compute_sequence_logps(batch) -> [N, 2]                 per row: summed log-prob of trained tokens, count
     compute_ref_sequence_logps(batch) -> [N, 2]             the same under the reference (DPO)
     update_dpo(batch, beta, loss_type, label_smoothing)     DPO: one step on chosen/rejected row pairs
+    memory_metrics() -> metrics                             ranks' peak resident memory per phase ({} in one process)
     save_checkpoint(folder) -> role names                   each role writes folder/<role>/
     load_checkpoint(folder)                                 each role reads folder/<role>/
     shutdown()
@@ -63,6 +64,8 @@ class WorkerGroup(Protocol):
     def save_checkpoint(self, folder: Path) -> list[str]: ...
 
     def load_checkpoint(self, folder: Path) -> None: ...
+
+    def memory_metrics(self) -> dict[str, float]: ...
 
     def shutdown(self) -> None: ...
 
@@ -122,6 +125,10 @@ class LocalWorkerGroup:
     def load_checkpoint(self, folder: Path) -> None:
         for name, worker in self.roles.trained().items():
             worker.load_checkpoint(Path(folder) / name)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Nothing beyond the trainer's own ``memory/*``: the roles run in its process."""
+        return {}
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
