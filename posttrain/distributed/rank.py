@@ -58,7 +58,7 @@ class RankWorker:
     ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
 
     def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
-        from posttrain.allocator import keep_freed_memory
+        from posttrain.allocator import keep_freed_memory, release_freed_memory
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
         from posttrain.workers.build import build_roles
 
@@ -74,6 +74,7 @@ class RankWorker:
         mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
         self.roles = build_roles(config, RankPlacement(mesh, self.device, self.rank, world), seed, tokenizer=tokenizer)
         self.actor, self.ref, self.critic, self.rm = self.roles.actor, self.roles.ref, self.roles.critic, self.roles.rm
+        release_freed_memory()  # loading's transient copies back to the kernel (posttrain.allocator)
         self.memory = PhasePeaks()  # this rank's own resident memory, per phase (memory_metrics)
 
     # ------------------------------------------------------------------ the group's calls

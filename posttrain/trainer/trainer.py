@@ -30,6 +30,7 @@ import torch
 
 from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
                                   kl_penalty, masked_mean)
+from posttrain.allocator import release_freed_memory
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
@@ -105,6 +106,7 @@ class RLTrainer:
         preflight.check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
         self.workers = setup.build_workers(config, wcfg, self.device, config.trainer.seed, actor_module, critic_module,
                                            tokenizer)
+        release_freed_memory()  # loading's transient copies (the dequantised GGUF) back to the kernel
         algo = config.algorithm
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
@@ -295,6 +297,7 @@ class RLTrainer:
         metrics, _ = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
                                     self.reward_fn, n, self.config.data.reward_fn_key)
         metrics["timing_s/testing"] = time.perf_counter() - start
+        release_freed_memory()  # the held-out decoding's buffers: no training phase reuses their sizes
         return metrics
 
     # ------------------------------------------------------------------ the loop
