@@ -74,6 +74,7 @@ def posttrain_overrides(data: Path, a: argparse.Namespace) -> list[str]:
             f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={dtype}",
             f"actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype={dtype}",
             "trainer.logger=[]", "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
+            f"trainer.default_local_dir=/tmp/posttrain_bench/ckpt_{os.getpid()}",  # its own lock, beside other runs
             f"trainer.total_training_steps={a.steps}", *a.overrides]
 
 

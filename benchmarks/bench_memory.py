@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 FP32 = ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
         "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32"]
-QUIET = ["trainer.logger=[]", "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1"]
+QUIET = ["trainer.logger=[]", "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
+         f"trainer.default_local_dir=/tmp/posttrain_bench/ckpt_{os.getpid()}"]  # its own lock, beside other runs
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
 
 
