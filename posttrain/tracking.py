@@ -41,7 +41,7 @@ class ConsoleBackend:
 
     HEADLINE = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss",
                 "response_length/mean", "train/loss", "val/loss", "loss", "rewards/margins", "rewards/accuracies",
-                "eval_rewards/accuracies", "timing_s/step", "perf/throughput")
+                "eval_rewards/accuracies", "timing_s/step", "perf/throughput", "memory/peak_resident_gb")
 
     def __init__(self, total_steps: int | None):
         self.total, self.start = total_steps, time.monotonic()
