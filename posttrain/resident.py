@@ -74,8 +74,8 @@ class PhasePeaks:
     """
 
     def __init__(self):
+        self.run_peak = peak_resident_bytes()  # the process's peak so far (loading the models), before any reset
         self.resettable = reset_peak()
-        self.run_peak = peak_resident_bytes()
         self.phases: dict[str, int] = {}
         self._open: list[list] = []  # [name, peak so far] of the phases entered and not yet left
 

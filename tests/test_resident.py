@@ -79,6 +79,16 @@ def test_phase_peaks_separate_a_large_phase_from_a_small_one():
 
 
 @linux
+def test_the_run_peak_includes_what_came_before_the_tracker():
+    """Loading the models happens before the trainer builds its tracker: their peak must not be lost."""
+    reset_peak()
+    base = current_resident_bytes()
+    touched_mapping(300 * MB).close()
+    peaks = PhasePeaks()
+    assert peaks.take_metrics()["memory/peak_resident_gb"] * GB >= base + 290 * MB
+
+
+@linux
 def test_stage_timer_reports_seconds_and_memory_of_the_same_stage():
     timer = StageTimer(PhasePeaks())
     with timer("gen"):
