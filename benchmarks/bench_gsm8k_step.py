@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per framework; the first is warm-up (default 3)")
     p.add_argument("--prompts", type=int, default=8, help="GSM8K questions per step (default 8; x5 samples)")
     p.add_argument("--max-response", type=int, default=256, help="new tokens at most (default 256)")
-    p.add_argument("--micro-batch", type=int, default=10,
-                   help="posttrain's actor update micro-batch rows (default 10: two questions' 5 answers)")
+    p.add_argument("--micro-batch", type=int, default=5,
+                   help="posttrain's actor update micro-batch rows (default 5: one question's 5 answers, ~1.2k-2.3k "
+                        "tokens, so the activations held stay near 2-3 GB at fp32)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="both frameworks (default fp32)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"GSM8K's jsonl folder (default {DEFAULT_DATA})")
     p.add_argument("--skip-trl", action="store_true", help="posttrain only")
