@@ -14,6 +14,12 @@ reaches every step anyway). The built-in GRPO step (`benchmarks/bench_step.py`, 
 The command-line entry points and each Ray rank call it. It does nothing off glibc, or when the
 user configured the allocator (a ``MALLOC_*`` tuning variable, ``GLIBC_TUNABLES``, or a preloaded
 allocator such as jemalloc or tcmalloc).
+
+Kept memory is also memory held: what a passing peak freed (loading and dequantising the models,
+a long validation) would stay resident for the rest of the run, and the holes that a step leaves
+between the tensors that outlive it (gradients, Adam's moments) add up from step to step.
+``release_freed_memory`` (glibc's ``malloc_trim``) hands the free pages of the heap back to the
+kernel at the points where the next phase's reuse is not worth what they hold.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import ctypes.util
 import functools
 import os
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "release_freed_memory"]
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
 TRIM_THRESHOLD_BYTES = 2**31 - 1
@@ -43,6 +49,14 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the kernel (``malloc_trim(0)``: every free chunk, not only the
+    heap's top); True when glibc released something. A no-op off glibc."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+@functools.cache
 def _glibc():
     """The process's C library when it is glibc (it has ``gnu_get_libc_version``), else None."""
     try:
@@ -51,4 +65,5 @@ def _glibc():
     except (OSError, AttributeError):
         return None
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
     return libc

@@ -42,8 +42,9 @@ class ConsoleBackend:
     # rollout_actor_probs_diff_mean: mean |p_rollout - p_actor| of the sampled tokens, the engine/trainer
     # mismatch (a bf16 vLLM engine shows it; a growing value means the rollout is drifting off-policy)
     HEADLINE = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss",
-                "response_length/mean", "training/rollout_actor_probs_diff_mean", "train/loss", "val/loss", "loss", "rewards/margins", "rewards/accuracies",
-                "eval_rewards/accuracies", "timing_s/step", "perf/throughput")
+                "response_length/mean", "training/rollout_actor_probs_diff_mean", "train/loss", "val/loss", "loss",
+                "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "timing_s/step", "perf/throughput",
+                "memory/peak_resident_gb")
 
     def __init__(self, total_steps: int | None):
         self.total, self.start = total_steps, time.monotonic()

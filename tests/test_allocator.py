@@ -58,3 +58,37 @@ def test_without_it_glibc_returns_the_block():  # the negative control: the prob
 def test_a_users_allocator_setting_is_left_alone():
     applied, free_mib = _probe("keep", MALLOC_MMAP_THRESHOLD_="65536")
     assert applied == "False" and free_mib < 64
+
+
+# Keeps a freed 256 MiB block (keep_freed_memory), then prints this process's resident MiB before and
+# after release_freed_memory (or after nothing, the negative control).
+RELEASE_PROBE = """
+import ctypes, sys
+from posttrain.allocator import keep_freed_memory, release_freed_memory
+from posttrain.resident import current_resident_bytes
+assert keep_freed_memory()
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+guard = libc.malloc(1 << 20)  # keeps the block off the heap's top, where the trim threshold would not apply
+libc.free(ctypes.c_void_p(block))
+before = current_resident_bytes() >> 20
+if sys.argv[1] == 'release':
+    release_freed_memory()
+print(before, current_resident_bytes() >> 20)
+"""
+
+
+@pytest.mark.parametrize("release", [True, False])
+@needs_glibc
+def test_release_hands_kept_memory_back(release):
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
+    before, after = map(int, subprocess.run([sys.executable, "-c", RELEASE_PROBE, "release" if release else "keep"],
+                                            capture_output=True, text=True, check=True, env=clean).stdout.split())
+    if release:
+        assert before - after >= 240  # the freed block's pages went back to the kernel
+    else:
+        assert before - after < 16  # negative control: kept (resident) without the release

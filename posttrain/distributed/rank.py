@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.batch import Batch
+from posttrain.resident import PhasePeaks
 
 __all__ = ["RankPlacement", "RankWorker"]
 
@@ -57,7 +58,7 @@ class RankWorker:
     ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
 
     def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
-        from posttrain.allocator import keep_freed_memory
+        from posttrain.allocator import keep_freed_memory, release_freed_memory
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
         from posttrain.workers.build import build_roles
 
@@ -74,6 +75,8 @@ class RankWorker:
         mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
         self.roles = build_roles(config, RankPlacement(mesh, self.device, self.rank, world), seed, tokenizer=tokenizer)
         self.actor, self.ref, self.critic, self.rm = self.roles.actor, self.roles.ref, self.roles.critic, self.roles.rm
+        release_freed_memory()  # loading's transient copies back to the kernel (posttrain.allocator)
+        self.memory = PhasePeaks()  # this rank's own resident memory, per phase (memory_metrics)
 
     # ------------------------------------------------------------------ the group's calls
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
@@ -83,31 +86,31 @@ class RankWorker:
         from posttrain.distributed.fsdp import gathered_for_generation
 
         own = getattr(self.actor.rollout, "keeps_own_weights", False)
-        with self._resident(self.actor), (contextlib.nullcontext() if own else gathered_for_generation(self.actor.module)):
+        with self._resident(self.actor, phase="gen"), (contextlib.nullcontext() if own else gathered_for_generation(self.actor.module)):
             return self.actor.generate_sequences(prompts, validate=validate)
 
     def compute_log_prob(self, batch: Batch):
-        with self._resident(self.actor):
+        with self._resident(self.actor, phase="old_log_prob"):
             return self.actor.compute_log_prob(batch)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.ref):
+        with self._resident(self.ref, phase="ref"):
             return self.ref.compute_ref_log_prob(batch)
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.critic):
+        with self._resident(self.critic, phase="values"):
             return self.critic.compute_values(batch)
 
     def compute_rm_score(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.rm):
+        with self._resident(self.rm, phase="reward"):
             return self.rm.compute_rm_score(batch)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        with self._resident(self.actor, with_optimizer=True):
+        with self._resident(self.actor, with_optimizer=True, phase="update_actor"):
             return self.actor.update_policy(batch)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        with self._resident(self.critic, with_optimizer=True):
+        with self._resident(self.critic, with_optimizer=True, phase="update_critic"):
             return self.critic.update_critic(batch)
 
     def update_sft(self, batch: Batch) -> dict[str, float]:
@@ -178,11 +181,17 @@ class RankWorker:
         except OSError:
             return False
 
-    @staticmethod
-    def _resident(worker: Any, with_optimizer: bool = False):
-        """``param_offload`` / ``optimizer_offload``: the role's state on the device for one phase."""
+    def memory_metrics(self) -> dict[str, float]:
+        """This rank's peak resident memory per phase since the last call, and its peak so far (`PhasePeaks`)."""
+        return self.memory.take_metrics()
+
+    @contextlib.contextmanager
+    def _resident(self, worker: Any, with_optimizer: bool = False, phase: str | None = None):
+        """``param_offload`` / ``optimizer_offload``: the role's state on the device for one phase;
+        with ``phase`` (the trainer's stage name) this rank's peak resident memory in it is recorded."""
         from posttrain.distributed.fsdp import resident_for_phase
 
-        if worker is None:
-            return contextlib.nullcontext()
-        return resident_for_phase(worker.module, getattr(worker, "optimizer", None) if with_optimizer else None)
+        placed = contextlib.nullcontext() if worker is None else resident_for_phase(
+            worker.module, getattr(worker, "optimizer", None) if with_optimizer else None)
+        with (self.memory(phase) if phase else contextlib.nullcontext()), placed:
+            yield

@@ -140,6 +140,19 @@ class RankWorkerGroup:
         return combine_metrics(self._ranks.call_each("update_dpo", chunks, beta=beta, loss_type=loss_type,
                                                      label_smoothing=label_smoothing))
 
+    def memory_metrics(self) -> dict[str, float]:
+        """Each rank's peak resident memory: per phase since the last call, the largest over ranks
+        (``memory/ranks/resident_gb/<phase>``), and each rank's peak so far (``memory/rank<i>/peak_resident_gb``;
+        ``memory/ranks/peak_resident_gb`` the largest). The driver's own are the trainer's ``memory/*``."""
+        out: dict[str, float] = {}
+        for rank, metrics in enumerate(self._ranks.call_all("memory_metrics")):
+            for key, gb in metrics.items():
+                if key == "memory/peak_resident_gb":
+                    out[f"memory/rank{rank}/peak_resident_gb"] = gb
+                wide = key.replace("memory/", "memory/ranks/", 1)
+                out[wide] = max(out.get(wide, 0.0), gb)
+        return out
+
     def save_checkpoint(self, folder: Path) -> list[str]:
         return self._ranks.call_all("save_checkpoint", str(folder))[0]
 

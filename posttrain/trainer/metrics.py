@@ -7,31 +7,36 @@ masked advantage/return/value statistics, response/prompt lengths and their clip
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
 
 from posttrain.algorithms import masked_mean
 from posttrain.batch import Batch
+from posttrain.resident import PhasePeaks
 
 
 class StageTimer:
-    """`with timer("gen"): ...` records `timing_s/gen`."""
+    """`with timer("gen"): ...` records `timing_s/gen`, and with ``memory`` (the run's `PhasePeaks`)
+    this process's peak resident memory in the stage, `memory/resident_gb/gen`."""
 
-    def __init__(self):
+    def __init__(self, memory: PhasePeaks | None = None):
         self.seconds: dict[str, float] = {}
+        self.memory = memory
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with self.memory(name) if self.memory is not None else nullcontext():
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        return out | (self.memory.take_metrics() if self.memory is not None else {})
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

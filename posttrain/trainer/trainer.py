@@ -30,11 +30,13 @@ import torch
 
 from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
                                   kl_penalty, masked_mean)
+from posttrain.allocator import release_freed_memory
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
+from posttrain.resident import PhasePeaks
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        place_on_last_token, scoring_in_progress)
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
@@ -104,6 +106,7 @@ class RLTrainer:
         preflight.check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
         self.workers = setup.build_workers(config, wcfg, self.device, config.trainer.seed, actor_module, critic_module,
                                            tokenizer)
+        release_freed_memory()  # loading's transient copies (the dequantised GGUF) back to the kernel
         algo = config.algorithm
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
@@ -116,6 +119,7 @@ class RLTrainer:
         """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
         self._phase = "start-up"
         self._nonfinite_streak = 0
+        self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.resident)
 
     # ------------------------------------------------------------------ reward function (Python API)
     @property
@@ -160,7 +164,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
-        cfg, w, timer, metrics = self.config, self.workers, StageTimer(), {}
+        cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory), {}
         correction = cfg.algorithm.rollout_correction
         with timer("step"):
             batch = self._rollout(prompts, timer, metrics)
@@ -199,7 +203,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     metrics.update(w.update_actor(batch))
         metrics.update(compute_data_metrics(batch, self.use_critic))
-        metrics.update(timer.metrics())
+        metrics.update(timer.metrics() | w.memory_metrics())  # seconds and peak resident memory per phase
         metrics.update(throughput(batch, timer.seconds["step"], self.sizes.world_size))
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.data.train_loader.epoch})
         self.last_batch = batch
@@ -295,6 +299,7 @@ class RLTrainer:
         metrics, _ = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
                                     self.reward_fn, n, self.config.data.reward_fn_key)
         metrics["timing_s/testing"] = time.perf_counter() - start
+        release_freed_memory()  # the held-out decoding's buffers: no training phase reuses their sizes
         return metrics
 
     # ------------------------------------------------------------------ the loop

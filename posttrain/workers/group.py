@@ -18,6 +18,7 @@ across the data-parallel ranks and gathering the results back in order.
     compute_sequence_logps(batch) -> [N, 2]                 per row: summed log-prob of trained tokens, count
     compute_ref_sequence_logps(batch) -> [N, 2]             the same under the reference (DPO)
     update_dpo(batch, beta, loss_type, label_smoothing)     DPO: one step on chosen/rejected row pairs
+    memory_metrics() -> metrics                             ranks' peak resident memory per phase ({} in one process)
     save_checkpoint(folder) -> role names                   each role writes folder/<role>/, each rank
                                                             folder/rng/rank_<r>.pt (posttrain.checkpoint.rank_rng)
     load_checkpoint(folder)                                 each role reads folder/<role>/, each rank its RNG file
@@ -72,6 +73,8 @@ class WorkerGroup(Protocol):
     def mark_step(self) -> None: ...
 
     def rewind_step(self) -> None: ...
+
+    def memory_metrics(self) -> dict[str, float]: ...
 
     def shutdown(self) -> None: ...
 
@@ -153,6 +156,10 @@ class LocalWorkerGroup:
 
         for name, generator in role_generators(self.roles.trained()).items():
             generator.set_state(self._step_generators[name])
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Nothing beyond the trainer's own ``memory/*``: the roles run in its process."""
+        return {}
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""

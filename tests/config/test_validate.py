@@ -133,7 +133,7 @@ def test_start_up_line_is_exact_when_the_last_mini_batch_is_uneven():
             "(one micro-batch of 2); 3 optimizer steps per training step") in describe_sizes(sizes)
     even = derive_sizes(load_config(base=base))
     assert even.actor.last_mini_batch is None
-    assert "actor: 1 mini-batch of 32 responses per rank, 1 micro-batch of 32 each; 1 optimizer" in describe_sizes(even)
+    assert "actor: 1 mini-batch of 32 responses per rank, 2 micro-batches of 16 each (gradient accumulation); 1 optimizer" in describe_sizes(even)
     assert "old log-prob: no separate pass (the on-policy update's own forward gives them)" in describe_sizes(even)
     assert even.prompts_shared and "each distinct prompt of a micro-batch encoded once" in describe_sizes(even)
     one_sample = derive_sizes(load_config(base=base, overrides=["actor_rollout_ref.rollout.n=1",

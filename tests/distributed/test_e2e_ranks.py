@@ -77,6 +77,13 @@ def test_two_ranks_equal_one_process(one_process_ppo, two_rank_ppo):
     assert one[-1]["actor/reward_kl_penalty_coeff"] != 0.05  # the adaptive controller moved: compared below
     assert_same_metrics(two, one, steps=(1, 2, 3))
     assert (work / "ckpt" / "global_step_3" / "actor" / "dcp" / ".metadata").exists()  # saved by the ranks
+    for row in two:  # each rank measured its own phases (the driver holds no model: its peak is smaller)
+        for rank in (0, 1):
+            assert row[f"memory/rank{rank}/peak_resident_gb"] > 0.1  # a process with torch loaded: a real reading
+        assert row["memory/ranks/peak_resident_gb"] == max(row["memory/rank0/peak_resident_gb"],
+                                                           row["memory/rank1/peak_resident_gb"])
+        assert row["memory/ranks/peak_resident_gb"] >= row["memory/ranks/resident_gb/update_actor"] > 0
+        assert {"memory/ranks/resident_gb/gen", "memory/ranks/resident_gb/values"} <= row.keys()
 
 
 def test_exported_weights_equal_one_process(one_process_ppo, two_rank_ppo):

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from helpers.tiny_run import tiny_trainer
+from posttrain.resident import current_resident_bytes
 
 CORE_METRICS = [
     "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
@@ -15,11 +16,12 @@ CORE_METRICS = [
     "response_length/mean", "response_length/max", "response_length/clip_ratio", "prompt_length/mean",
     "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
     "timing_s/step", "perf/throughput", "training/rollout_actor_probs_diff_mean",
+    "memory/peak_resident_gb", "memory/resident_gb/gen", "memory/resident_gb/update_actor", "memory/resident_gb/step",
 ]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
-def test_estimators_run_three_steps(tmp_path, estimator):
+def test_estimators_run_three_steps(tmp_path, estimator, capsys):
     trainer = tiny_trainer(tmp_path, [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.actor.use_kl_loss=True"])
     history = trainer.fit()
     assert [row["step"] for row in history] == [1, 2, 3]
@@ -27,6 +29,15 @@ def test_estimators_run_three_steps(tmp_path, estimator):
         missing = [k for k in CORE_METRICS + ["actor/kl_loss", "timing_s/ref"] if k not in row]
         assert missing == []
         assert all(math.isfinite(v) for v in row.values())
+    for row in history:  # this process's peak: at least what any phase held, and what it holds now
+        assert row["memory/peak_resident_gb"] >= max(v for k, v in row.items() if k.startswith("memory/resident_gb/"))
+    assert history[-1]["memory/peak_resident_gb"] * 1e9 >= (current_resident_bytes() or 0) * 0.9
+    if estimator == "grpo":  # the end-of-run summary states the run's peak (posttrain.trainer.report)
+        from posttrain.trainer.report import summarize_run
+
+        summarize_run(trainer, history)
+        line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("peak resident memory: "))
+        assert float(line.split()[3]) >= history[-1]["memory/peak_resident_gb"] - 0.005
     # fp32: the engine's log-probs and the recomputed ones agree to float precision
     assert max(r["training/rollout_actor_probs_diff_max"] for r in history) < 1e-4
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -1,0 +1,128 @@
+"""Peak resident memory of the built-in default run, phase by phase, against the state it must hold.
+
+    nice python benchmarks/bench_memory.py                  # 3 steps + one validation pass, fp32
+    python benchmarks/bench_memory.py --steps 5 --no-validation
+    python benchmarks/bench_memory.py --json mem.json actor_rollout_ref.rollout.n=8
+
+The work: the built-in run (``posttrain/config/builtin.yaml``: SmolLM2-135M-Instruct from the
+``smollm2`` extra, 8 arithmetic prompts x 4 samples, <= 24 new tokens, KL loss against the frozen
+reference, one optimizer step per batch) at fp32 (``actor_rollout_ref.actor.fsdp_config.mixed_precision.
+param_dtype=fp32`` and the ``ref`` one, the choice ``auto`` makes on a CPU without bf16 instructions),
+with the process set up as ``posttrain train`` sets it (`posttrain.allocator`, `posttrain.threads`).
+Memory is not timing: the figures do not depend on other load on the machine.
+
+Printed: this process's resident memory before anything loads (interpreter and libraries), its peak
+while the trainer is built (models loaded), the peak of each phase of each step (``memory/resident_gb/*``
+of ``RLTrainer.train_step``), the peak of one validation pass over the held-out set (the default run
+validates before training and every 5 steps), and the state the run must hold computed from the
+model: weights, gradients and Adam's two moments of the actor, and the reference's weights, each
+at 4 bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FP32 = ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32"]
+QUIET = ["trainer.logger=[]", "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
+         f"trainer.default_local_dir=/tmp/posttrain_bench/ckpt_{os.getpid()}"]  # its own lock, beside other runs
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
+
+
+def state_bytes(actor, ref) -> dict[str, int]:
+    """What the run must hold at fp32: the actor's weights, gradients and Adam moments, the reference's weights."""
+    def params(module, trainable_only=False):
+        seen = {id(p): p for p in module.parameters() if p.requires_grad or not trainable_only}  # tied weights once
+        return sum(p.numel() for p in seen.values())
+
+    trained = params(actor, trainable_only=True)
+    return {"actor_weights": 4 * params(actor), "gradients": 4 * trained, "adam_moments": 8 * trained,
+            "reference_weights": 4 * params(ref) if ref is not None else 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    p.add_argument("--no-validation", action="store_true", help="skip the validation pass after the steps")
+    p.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides")
+    a = p.parse_args(argv)
+
+    from posttrain.allocator import keep_freed_memory
+    from posttrain.threads import prefer_sleeping_threads
+
+    prefer_sleeping_threads()  # as `posttrain train` sets the process up
+    keep_freed = keep_freed_memory()
+    from posttrain.resident import GB, current_resident_bytes, peak_resident_bytes
+
+    start_gb = current_resident_bytes() / GB  # the interpreter alone, before torch
+    import torch
+
+    from posttrain.config import BUILTIN_CONFIG, load_config
+    from posttrain.trainer.trainer import RLTrainer
+
+    libraries_gb = current_resident_bytes() / GB
+    config = load_config(overrides=QUIET + FP32 + [f"trainer.total_training_steps={a.steps}", *a.overrides],
+                         base=BUILTIN_CONFIG)
+    trainer = RLTrainer(config)
+    load_peak_gb = peak_resident_bytes() / GB  # PhasePeaks reset the high-water mark only after this
+    load_peak_gb = max(load_peak_gb, trainer.memory.run_peak / GB)
+    after_load_gb = current_resident_bytes() / GB
+    w = trainer.workers
+    state = state_bytes(w.actor.module, getattr(w.ref, "module", None))
+    rows = []
+    for i in range(a.steps):
+        trainer.global_step += 1
+        m = trainer.train_step(trainer.data.train_loader.next_batch())
+        row = {k: m.get(f"memory/resident_gb/{k}") for k in PHASES if f"memory/resident_gb/{k}" in m}
+        row["tokens"] = float(trainer.last_batch["attention_mask"].sum())
+        row["step_s"] = m["timing_s/step"]
+        rows.append(row)
+        print(f"step {i + 1}/{a.steps}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k in PHASES)
+              + f" GB ({int(row['tokens'])} tokens, {row['step_s']:.1f} s)", flush=True)
+    val_gb = None
+    if not a.no_validation:
+        with trainer.memory("validation"):
+            trainer.validate()
+        val_gb = trainer.memory.phases["validation"] / GB
+        print(f"validation ({len(trainer.data.val)} prompts): {val_gb:.2f} GB", flush=True)
+    run_peak_gb = trainer.memory.take_metrics()["memory/peak_resident_gb"]
+    state_gb = sum(state.values()) / GB
+    phase_peak = {k: max(r[k] for r in rows if k in r) for k in PHASES if any(k in r for r in rows)}
+
+    lines = [f"peak resident memory, built-in run at fp32 ({a.steps} steps; torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads, freed memory kept={keep_freed}, "
+             f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')})",
+             f"  interpreter alone            {start_gb:6.2f} GB",
+             f"  + torch, transformers, ...   {libraries_gb:6.2f} GB",
+             f"  trainer built (peak / after) {load_peak_gb:6.2f} / {after_load_gb:.2f} GB"]
+    for k, gb in phase_peak.items():
+        lines.append(f"  {k + ' (peak over steps)':29}{gb:6.2f} GB")
+    if val_gb is not None:
+        lines.append(f"  {'validation pass':29}{val_gb:6.2f} GB")
+    lines.append(f"  run peak                     {run_peak_gb:6.2f} GB")
+    lines.append(f"state it must hold at fp32: {state_gb:.2f} GB = " + " + ".join(
+        f"{k.replace('_', ' ')} {v / GB:.2f}" for k, v in state.items())
+        + f"; with the libraries: {state_gb + libraries_gb:.2f} GB")
+    lines.append(f"beyond state + libraries: {run_peak_gb - state_gb - libraries_gb:+.2f} GB; "
+                 f"target (issue 23) <= 3 GB: {'met' if run_peak_gb <= 3.0 else 'missed'}")
+    print("\n".join(lines))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"start_gb": start_gb, "libraries_gb": libraries_gb,
+                                            "load_peak_gb": load_peak_gb, "after_load_gb": after_load_gb,
+                                            "steps": rows, "phase_peak_gb": phase_peak, "validation_gb": val_gb,
+                                            "run_peak_gb": run_peak_gb, "state_bytes": state,
+                                            "keep_freed_memory": keep_freed}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
