@@ -17,7 +17,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def readme_python_snippet() -> str:
     """The first ```python block after the line "From Python:"."""
     text = README.read_text(encoding="utf-8")
-    after = text[text.index("From Python:"):]
+    after = text[text.index("From Python"):]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 
 
