@@ -37,8 +37,8 @@ __all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "res
            "time_train_step"]
 
 CHOICES = ("bf16", "fp32")
-PROBE_ROWS, PROBE_TOKENS, PROBE_RESPONSE = 4, 128, 32
-"""The timed batch: 4 rows of 128 tokens, the last 32 scored (well under a second for a 135M model)."""
+PROBE_ROWS, PROBE_TOKENS, PROBE_RESPONSE = 2, 128, 32
+"""The timed batch: 2 rows of 128 tokens, the last 32 scored (about a second for a 135M model on 2 cores)."""
 BUDGET_S = 4.0
 """The most the measurement may take; passes stop once it is spent (the answer uses what was timed)."""
 CLEARLY_SLOWER = 1.3
@@ -155,15 +155,15 @@ def time_train_step(module: nn.Module, device: torch.device, dtype: str, repeats
     response log-probs of a causal LM, or the hidden states of a backbone (the critic's); the
     gradients are dropped and the module's train/eval mode restored.
 
-    Stops early, returning the best time so far: after a timed pass slower than ``give_up_after``
-    seconds (this precision is clearly not the faster one), and when ``time.perf_counter()`` has
-    passed ``deadline`` (the warm-up's time is the answer if no timed pass ran: an overestimate)."""
+    At least one timed pass runs (a warm-up's time includes one-time costs that would bias the
+    comparison); after it, timing stops once a pass was slower than ``give_up_after`` seconds (this
+    precision is clearly not the faster one) or ``time.perf_counter()`` has passed ``deadline``."""
     vocab = module.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (PROBE_ROWS, PROBE_TOKENS), generator=generator).to(device)
     was_training = module.training
     module.train()
-    best = warm_up = float("inf")
+    best = float("inf")
     try:
         for attempt in range(repeats + 1):
             start = time.perf_counter()
@@ -171,16 +171,15 @@ def time_train_step(module: nn.Module, device: torch.device, dtype: str, repeats
                 out = _forward(module, ids)
             out.float().sum().backward()
             took = time.perf_counter() - start
-            if attempt:  # the first pass warms up kernels and the allocator
-                best = min(best, took)
-            else:
-                warm_up = took
-            if (attempt and took > give_up_after) or (deadline is not None and time.perf_counter() > deadline):
+            if not attempt:  # the first pass warms up kernels and the allocator
+                continue
+            best = min(best, took)
+            if took > give_up_after or (deadline is not None and time.perf_counter() > deadline):
                 break
     finally:
         module.zero_grad(set_to_none=True)
         module.train(was_training)
-    return best if best != float("inf") else warm_up
+    return best
 
 
 def _forward(module: nn.Module, ids: torch.Tensor) -> torch.Tensor:
