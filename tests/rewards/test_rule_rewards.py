@@ -24,7 +24,9 @@ from posttrain.rewards import arithmetic, math
     ],
 )
 def test_math_scorer(reply, truth, expected):
-    assert math.compute_score(reply, truth) == expected
+    # what is equivalent, not how fast: the default 5 s bound scored a right answer 0 once on a machine
+    # at load 17 (sympy's first parse), so the semantics are checked with room to spare
+    assert math.compute_score(reply, truth, timeout_s=60) == expected
 
 
 @pytest.mark.parametrize(
