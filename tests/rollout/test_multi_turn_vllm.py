@@ -64,3 +64,42 @@ def test_multi_turn_trajectories_equal_the_hf_engines(tok):
     assert (~mask & want["attention_mask"][:, -mask.shape[1]:].bool()).any(), "the case needs user-turn tokens"
     torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-4, rtol=0)
     assert (got["rollout_log_probs"][~mask] == 0).all()
+
+
+@vllm_only
+def test_grpo_with_retry_turns_trains_on_the_vllm_engine(tmp_path, tok):
+    """Two GRPO steps of the feedback-and-retry task with the vllm engine (fp32, weights pushed after each
+    update): a random model answers wrong, the interaction says "try again", so trajectories have
+    several turns; the engine's log-probs of the model tokens equal the trainer's."""
+    from pathlib import Path
+
+    from helpers.tiny_run import tiny_config
+    from posttrain.data.arithmetic import write_arithmetic_parquet
+    from posttrain.trainer.trainer import RLTrainer
+
+    root = Path(__file__).resolve().parents[2]
+    model_dir, data_dir = tmp_path / "model", tmp_path / "retry_data"
+    vllm_llama(tok, seed=7, eos_boost=3.0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    write_arithmetic_parquet(str(data_dir), n_train=16, n_test=4, digits=1, ops=("+",), seed=0, prompt_style="retry")
+    config = tiny_config(tmp_path, [
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.max_num_seqs=32", "trainer.total_training_steps=2",
+        f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
+        "data.max_response_length=160", "actor_rollout_ref.rollout.multi_turn.enable=True",
+        "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
+        "actor_rollout_ref.rollout.multi_turn.interaction_config_path="
+        f"{root / 'examples/interaction_config/arithmetic_interaction_config.yaml'}"])
+    trainer = RLTrainer(config, tokenizer=tok)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.workers.actor.rollout.shutdown()
+    assert [r["step"] for r in history] == [1, 2]
+    for row in history:
+        assert row["multi_turn/assistant_turns/mean"] > 1.0, row["multi_turn/assistant_turns/mean"]
+        assert row["training/rollout_actor_probs_diff_max"] < 1e-3
+    mask = trainer.last_batch["response_mask"]
+    attn = trainer.last_batch["attention_mask"][:, -mask.shape[1]:]
+    assert ((attn == 1) & (mask == 0)).any()  # the "try again" turns: attended, not trained on
