@@ -15,7 +15,8 @@ from posttrain.interactions.base import BaseInteraction
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.hf import HFRolloutEngine
 from posttrain.rollout.multi_turn import MultiTurnRollout
-from test_rollout_vllm import ENGINE, PROMPTS, vllm_llama, vllm_only  # this folder is on sys.path (no __init__)
+# this folder is on sys.path (no __init__)
+from test_rollout_vllm import ENGINE, PROMPTS, fit_then_shut_down, vllm_llama, vllm_only, vllm_run_overrides
 
 
 class AlwaysAgain(BaseInteraction):
@@ -78,24 +79,16 @@ def test_grpo_with_retry_turns_trains_on_the_vllm_engine(tmp_path, tok):
     from posttrain.trainer.trainer import RLTrainer
 
     root = Path(__file__).resolve().parents[2]
-    model_dir, data_dir = tmp_path / "model", tmp_path / "retry_data"
-    vllm_llama(tok, seed=7, eos_boost=3.0).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    data_dir = tmp_path / "retry_data"
     write_arithmetic_parquet(str(data_dir), n_train=16, n_test=4, digits=1, ops=("+",), seed=0, prompt_style="retry")
-    config = tiny_config(tmp_path, [
-        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
-        "actor_rollout_ref.rollout.max_num_seqs=32", "trainer.total_training_steps=2",
+    config = tiny_config(tmp_path, vllm_run_overrides(tok, tmp_path / "model", seed=7, eos_boost=3.0) + [
         f"data.train_files={data_dir / 'train.parquet'}", f"data.val_files={data_dir / 'test.parquet'}",
         "data.max_response_length=160", "actor_rollout_ref.rollout.multi_turn.enable=True",
         "actor_rollout_ref.rollout.multi_turn.max_user_turns=2",
         "actor_rollout_ref.rollout.multi_turn.interaction_config_path="
         f"{root / 'examples/interaction_config/arithmetic_interaction_config.yaml'}"])
     trainer = RLTrainer(config, tokenizer=tok)
-    try:
-        history = trainer.fit()
-    finally:
-        trainer.workers.actor.rollout.shutdown()
+    history = fit_then_shut_down(trainer)
     assert [r["step"] for r in history] == [1, 2]
     for row in history:
         assert row["multi_turn/assistant_turns/mean"] > 1.0, row["multi_turn/assistant_turns/mean"]

@@ -218,26 +218,35 @@ def test_actor_pushes_after_each_update_and_only_then(tok, monkeypatch):
         actor.rollout.shutdown()
 
 
+def vllm_run_overrides(tok, folder, **model_kw) -> list[str]:
+    """A tiny `vllm_llama` saved to ``folder`` and the overrides of a 2-step run on it with an fp32,
+    eager vllm engine (rollout and trainer log-probs agree)."""
+    vllm_llama(tok, **model_kw).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return [f"actor_rollout_ref.model.path={folder}", "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
+            "actor_rollout_ref.rollout.max_num_seqs=32", "trainer.total_training_steps=2"]
+
+
+def fit_then_shut_down(trainer) -> list[dict]:
+    """``trainer.fit()``, the vllm engine shut down whatever happens."""
+    try:
+        return trainer.fit()
+    finally:
+        trainer.workers.actor.rollout.shutdown()
+
+
 @vllm_only
 def test_grpo_trains_with_vllm_plain_and_bypass(tmp_path, tok):
     """Two GRPO steps with the vllm engine (fp32: rollout and trainer log-probs agree), then two in
     bypass mode (the old-log-prob pass skipped), on a tiny model saved to a folder."""
     from posttrain.trainer.trainer import RLTrainer
 
-    model_dir = tmp_path / "model"
-    vllm_llama(tok, seed=7).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    base = [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.enforce_eager=True",
-            "actor_rollout_ref.rollout.max_num_seqs=32", "trainer.total_training_steps=2",
-            "actor_rollout_ref.actor.use_kl_loss=True"]
+    base = vllm_run_overrides(tok, tmp_path / "model", seed=7) + ["actor_rollout_ref.actor.use_kl_loss=True"]
     for extra, skipped in (([], False), (["algorithm.rollout_correction.bypass_mode=True"], True)):
         config = tiny_config(tmp_path, base + extra)
         trainer = RLTrainer(config, tokenizer=tok)
-        try:
-            history = trainer.fit()
-        finally:
-            trainer.workers.actor.rollout.shutdown()
+        history = fit_then_shut_down(trainer)
         assert [r["step"] for r in history] == [1, 2]
         for row in history:
             assert ("timing_s/old_log_prob" in row) != skipped
