@@ -90,18 +90,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{sampling.response_length} response tokens, up to {actor.rollout_config.multi_turn.max_user_turns} "
           f"'try again' turns, temperature {sampling.temperature}")
     results: dict[str, Any] = {"args": vars(args)}
-    seen: list = []
 
-    def run(loop):
+    def timed(engine) -> dict[str, Any]:
+        """`timed_generation` of the agent loop over ``engine``, plus the mean assistant turns per
+        trajectory over the timed calls (the first call is the warm-up)."""
+        loop = MultiTurnRollout.from_config(engine, actor.tokenizer, actor.rollout_config)
+        seen: list[float] = []
+
         def generate(batch):
             out = loop.generate(batch, sampling)
             seen.append(turns(out))
             return out
-        return generate
 
-    hf_loop = MultiTurnRollout.from_config(actor.rollout, actor.tokenizer, actor.rollout_config)
-    results["hf"] = timed_generation(run(hf_loop), batches, args.repeats)
-    results["hf"]["assistant_turns_mean"] = sum(seen[1:]) / max(len(seen) - 1, 1)
+        r = timed_generation(generate, batches, args.repeats)
+        r["assistant_turns_mean"] = sum(seen[1:]) / max(len(seen) - 1, 1)
+        return r
+
+    results["hf"] = timed(actor.rollout)
     hf_rate = results["hf"]["tokens_per_s"]
     print(f"  hf ({actor.param_dtype}): {hf_rate:.1f} model tokens/s, {results['hf']['assistant_turns_mean']:.2f} "
           "assistant turns per trajectory")
@@ -112,11 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine = VLLMRolloutEngine(actor.module, actor.tokenizer, config=cfg, seed=0)
         engine.update_weights(actor.module)
         startup = time.perf_counter() - start
-        seen.clear()
-        loop = MultiTurnRollout.from_config(engine, actor.tokenizer, actor.rollout_config)
-        r = timed_generation(run(loop), batches, args.repeats)
+        r = timed(engine)
         engine.shutdown()
-        r.update(startup_s=startup, assistant_turns_mean=sum(seen[1:]) / max(len(seen) - 1, 1))
+        r["startup_s"] = startup
         results[f"vllm_{dtype}"] = r
         print(f"  vllm ({dtype}): {r['tokens_per_s']:.1f} model tokens/s = {r['tokens_per_s'] / hf_rate:.2f}x hf, "
               f"{r['assistant_turns_mean']:.2f} assistant turns per trajectory (start-up + push {startup:.1f} s)")
