@@ -294,7 +294,7 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating past EOS."""
     enforce_eager: bool = False
-    """Disable CUDA graphs in the engine."""
+    """vllm: disable CUDA graphs in the engine. hf: decode every step with the model's own forward instead of posttrain's lean decoder for Llama-family models (the same tokens and log-probs, fewer ops per step; posttrain.rollout.lean_decoder)."""
     free_cache_engine: bool = True
     """Release the KV cache between rollouts."""
     tensor_model_parallel_size: int = 2

@@ -30,6 +30,7 @@ from torch import nn
 
 from posttrain.batch import Batch
 from posttrain.models.attention import fast_cpu_attention
+from posttrain.rollout.lean_decoder import LeanDecoder, lean_decoder_for
 from posttrain.rollout.base import SamplingParams, assemble_rollout_batch, prompt_positions, with_uids
 
 __all__ = ["HFRolloutEngine", "assemble_rollout_batch", "response_mask_from_eos"]  # assemble_rollout_batch: re-exported
@@ -52,6 +53,8 @@ class HFRolloutEngine:
         autocast: context-manager factory for compute precision (e.g. bf16 autocast), or None.
         max_batch_size: rows (prompts times ``n``) decoded together.
         eos_token_ids: stop tokens; default the tokenizer's EOS plus the model generation config's.
+        lean_decode: decode Llama-family models with :mod:`posttrain.rollout.lean_decoder` (the same
+            logits in fewer ops); False keeps the model's own forward for every step.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class HFRolloutEngine:
         autocast: Callable[[], Any] | None = None,
         max_batch_size: int = 1024,
         eos_token_ids: list[int] | None = None,
+        lean_decode: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -68,6 +72,7 @@ class HFRolloutEngine:
         self.max_batch_size = max_batch_size
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = eos_token_ids or self._default_eos_ids()
+        self.lean_decode = lean_decode
 
     def _default_eos_ids(self) -> list[int]:
         ids = [self.tokenizer.eos_token_id]
@@ -118,7 +123,7 @@ class HFRolloutEngine:
         log_probs = torch.zeros(rows, max(steps_max, 0), dtype=torch.float32, device=device)
         if steps_max <= 0:
             return responses, None
-        step = _ModelStepper(self.model)
+        step = _ModelStepper(self.model, self.lean_decode)
         ctx = self.autocast() if self.autocast is not None else contextlib.nullcontext()
         eos = torch.tensor(self.eos_token_ids, device=device)
         alive = torch.arange(rows, device=device)  # output row of each decoding-batch row
@@ -127,7 +132,7 @@ class HFRolloutEngine:
             logits = step.prefill(ids, mask, pos)  # [B, V]
             if n > 1 and not step.repeat(n):  # a cache type that cannot be repeated: prefill every row
                 ids, mask, pos = (x.repeat_interleave(n, dim=0) for x in (ids, mask, pos))
-                step = _ModelStepper(self.model)
+                step = _ModelStepper(self.model, self.lean_decode)
                 logits = step.prefill(ids, mask, pos)
             elif n > 1:
                 logits = logits.repeat_interleave(n, dim=0)
@@ -217,9 +222,10 @@ def _draw(scores: torch.Tensor) -> torch.Tensor:
 
 class _ModelStepper:
     """Prefill / one-token decode with a KV cache, on the backbone + lm_head when the model splits
-    (logits of the last position only), across ``transformers`` versions (``cache``/``past_key_values``)."""
+    (logits of the last position only), across ``transformers`` versions (``cache``/``past_key_values``).
+    After :meth:`reserve`, a Llama-family model decodes through a :class:`LeanDecoder` holding the cache."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, lean_decode: bool = False):
         from posttrain.models.logprobs import split_lm
 
         self.model = model
@@ -232,6 +238,8 @@ class _ModelStepper:
         self.keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep")
                              if self.body is None and k in inspect.signature(model.forward).parameters), None)
         self.cache = None
+        self.lean_decode = lean_decode
+        self.lean: LeanDecoder | None = None
 
     def _run(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
@@ -263,13 +271,22 @@ class _ModelStepper:
         return True
 
     def reserve(self, new_tokens: int) -> bool:
-        """Room in the cache for ``new_tokens`` more positions (``posttrain.rollout.kv_cache``)."""
+        """Room in the cache for ``new_tokens`` more positions (``posttrain.rollout.kv_cache``), or the
+        cache moved into a :class:`LeanDecoder` with that room."""
         from posttrain.rollout.kv_cache import reserve
 
+        self.lean = lean_decoder_for(self.model, self.cache) if self.lean_decode else None
+        if self.lean is not None:
+            self.lean.load_cache(self.cache, new_tokens)
+            self.cache = None
+            return True
         return reserve(self.cache, new_tokens)
 
     def select(self, rows: torch.Tensor) -> bool:
         """Keep only ``rows`` (indices) of the cache's batch; False (cache unchanged) when it cannot."""
+        if self.lean is not None:
+            self.lean.select(rows)
+            return True
         try:
             self.cache.batch_select_indices(rows)
         except (AttributeError, NotImplementedError, TypeError):
@@ -277,4 +294,6 @@ class _ModelStepper:
         return True
 
     def decode(self, tokens, attention_mask, position_ids) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.step(tokens, attention_mask, position_ids)
         return self._run(tokens, attention_mask, position_ids)

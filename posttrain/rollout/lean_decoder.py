@@ -1,0 +1,212 @@
+"""One-token decoding steps of Llama-family models in a few large ops, for the ``hf`` engine on CPU.
+
+A decoding step of SmolLM2-135M at 20 rows spends about a third of its time outside the matmuls:
+``transformers``' forward makes ~60 small ops and as many Python calls per layer (mask building,
+cache bookkeeping, separate q/k/v and gate/up projections), each a few microseconds on a CPU.
+Here a step of the same model is ~15 ops per layer: q/k/v as one matmul and gate/up as one (their
+weights concatenated once per generation), rotary embedding from the model's own rotary module,
+keys and values written in place into preallocated buffers, grouped-query attention of the one
+query against them (float32 softmax), SiLU-gated MLP. In fp32 each weight is multiplied through
+MKL's packed GEMM (:mod:`posttrain.models.packed_linear`); under bf16 autocast the weights are cast
+to bf16 once per generation instead of at every call, and the ops keep autocast's precisions
+(bf16 matmuls, float32 norms and residual stream).
+
+Prefill stays ``transformers``' own forward (long inputs, its masks); its KV cache is then copied
+into this decoder's buffers. :func:`lean_decoder_for` returns None, and the engine keeps the
+model's forward, for anything this does not reproduce exactly: other architectures, sliding-window
+attention, LoRA-wrapped or otherwise non-``nn.Linear`` projections, non-SiLU MLPs, sharded
+(DTensor) weights, caches without per-layer keys/values. ``tests/rollout/test_lean_decoder.py``
+checks the logits against the model's forward step by step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from posttrain.models.packed_linear import mkl_packing_available
+
+__all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for"]
+
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+"""``config.model_type`` values whose decoder layer this module reproduces (RMSNorm, rotary q/k,
+grouped-query attention with optional q/k/v bias, SiLU-gated MLP)."""
+
+
+class _Weight:
+    """One projection's weight for the step's precision; fp32 ones go through MKL's packed GEMM,
+    packed again whenever the number of rows changes."""
+
+    __slots__ = ("weight", "bias", "packed", "rows")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.weight = weight.detach().to(dtype)
+        self.bias = bias.detach().to(dtype) if bias is not None else None
+        self.packed, self.rows = None, 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < 2 or self.weight.dtype != torch.float32 or not mkl_packing_available():
+            return F.linear(x, self.weight, self.bias)
+        if rows != self.rows:
+            self.packed, self.rows = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows), rows
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
+
+
+def _fused(*linears: nn.Linear, dtype: torch.dtype) -> _Weight:
+    weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight
+    biases = [lin.bias for lin in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
+    return _Weight(weight, bias, dtype)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """``transformers``' RMSNorm: float32 statistics, the weight times the normalized input."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    xf = x.float()
+    return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Layer:
+    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj, dtype=dtype)
+        self.o = _fused(attn.o_proj, dtype=dtype)
+        self.gate_up = _fused(mlp.gate_proj, mlp.up_proj, dtype=dtype)
+        self.down = _fused(mlp.down_proj, dtype=dtype)
+        self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        self.scale = getattr(attn, "scaling", attn.head_dim ** -0.5)
+        self.keys: torch.Tensor | None = None  # [B, Hkv, capacity, d]
+        self.values: torch.Tensor | None = None
+
+
+class LeanDecoder:
+    """Decoding steps over buffers filled from a prefilled ``transformers`` cache (see module doc).
+
+    Args:
+        body: the model's backbone (``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``).
+        head: the output projection; ``softcap``: final logit soft-capping or None.
+        dtype: the matmuls' precision (float32, or bfloat16 under autocast).
+    """
+
+    def __init__(self, body: nn.Module, head: nn.Linear, softcap: float | None, dtype: torch.dtype):
+        cfg = body.config
+        self.body, self.softcap, self.dtype = body, softcap, dtype
+        self.head = _fused(head, dtype=dtype)
+        self.layers = [_Layer(layer, dtype) for layer in body.layers]
+        self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.length = 0
+
+    # ------------------------------------------------------------------ cache
+    def load_cache(self, cache: Any, new_tokens: int) -> None:
+        """Copy a prefilled cache's keys/values into buffers with room for ``new_tokens`` more positions."""
+        for layer, cached in zip(self.layers, cache.layers):
+            batch, heads, length, dim = cached.keys.shape
+            layer.keys = cached.keys.new_empty(batch, heads, length + new_tokens, dim)
+            layer.values = cached.values.new_empty(batch, heads, length + new_tokens, dim)
+            layer.keys[:, :, :length] = cached.keys
+            layer.values[:, :, :length] = cached.values
+            self.length = length
+
+    def repeat(self, n: int) -> None:
+        """Each batch row ``n`` times (interleaved), as the engine repeats a prompt for its samples."""
+        for layer in self.layers:
+            layer.keys = layer.keys.repeat_interleave(n, dim=0)
+            layer.values = layer.values.repeat_interleave(n, dim=0)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (indices)."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
+    def _grow(self) -> None:
+        for layer in self.layers:
+            layer.keys = torch.cat([layer.keys, torch.empty_like(layer.keys)], dim=2)
+            layer.values = torch.cat([layer.values, torch.empty_like(layer.values)], dim=2)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """tokens ``[B, 1]``, mask ``[B, L]`` (L = cached positions + 1), positions ``[B, 1]`` -> logits ``[B, V]``."""
+        if self.length >= self.layers[0].keys.shape[2]:
+            self._grow()
+        batch, pos, d = tokens.shape[0], self.length, self.head_dim
+        hidden = self.body.embed_tokens(tokens)  # [B, 1, H]
+        cos, sin = self.body.rotary_emb(hidden, position_ids)  # [B, 1, d]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, 1, 1, d], float32 as in the model's forward
+        hidden = hidden[:, 0]  # [B, H]
+        masked = ~attention_mask[:, None, None, :pos + 1].bool()  # [B, 1, 1, L]
+        for layer in self.layers:
+            x = _rms_norm(hidden, layer.norm_in).to(self.dtype)
+            qkv = layer.qkv(x).view(batch, 1, -1, d)
+            q, k, v = qkv.split([self.q_heads, self.kv_heads, self.kv_heads], dim=2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # [B, 1, heads, d]
+            layer.keys[:, :, pos] = k[:, 0]
+            layer.values[:, :, pos] = v[:, 0]
+            attn = self._attend(q[:, 0], layer, masked, pos + 1)
+            hidden = hidden + layer.o(attn.to(self.dtype))
+            gate, up = layer.gate_up(_rms_norm(hidden, layer.norm_post).to(self.dtype)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        self.length = pos + 1
+        logits = self.head(_rms_norm(hidden, self.body.norm).to(self.dtype))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _attend(self, q: torch.Tensor, layer: _Layer, masked: torch.Tensor, length: int) -> torch.Tensor:
+        """One query ``[B, Hq, d]`` against ``length`` cached positions -> ``[B, Hq * d]``."""
+        batch, group = q.shape[0], self.q_heads // self.kv_heads
+        keys, values = layer.keys[:, :, :length], layer.values[:, :, :length]
+        q = q.reshape(batch, self.kv_heads, group, self.head_dim).to(keys.dtype)  # head h reads kv head h // group
+        scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, g, L], softmax in float32 at least
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer.scale
+        scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(batch, self.q_heads * self.head_dim)
+
+
+def lean_decoder_for(model: nn.Module, cache: Any) -> LeanDecoder | None:
+    """A :class:`LeanDecoder` for ``model`` after a prefill that produced ``cache``, or None where it
+    would not reproduce the model's own step (see module doc)."""
+    from posttrain.models.logprobs import split_lm
+
+    parts = split_lm(model)
+    if parts is None or not _supported(model, parts[0], parts[1], cache):
+        return None
+    autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if autocast else parts[1].weight.dtype
+    return LeanDecoder(parts[0], parts[1], parts[2], dtype)
+
+
+def _supported(model: nn.Module, body: nn.Module, head: nn.Module, cache: Any) -> bool:
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in LEAN_MODEL_TYPES:
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "sliding_window", None) and (
+            cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        return False
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return False
+    layers = getattr(body, "layers", None)
+    if not layers or not all(hasattr(body, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return False
+    linears = [head] + [proj for layer in layers for proj in (
+        getattr(layer.self_attn, "q_proj", None), getattr(layer.self_attn, "k_proj", None),
+        getattr(layer.self_attn, "v_proj", None), getattr(layer.self_attn, "o_proj", None),
+        getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None),
+        getattr(layer.mlp, "down_proj", None))]
+    if not all(type(lin) is nn.Linear and type(lin.weight.detach()) is torch.Tensor for lin in linears):
+        return False
+    cached = getattr(cache, "layers", None)
+    return bool(cached) and len(cached) == len(layers) and all(
+        getattr(c, "keys", None) is not None and getattr(c, "values", None) is not None for c in cached)

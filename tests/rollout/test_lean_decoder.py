@@ -1,0 +1,156 @@
+"""The lean decoder against the model's own forward: logits step by step (float64 and fp32), whole
+generations through the hf engine (greedy and sampled, left padding, rows ending early, bf16
+autocast), the architectures it declines, and enforce_eager turning it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch
+from helpers.tokenizer import build_tiny_tokenizer
+from posttrain.config.actor_rollout_ref import RolloutConfig
+from posttrain.rollout import SamplingParams, get_rollout_engine
+from posttrain.rollout.hf import HFRolloutEngine
+from posttrain.rollout.lean_decoder import lean_decoder_for
+
+PROMPTS = ["1+1=", "hello there 2*3=", "x", "abc 12"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def _common(tok) -> dict:
+    return dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
+def _model(kind: str, tok, tied: bool = True):
+    torch.manual_seed(3)
+    if kind == "llama":  # grouped-query heads, a non-default rope base
+        return tiny_llama(tok, num_key_value_heads=2, rope_theta=500.0)
+    if kind == "qwen2":  # q/k/v biases, tied embeddings (untied where a test needs EOS to be emitted)
+        model = Qwen2ForCausalLM(Qwen2Config(**_common(tok), tie_word_embeddings=tied))
+        with torch.no_grad():  # random biases (initialized to zero), so that a dropped bias shows
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        return model
+    return MistralForCausalLM(MistralConfig(**_common(tok), sliding_window=None))
+
+
+def _prefill(model, prompts):
+    ids, mask, pos = prompts["input_ids"], prompts["attention_mask"], prompts["position_ids"]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, cache=DynamicCache())
+    return out.logits[:, -1], out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@torch.no_grad()
+def test_step_logits_equal_the_model_forward_in_float64(kind, tok):
+    """Six decoding steps of left-padded prompts: the lean step's logits against the model's
+    forward on the same cache contents, in float64 (so any difference is a wrong formula)."""
+    model = _model(kind, tok).double().eval()
+    prompts = tiny_prompt_batch(tok, PROMPTS)
+    logits, cache = _prefill(model, prompts)
+    lean = lean_decoder_for(model, cache)
+    assert lean is not None, f"{kind} should be decoded by the lean decoder"
+    lean.load_cache(cache, new_tokens=2)  # smaller than the steps: the buffers must grow
+    mask, pos = prompts["attention_mask"], prompts["position_ids"][:, -1:]
+    for _ in range(6):
+        token = logits.argmax(-1, keepdim=True)
+        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        out = model(input_ids=token, attention_mask=mask, position_ids=pos, use_cache=True, cache=cache)
+        logits = out.logits[:, -1]
+        lean_logits = lean.step(token, mask, pos)
+        assert lean_logits.dtype == torch.float64
+        assert (lean_logits - logits).abs().max().item() < 1e-10
+
+
+@torch.no_grad()
+def test_step_comparison_can_fail(tok):
+    """Negative control: the same comparison with one layer's attention scale doubled differs."""
+    model = _model("llama", tok).double().eval()
+    prompts = tiny_prompt_batch(tok, PROMPTS)
+    logits, cache = _prefill(model, prompts)
+    lean = lean_decoder_for(model, cache)
+    lean.load_cache(cache, new_tokens=4)
+    lean.layers[1].scale *= 2
+    token = logits.argmax(-1, keepdim=True)
+    mask = torch.cat([prompts["attention_mask"], torch.ones_like(token)], 1)
+    pos = prompts["position_ids"][:, -1:] + 1
+    want = model(input_ids=token, attention_mask=mask, position_ids=pos, use_cache=True, cache=cache).logits[:, -1]
+    assert (lean.step(token, mask, pos) - want).abs().max().item() > 1e-3
+
+
+def _generate(model, tok, lean: bool, sampling: SamplingParams, autocast=None, eos: list[int] | None = None):
+    engine = HFRolloutEngine(model, tok, lean_decode=lean, autocast=autocast, eos_token_ids=eos)
+    torch.manual_seed(11)
+    return engine.generate(tiny_prompt_batch(tok, PROMPTS), sampling)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_engine_generations_equal_with_and_without_lean_decoding(kind, greedy, tok):
+    """fp32, n=3, rows leaving the batch at different steps (the stop token is the third token the
+    model wrote in its first row): the same tokens and the same rollout log-probs (to 1e-5) as
+    decoding with the model's own forward."""
+    model = _model(kind, tok)
+    sampling = SamplingParams(n=3, temperature=1.0, response_length=12, do_sample=not greedy)
+    stop = [int(_generate(model, tok, False, sampling)["responses"][0, 2])]
+    plain, lean = _generate(model, tok, False, sampling, eos=stop), _generate(model, tok, True, sampling, eos=stop)
+    lengths = plain["response_mask"].sum(-1)
+    assert lengths.min() < lengths.max(), "rows should end at different steps"
+    assert torch.equal(plain["responses"], lean["responses"])
+    assert torch.equal(plain["response_mask"], lean["response_mask"])
+    assert (plain["rollout_log_probs"] - lean["rollout_log_probs"]).abs().max().item() < 1e-5
+
+
+def test_engine_under_bf16_autocast_matches_the_model_forward(tok):
+    """bf16 autocast (weights cast once instead of at every call): greedy tokens equal and
+    log-probs within bf16 rounding of the model's own autocast decoding."""
+    model = _model("llama", tok)
+    sampling = SamplingParams(n=2, response_length=10, do_sample=False)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    plain = _generate(model, tok, False, sampling, autocast)
+    lean = _generate(model, tok, True, sampling, autocast)
+    assert torch.equal(plain["responses"], lean["responses"])
+    assert (plain["rollout_log_probs"] - lean["rollout_log_probs"]).abs().max().item() < 2e-2
+
+
+def test_declines_what_it_does_not_reproduce(tok):
+    """Sliding-window Mistral, a LoRA-wrapped projection and an unknown architecture keep the model's forward."""
+    prompts = tiny_prompt_batch(tok, PROMPTS[:2])
+    windowed = MistralForCausalLM(MistralConfig(**_common(tok), sliding_window=4)).eval()
+    assert lean_decoder_for(windowed, _prefill(windowed, prompts)[1]) is None
+
+    wrapped = _model("llama", tok).eval()
+    layer = wrapped.model.layers[0].mlp
+
+    class Wrapped(torch.nn.Module):  # e.g. peft's lora.Linear: not an nn.Linear
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.weight = inner, inner.weight
+
+        def forward(self, x):
+            return self.inner(x)
+
+    layer.up_proj = Wrapped(layer.up_proj)
+    with torch.no_grad():
+        assert lean_decoder_for(wrapped, _prefill(wrapped, prompts)[1]) is None
+
+    other = _model("llama", tok).eval()
+    other.config.model_type = "some_other_arch"
+    with torch.no_grad():
+        assert lean_decoder_for(other, _prefill(other, prompts)[1]) is None
+
+
+def test_enforce_eager_turns_lean_decoding_off(tok):
+    model = _model("llama", tok)
+    on = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig())
+    off = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig(enforce_eager=True))
+    assert on.lean_decode is True and off.lean_decode is False
