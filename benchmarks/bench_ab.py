@@ -5,10 +5,12 @@ by up to 2x within minutes, so runs one after the other cannot attribute a 1.3x 
     python benchmarks/bench_ab.py --lever prefix           # actor.use_prefix_grouper (prompts encoded once)
     python benchmarks/bench_ab.py --lever prefix --with compile --steps 9 --off-first
     python benchmarks/bench_ab.py --steps 15 --off-first --precision fp32
+    python benchmarks/bench_ab.py --lever lean --precision fp32   # the hf engine's lean decoder
 
 Levers: ``compile`` (``actor_rollout_ref.model.compile_layers``: the first step compiles and is
-reported, not counted) and ``prefix`` (``actor_rollout_ref.actor.use_prefix_grouper``, the
-reference following). ``--with`` keeps another lever on throughout. After the first step, steps
+reported, not counted), ``prefix`` (``actor_rollout_ref.actor.use_prefix_grouper``, the
+reference following) and ``lean`` (the ``hf`` engine's lean decoder, off as with
+``actor_rollout_ref.rollout.enforce_eager=True``). ``--with`` keeps another lever on throughout. After the first step, steps
 alternate off / on and the median of each phase (``timing_s/*``) is printed for both, with their
 ratio.
 """
@@ -27,13 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PHASES = ("gen", "ref", "update_actor", "step")
 LEVERS = {"compile": "actor_rollout_ref.model.compile_layers=True",
-          "prefix": "actor_rollout_ref.actor.use_prefix_grouper=True"}
+          "prefix": "actor_rollout_ref.actor.use_prefix_grouper=True",
+          "lean": "actor_rollout_ref.rollout.enforce_eager=False"}
 
 
 def _switch(trainer, lever: str, on: bool) -> None:
     """Turn ``lever`` on or off in a running trainer's actor and reference."""
     from posttrain.models.compile import disable_layer_compile, enable_layer_compile
 
+    if lever == "lean":
+        trainer.workers.actor.rollout.lean_decode = on
+        return
     workers = [w for w in (trainer.workers.actor, trainer.workers.ref) if w is not None]
     for worker in workers:
         if lever == "compile":

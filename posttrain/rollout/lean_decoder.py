@@ -51,6 +51,9 @@ class _Weight:
         rows = x.shape[0]
         if rows < 2 or self.weight.dtype != torch.float32 or not mkl_packing_available():
             return F.linear(x, self.weight, self.bias)
+        if self.rows // 2 <= rows < self.rows:  # rows left the batch: pad rather than pack again
+            padded = torch.cat([x, x.new_zeros(self.rows - rows, x.shape[1])])
+            return torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, self.bias, self.rows)[:rows]
         if rows != self.rows:
             self.packed, self.rows = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows), rows
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
