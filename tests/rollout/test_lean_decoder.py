@@ -13,7 +13,7 @@ from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.config.actor_rollout_ref import RolloutConfig
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.hf import HFRolloutEngine
-from posttrain.rollout.lean_decoder import lean_decoder_for
+from posttrain.rollout.lean_decoder import lean_decoder_for, mkl_packing_available
 
 PROMPTS = ["1+1=", "hello there 2*3=", "x", "abc 12"]
 
@@ -154,3 +154,19 @@ def test_enforce_eager_turns_lean_decoding_off(tok):
     on = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig())
     off = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig(enforce_eager=True))
     assert on.lean_decode is True and off.lean_decode is False
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
+def test_packed_weight_equals_linear_as_rows_leave():
+    """fp32 through MKL's packed GEMM: packed for 8 rows, then 5 (padded to 8), 3 (packed again), 1
+    (plain linear): every result equals F.linear's."""
+    from posttrain.rollout.lean_decoder import _Weight
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    packed = _Weight(weight, bias, torch.float32)
+    for rows, packed_for in ((8, 8), (5, 8), (3, 3), (1, 3)):
+        x = torch.randn(rows, 64)
+        out = packed(x)
+        assert packed.rows == packed_for
+        assert (out - torch.nn.functional.linear(x, weight, bias)).abs().max().item() < 1e-5
