@@ -10,7 +10,7 @@ by up to 2x within minutes, so runs one after the other cannot attribute a 1.3x 
 Levers: ``compile`` (``actor_rollout_ref.model.compile_layers``: the first step compiles and is
 reported, not counted), ``prefix`` (``actor_rollout_ref.actor.use_prefix_grouper``, the
 reference following) and ``lean`` (the ``hf`` engine's lean decoder, off as with
-``actor_rollout_ref.rollout.enforce_eager=True``). ``--with`` keeps another lever on throughout. After the first step, steps
+``actor_rollout_ref.rollout.lean_decode=False``). ``--with`` keeps another lever on throughout. After the first step, steps
 alternate off / on and the median of each phase (``timing_s/*``) is printed for both, with their
 ratio.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PHASES = ("gen", "ref", "update_actor", "step")
 LEVERS = {"compile": "actor_rollout_ref.model.compile_layers=True",
           "prefix": "actor_rollout_ref.actor.use_prefix_grouper=True",
-          "lean": "actor_rollout_ref.rollout.enforce_eager=False"}
+          "lean": "actor_rollout_ref.rollout.lean_decode=True"}
 
 
 def _switch(trainer, lever: str, on: bool) -> None:

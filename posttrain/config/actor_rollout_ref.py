@@ -294,7 +294,9 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating past EOS."""
     enforce_eager: bool = False
-    """vllm: disable CUDA graphs in the engine. hf: decode every step with the model's own forward instead of posttrain's lean decoder for Llama-family models (the same tokens and log-probs, fewer ops per step; posttrain.rollout.lean_decoder)."""
+    """Disable CUDA graphs in the engine."""
+    lean_decode: bool = True
+    """posttrain's hf engine: decode Llama-family models (llama, mistral, qwen2) with posttrain.rollout.lean_decoder, fewer ops per token and MKL-packed fp32 weights, the same tokens and log-probs; False runs the model's own forward at every decoding step."""
     free_cache_engine: bool = True
     """Release the KV cache between rollouts."""
     tensor_model_parallel_size: int = 2

@@ -18,7 +18,7 @@ def get_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
     """Build the engine named by ``actor_rollout_ref.rollout.name``; kwargs go to its constructor.
 
     ``hf`` -> :class:`posttrain.rollout.hf.HFRolloutEngine` (``model``, ``tokenizer``, ``autocast``;
-    ``config.enforce_eager`` turns its lean decoder off).
+    ``config.lean_decode=False`` turns its lean decoder off).
     ``vllm`` -> :class:`posttrain.rollout.vllm_engine.VLLMRolloutEngine` (the same, plus ``config``
     and ``seed``); RuntimeError naming the install command when vLLM is not importable.
     ``sglang`` fails at start-up: there is no SGLang engine yet.
@@ -28,8 +28,8 @@ def get_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
 
         config = kwargs.pop("config", None)
         kwargs.pop("seed", None)
-        if config is not None:  # rollout.enforce_eager=True: the model's own forward at every decoding step
-            kwargs.setdefault("lean_decode", not bool(getattr(config, "enforce_eager", False)))
+        if config is not None:  # rollout.lean_decode=False: the model's own forward at every decoding step
+            kwargs.setdefault("lean_decode", bool(getattr(config, "lean_decode", True)))
         return HFRolloutEngine(**kwargs)
     if name == "vllm":
         from posttrain.rollout.vllm_engine import VLLMRolloutEngine

@@ -1,6 +1,6 @@
 """The lean decoder against the model's own forward: logits step by step (float64 and fp32), whole
 generations through the hf engine (greedy and sampled, left padding, rows ending early, bf16
-autocast), the architectures it declines, and enforce_eager turning it off."""
+autocast), the architectures it declines, and rollout.lean_decode=False turning it off."""
 
 from __future__ import annotations
 
@@ -149,10 +149,10 @@ def test_declines_what_it_does_not_reproduce(tok):
         assert lean_decoder_for(other, _prefill(other, prompts)[1]) is None
 
 
-def test_enforce_eager_turns_lean_decoding_off(tok):
+def test_rollout_lean_decode_key_turns_it_off(tok):
     model = _model("llama", tok)
-    on = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig())
-    off = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig(enforce_eager=True))
+    on = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig(enforce_eager=True))
+    off = get_rollout_engine("hf", model=model, tokenizer=tok, config=RolloutConfig(lean_decode=False))
     assert on.lean_decode is True and off.lean_decode is False
 
 
