@@ -20,16 +20,26 @@ a long validation) would stay resident for the rest of the run, and the holes th
 between the tensors that outlive it (gradients, Adam's moments) add up from step to step.
 ``release_freed_memory`` (glibc's ``malloc_trim``) hands the free pages of the heap back to the
 kernel at the points where the next phase's reuse is not worth what they hold.
+``mapped_allocations`` gives the blocks allocated inside a ``with`` block mappings of their own
+again, for short-lived buffers of unusual sizes (the lean decoder's packed weights, over-allocated
+2x by MKL and half untouched) that would otherwise leave the heap holes every later phase touches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
+from typing import Iterator
 
-__all__ = ["keep_freed_memory", "release_freed_memory"]
+__all__ = ["keep_freed_memory", "mapped_allocations", "release_freed_memory"]
+
+GLIBC_MMAP_MAX = 65536
+"""glibc's default ``M_MMAP_MAX``: mappings allowed at once."""
+
+_kept = False  # keep_freed_memory() turned mmap allocation off in this process
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
 TRIM_THRESHOLD_BYTES = 2**31 - 1
@@ -46,7 +56,24 @@ def keep_freed_memory() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    global _kept
+    _kept = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return _kept
+
+
+@contextlib.contextmanager
+def mapped_allocations() -> Iterator[None]:
+    """Large blocks allocated inside the block get their own mappings (unmapped when freed, whenever
+    that is), where :func:`keep_freed_memory` had turned that off; otherwise nothing changes."""
+    libc = _glibc() if _kept else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, 0)
 
 
 def release_freed_memory() -> bool:

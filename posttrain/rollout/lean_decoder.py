@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from posttrain.allocator import mapped_allocations
+
 __all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available"]
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -47,34 +49,52 @@ def mkl_packing_available() -> bool:
 
 
 class _Weight:
-    """One projection's weight for the step's precision; fp32 ones go through MKL's packed GEMM,
-    packed again whenever the number of rows changes."""
+    """One projection, or several fused into one matmul (q/k/v, gate/up), in the step's precision.
 
-    __slots__ = ("weight", "bias", "packed", "rows")
+    fp32 with MKL: packed for the batch's row count straight from the model's own weights (no fused
+    copy is kept: packing is the copy), packed again from them when fewer than half the rows remain
+    and padded to the packed count until then; one row multiplies the model's weights directly.
+    Otherwise (bf16 autocast, float64, no MKL): one fused copy in ``dtype``.
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        self.weight = weight.detach().to(dtype)
-        self.bias = bias.detach().to(dtype) if bias is not None else None
+    __slots__ = ("linears", "bias", "weight", "packed", "rows", "shape")
+
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype):
+        self.linears = linears
+        biases = [lin.bias for lin in linears]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)]
+        ).to(dtype)
+        packable = dtype == torch.float32 and mkl_packing_available() and all(
+            lin.weight.dtype == torch.float32 for lin in linears)
+        self.weight = None if packable else self._source().to(dtype)
         self.packed, self.rows = None, 0
+        # _mkl_linear reads only the shape of its "original weight" when the rows match the packing
+        self.shape = torch.zeros(1).expand(sum(lin.out_features for lin in linears), linears[0].in_features)
+
+    def _source(self) -> torch.Tensor:
+        weights = [lin.weight.detach() for lin in self.linears]
+        return torch.cat(weights) if len(weights) > 1 else weights[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows < 2 or self.weight.dtype != torch.float32 or not mkl_packing_available():
+        if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
+        if rows < 2:
+            return F.linear(x, self._source(), self.bias) if len(self.linears) == 1 else torch.cat(
+                [F.linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
         if self.rows // 2 <= rows < self.rows:  # rows left the batch: pad rather than pack again
             padded = torch.cat([x, x.new_zeros(self.rows - rows, x.shape[1])])
-            return torch.ops.mkl._mkl_linear(padded, self.packed, self.weight, self.bias, self.rows)[:rows]
+            return torch.ops.mkl._mkl_linear(padded, self.packed, self.shape, self.bias, self.rows)[:rows]
         if rows != self.rows:
-            self.packed, self.rows = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows), rows
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, rows)
+            self.packed = None
+            with mapped_allocations():  # MKL allocates 2x what it fills: keep that out of the heap
+                self.packed, self.rows = torch.ops.mkl._mkl_reorder_linear_weight(self._source(), rows), rows
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape, self.bias, rows)
 
 
 def _fused(*linears: nn.Linear, dtype: torch.dtype) -> _Weight:
-    weight = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight
-    biases = [lin.bias for lin in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)])
-    return _Weight(weight, bias, dtype)
+    return _Weight(list(linears), dtype)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -123,6 +143,10 @@ class LeanDecoder:
     # ------------------------------------------------------------------ cache
     def load_cache(self, cache: Any, new_tokens: int) -> None:
         """Copy a prefilled cache's keys/values into buffers with room for ``new_tokens`` more positions."""
+        with mapped_allocations():
+            self._load_cache(cache, new_tokens)
+
+    def _load_cache(self, cache: Any, new_tokens: int) -> None:
         for layer, cached in zip(self.layers, cache.layers):
             batch, heads, length, dim = cached.keys.shape
             layer.keys = cached.keys.new_empty(batch, heads, length + new_tokens, dim)
@@ -198,7 +222,8 @@ def lean_decoder_for(model: nn.Module, cache: Any) -> LeanDecoder | None:
         return None
     autocast = torch.is_autocast_enabled("cpu")
     dtype = torch.get_autocast_dtype("cpu") if autocast else parts[1].weight.dtype
-    return LeanDecoder(parts[0], parts[1], parts[2], dtype)
+    with mapped_allocations():  # this generation's weight copies: unmapped when it ends, no heap holes
+        return LeanDecoder(parts[0], parts[1], parts[2], dtype)
 
 
 def _supported(model: nn.Module, body: nn.Module, head: nn.Module, cache: Any) -> bool:

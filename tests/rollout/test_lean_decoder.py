@@ -158,15 +158,17 @@ def test_rollout_lean_decode_key_turns_it_off(tok):
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
 def test_packed_weight_equals_linear_as_rows_leave():
-    """fp32 through MKL's packed GEMM: packed for 8 rows, then 5 (padded to 8), 3 (packed again), 1
-    (plain linear): every result equals F.linear's."""
+    """fp32 through MKL's packed GEMM, two projections fused: packed for 8 rows, then 5 (padded to
+    8), 3 (packed again), 1 (the model's weights): every result equals the two layers' outputs."""
     from posttrain.rollout.lean_decoder import _Weight
 
     torch.manual_seed(0)
-    weight, bias = torch.randn(96, 64), torch.randn(96)
-    packed = _Weight(weight, bias, torch.float32)
+    first, second = torch.nn.Linear(64, 96), torch.nn.Linear(64, 32)  # fused, as q/k/v are
+    packed = _Weight([first, second], torch.float32)
+    assert packed.weight is None  # no fused copy kept: the packed weight is the only copy
     for rows, packed_for in ((8, 8), (5, 8), (3, 3), (1, 3)):
         x = torch.randn(rows, 64)
         out = packed(x)
         assert packed.rows == packed_for
-        assert (out - torch.nn.functional.linear(x, weight, bias)).abs().max().item() < 1e-5
+        want = torch.cat([first(x), second(x)], dim=-1)
+        assert (out - want).abs().max().item() < 1e-5
