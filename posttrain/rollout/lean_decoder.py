@@ -4,7 +4,7 @@ A decoding step of SmolLM2-135M at 20 rows spends about a third of its time outs
 ``transformers``' forward makes ~60 small ops and as many Python calls per layer (mask building,
 cache bookkeeping, separate q/k/v and gate/up projections), each a few microseconds on a CPU.
 Here a step of the same model is ~15 ops per layer: q/k/v as one matmul and gate/up as one (their
-weights concatenated once per generation), rotary embedding from the model's own rotary module,
+weights concatenated, or packed together, once per generation), rotary embedding from the model's own rotary module,
 keys and values written in place into preallocated buffers, grouped-query attention of the one
 query against them (float32 softmax), SiLU-gated MLP. Under bf16 autocast the weights are cast to
 bf16 once per generation and the ops keep autocast's precisions (bf16 matmuls, float32 norms and
@@ -24,6 +24,10 @@ model's forward, for anything this does not reproduce exactly: other architectur
 attention, LoRA-wrapped or otherwise non-``nn.Linear`` projections, non-SiLU MLPs, sharded
 (DTensor) weights, caches without per-layer keys/values. ``tests/rollout/test_lean_decoder.py``
 checks the logits against the model's forward step by step.
+
+Measured in the trainer (fp32, alternating on/off): GSM8K-length generation (20 rows, <= 256
+tokens) ~1.2x faster; at the built-in run's <= 32 tokens no measurable change (prefill, the first
+step's packing and the last few rows, bound by streaming the weights, dominate there).
 """
 
 from __future__ import annotations
