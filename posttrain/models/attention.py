@@ -16,7 +16,7 @@ backward must choose the same function). ``posttrain_sdpa`` uses transformers' s
   tensor is small (``batch * heads * q * kv <= MAX_SCORE_ELEMENTS``): :func:`matmul_attention`;
 - everything else (fp32, CUDA, long sequences): transformers' own ``sdpa`` function.
 
-The softmax runs in float32; masked scores use the float32 minimum, not ``-inf``, so the query
+The softmax runs in float32 (float64 inputs: float64); masked scores use the float32 minimum, not ``-inf``, so the query
 rows of left padding (nothing to attend to) stay finite, as transformers' eager masks do.
 Where transformers lacks ``AttentionInterface``/``AttentionMaskInterface`` (older versions) the
 context manager does nothing.
@@ -62,7 +62,8 @@ def single_query_attention(module: nn.Module, query, key, value, attention_mask,
     batch, q_heads, _, dim, group = _grouped(query, key)
     scale = scaling if scaling is not None else dim ** -0.5
     q = query.reshape(batch, key.shape[1], group, dim)  # head h uses kv head h // group
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, Hkv, g, L]
+    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, g, L]; softmax in float32 at least
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     scores = _apply_mask(scores[:, :, :, None], attention_mask[..., -1:, :] if attention_mask is not None else None)
     probs = torch.softmax(scores[:, :, :, 0], dim=-1).to(value.dtype)
     return torch.matmul(probs, value).reshape(batch, 1, q_heads, dim)

@@ -38,7 +38,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's are the same
+
 from posttrain.allocator import mapped_allocations
+from posttrain.models.attention import single_query_attention
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available"]
 
@@ -85,8 +88,7 @@ class _Weight:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
         if rows < 2:
-            return F.linear(x, self._source(), self.bias) if len(self.linears) == 1 else torch.cat(
-                [F.linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
+            return torch.cat([F.linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
         if self.rows // 2 <= rows < self.rows:  # rows left the batch: pad rather than pack again
             padded = torch.cat([x, x.new_zeros(self.rows - rows, x.shape[1])])
             return torch.ops.mkl._mkl_linear(padded, self.packed, self.shape, self.bias, self.rows)[:rows]
@@ -97,29 +99,13 @@ class _Weight:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.shape, self.bias, rows)
 
 
-def _fused(*linears: nn.Linear, dtype: torch.dtype) -> _Weight:
-    return _Weight(list(linears), dtype)
-
-
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """``transformers``' RMSNorm: float32 statistics, the weight times the normalized input."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    xf = x.float()
-    return norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class _Layer:
     def __init__(self, layer: nn.Module, dtype: torch.dtype):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj, dtype=dtype)
-        self.o = _fused(attn.o_proj, dtype=dtype)
-        self.gate_up = _fused(mlp.gate_proj, mlp.up_proj, dtype=dtype)
-        self.down = _fused(mlp.down_proj, dtype=dtype)
+        self.qkv = _Weight([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+        self.o = _Weight([attn.o_proj], dtype)
+        self.gate_up = _Weight([mlp.gate_proj, mlp.up_proj], dtype)
+        self.down = _Weight([mlp.down_proj], dtype)
         self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
         self.scale = getattr(attn, "scaling", attn.head_dim ** -0.5)
         self.keys: torch.Tensor | None = None  # [B, Hkv, capacity, d]
@@ -138,7 +124,7 @@ class LeanDecoder:
     def __init__(self, body: nn.Module, head: nn.Linear, softcap: float | None, dtype: torch.dtype):
         cfg = body.config
         self.body, self.softcap, self.dtype = body, softcap, dtype
-        self.head = _fused(head, dtype=dtype)
+        self.head = _Weight([head], dtype)
         self.layers = [_Layer(layer, dtype) for layer in body.layers]
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -183,37 +169,25 @@ class LeanDecoder:
             self._grow()
         batch, pos, d = tokens.shape[0], self.length, self.head_dim
         hidden = self.body.embed_tokens(tokens)  # [B, 1, H]
-        cos, sin = self.body.rotary_emb(hidden, position_ids)  # [B, 1, d]
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, 1, 1, d], float32 as in the model's forward
+        cos, sin = self.body.rotary_emb(hidden, position_ids)  # [B, 1, d], float32 as in the model's forward
         hidden = hidden[:, 0]  # [B, H]
-        masked = ~attention_mask[:, None, None, :pos + 1].bool()  # [B, 1, 1, L]
+        attend = attention_mask[:, None, None, :pos + 1].bool()  # [B, 1, 1, L]
         for layer in self.layers:
-            x = _rms_norm(hidden, layer.norm_in).to(self.dtype)
-            qkv = layer.qkv(x).view(batch, 1, -1, d)
+            qkv = layer.qkv(layer.norm_in(hidden).to(self.dtype)).view(batch, 1, -1, d)
             q, k, v = qkv.split([self.q_heads, self.kv_heads, self.kv_heads], dim=2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # [B, 1, heads, d]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, 1, heads, d]
             layer.keys[:, :, pos] = k[:, 0]
             layer.values[:, :, pos] = v[:, 0]
-            attn = self._attend(q[:, 0], layer, masked, pos + 1)
-            hidden = hidden + layer.o(attn.to(self.dtype))
-            gate, up = layer.gate_up(_rms_norm(hidden, layer.norm_post).to(self.dtype)).chunk(2, dim=-1)
+            attn = single_query_attention(None, q.transpose(1, 2).to(layer.keys.dtype), layer.keys[:, :, :pos + 1],
+                                          layer.values[:, :, :pos + 1], attend, layer.scale)  # [B, 1, Hq, d]
+            hidden = hidden + layer.o(attn.reshape(batch, -1).to(self.dtype))
+            gate, up = layer.gate_up(layer.norm_post(hidden).to(self.dtype)).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         self.length = pos + 1
-        logits = self.head(_rms_norm(hidden, self.body.norm).to(self.dtype))
+        logits = self.head(self.body.norm(hidden).to(self.dtype))
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
-
-    def _attend(self, q: torch.Tensor, layer: _Layer, masked: torch.Tensor, length: int) -> torch.Tensor:
-        """One query ``[B, Hq, d]`` against ``length`` cached positions -> ``[B, Hq * d]``."""
-        batch, group = q.shape[0], self.q_heads // self.kv_heads
-        keys, values = layer.keys[:, :, :length], layer.values[:, :, :length]
-        q = q.reshape(batch, self.kv_heads, group, self.head_dim).to(keys.dtype)  # head h reads kv head h // group
-        scores = torch.matmul(q, keys.transpose(-1, -2))  # [B, Hkv, g, L], softmax in float32 at least
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer.scale
-        scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).reshape(batch, self.q_heads * self.head_dim)
 
 
 def lean_decoder_for(model: nn.Module, cache: Any) -> LeanDecoder | None:
