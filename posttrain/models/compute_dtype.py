@@ -102,10 +102,9 @@ def choose_param_dtype(module: nn.Module, device: torch.device, cache_dir: str |
     path = _cache_file(cache_dir)
     key = _machine_key(module)
     cached = _read_cache(path).get(key)
-    if isinstance(cached, dict) and cached.get("choice") in CHOICES:
-        return cached["choice"], f"measured before on this machine and model, cached in {path}"
-    if cached in CHOICES:  # the cache's first form: the bare answer
-        return cached, f"measured before on this machine and model, cached in {path}"
+    cached_choice = cached.get("choice") if isinstance(cached, dict) else cached  # first form: the bare answer
+    if cached_choice in CHOICES:
+        return cached_choice, f"measured before on this machine and model, cached in {path}"
     log(f"compute precision: timing one training forward + backward in fp32 and bf16 ({flags}; "
         f"at most {BUDGET_S:.0f} s, once per machine and model)")
     choice, seconds, share = _measure(module, torch.device(device), timer or time_train_step)
