@@ -20,9 +20,9 @@ weights are kept, and the rows padded to the packed count, until fewer than half
 
 Prefill stays ``transformers``' own forward (long inputs, its masks); its KV cache is then copied
 into this decoder's buffers. :func:`lean_decoder_for` returns None, and the engine keeps the
-model's forward, for anything this does not reproduce exactly: other architectures, sliding-window
-attention, LoRA-wrapped or otherwise non-``nn.Linear`` projections, non-SiLU MLPs, sharded
-(DTensor) weights, caches without per-layer keys/values. ``tests/rollout/test_lean_decoder.py``
+model's forward, for anything this does not reproduce exactly or was not built for: a model on a
+GPU, other architectures, sliding-window attention, LoRA-wrapped or otherwise non-``nn.Linear``
+projections, non-SiLU MLPs, sharded (DTensor) weights, caches without per-layer keys/values. ``tests/rollout/test_lean_decoder.py``
 checks the logits against the model's forward step by step.
 
 Measured in the trainer (fp32, alternating on/off): GSM8K-length generation (20 rows, <= 256
@@ -222,6 +222,8 @@ def _supported(model: nn.Module, body: nn.Module, head: nn.Module, cache: Any) -
         getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None),
         getattr(layer.mlp, "down_proj", None))]
     if not all(type(lin) is nn.Linear and type(lin.weight.detach()) is torch.Tensor for lin in linears):
+        return False
+    if head.weight.device.type != "cpu":  # CPU only: MKL packing and CPU autocast (a GPU keeps the model's forward)
         return False
     cached = getattr(cache, "layers", None)
     return bool(cached) and len(cached) == len(layers) and all(

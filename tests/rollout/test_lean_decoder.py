@@ -123,7 +123,8 @@ def test_engine_under_bf16_autocast_matches_the_model_forward(tok):
 
 
 def test_declines_what_it_does_not_reproduce(tok):
-    """Sliding-window Mistral, a LoRA-wrapped projection and an unknown architecture keep the model's forward."""
+    """Sliding-window Mistral, a LoRA-wrapped projection, an unknown architecture and a model off the
+    CPU keep the model's forward."""
     prompts = tiny_prompt_batch(tok, PROMPTS[:2])
     windowed = MistralForCausalLM(MistralConfig(**_common(tok), sliding_window=4)).eval()
     assert lean_decoder_for(windowed, _prefill(windowed, prompts)[1]) is None
@@ -147,6 +148,12 @@ def test_declines_what_it_does_not_reproduce(tok):
     other.config.model_type = "some_other_arch"
     with torch.no_grad():
         assert lean_decoder_for(other, _prefill(other, prompts)[1]) is None
+
+    elsewhere = _model("llama", tok).eval()  # off the CPU (a GPU in real use; the meta device here)
+    with torch.no_grad():
+        cache = _prefill(elsewhere, prompts)[1]
+        assert lean_decoder_for(elsewhere, cache) is not None
+        assert lean_decoder_for(elsewhere.to("meta"), cache) is None
 
 
 def test_rollout_lean_decode_key_turns_it_off(tok):
