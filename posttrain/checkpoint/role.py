@@ -53,6 +53,8 @@ def save_role(folder: str | Path, role: Any, *, tokenizer: Any = None, adapter_f
                  write_failed_advice(folder.parent.parent), error=CheckpointWriteError):
         save_role_state(folder, role.module, role.optimizer, role.lr_scheduler, role.generator,
                         hf_config=role.module.config, tokenizer=tokenizer, trainable_only=lora is not None)
+        if hasattr(role.optimizer, "page_out"):  # optimizer_offload on CPU: the save read every moment
+            role.optimizer.page_out()
         if lora is not None:
             write = lora.write if adapter_folder else lora.write_base_record
             write(folder, rank=process_rank())

@@ -26,6 +26,7 @@ from posttrain.models import autocast_context, compute_response_logprobs, defaul
 from posttrain.models import response_logprobs
 from posttrain.models.compile import enable_layer_compile
 from posttrain.models.lora import LoraAdapter, merged_for_generation
+from posttrain.paging import offload_directory, page_module
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
@@ -86,7 +87,8 @@ class ActorWorker:
         self.tokenizer = tokenizer
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
         # frozen parameters (a LoRA base) stay out of the optimizer: no state, no weight decay
-        self.optimizer = build_optimizer(trainable_parameters(self.module), actor_config.optim)
+        self.optimizer = build_optimizer(trainable_parameters(self.module), actor_config.optim, offload_directory(
+            actor_config.fsdp_config, "optimizer_offload", "actor_rollout_ref.actor", self.module, self.device))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
         self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
         self.generator = torch.Generator().manual_seed(seed)
@@ -297,9 +299,22 @@ class RefWorker:
         self.param_dtype = param_dtype or decide_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
                                                              module, self.device)
         self.module = module.eval().requires_grad_(False)
+        # param_offload on a CPU run: the weights in a file, paged out after each pass (posttrain.paging)
+        directory = offload_directory(ref_config.fsdp_config, "param_offload", "actor_rollout_ref.ref", module,
+                                      self.device)
+        self.paged = page_module(self.module, directory) if directory is not None else None
         if compile_layers:
             enable_layer_compile(self.module)
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
+
+    @contextlib.contextmanager
+    def _pass(self):
+        """One pass over the weights; with them paged (param_offload on CPU) they leave memory after it."""
+        try:
+            yield
+        finally:
+            if self.paged is not None:
+                self.paged.page_out()
 
     @classmethod
     def from_config(cls, model_config: Any, ref_config: Any, rollout_config: Any = None, *,
@@ -313,12 +328,13 @@ class RefWorker:
     def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
         """``ref_log_prob`` ``[N, R]`` of ``batch['responses']``."""
         cfg = self.config
-        log_probs, _ = compute_response_logprobs(
-            self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
-            False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
-            max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
-            remove_padding=self.remove_padding, shared_prefix=bool(cfg.use_prefix_grouper),
-        )
+        with self._pass():
+            log_probs, _ = compute_response_logprobs(
+                self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
+                False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
+                max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
+                remove_padding=self.remove_padding, shared_prefix=bool(cfg.use_prefix_grouper),
+            )
         return log_probs
 
 
@@ -326,9 +342,10 @@ class RefWorker:
         """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens under the reference, and their count."""
         from posttrain.workers.sft import sequence_logps
 
-        return sequence_logps(self.module, batch, micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
-                              autocast=self.autocast, remove_padding=self.remove_padding,
-                              shared_prefix=bool(self.config.use_prefix_grouper))
+        with self._pass():
+            return sequence_logps(self.module, batch, micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
+                                  autocast=self.autocast, remove_padding=self.remove_padding,
+                                  shared_prefix=bool(self.config.use_prefix_grouper))
 
 
 class LoraReference:

@@ -20,6 +20,7 @@ from posttrain.models import split_for_padding
 from posttrain.models.compile import compiled_layers, enable_layer_compile
 from posttrain.models.lora import LoraAdapter
 from posttrain.models.microbatch import equal_micro_batch_count
+from posttrain.paging import offload_directory
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
 from posttrain.workers.prepare import InProcess, prepare
@@ -75,7 +76,9 @@ class CriticWorker:
         if mcfg.compile_layers:
             enable_layer_compile(self.module, "critic.model.compile_layers")
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
-        self.optimizer = build_optimizer(trainable_parameters(self.module), config.optim)  # LoRA: adapters + head
+        self.optimizer = build_optimizer(  # LoRA: adapters + head
+            trainable_parameters(self.module), config.optim,
+            offload_directory(mcfg.fsdp_config, "optimizer_offload", "critic.model", self.module, self.device))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.generator = torch.Generator().manual_seed(seed)
         self.remove_padding = bool(mcfg.use_remove_padding)

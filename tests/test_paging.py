@@ -1,0 +1,132 @@
+"""State paged to a file between uses (``param_offload`` / ``optimizer_offload`` on a CPU run)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from posttrain.errors import ConfigError
+from posttrain.paging import PagedTensors, _filesystem_type, page_module, paging_directory
+from posttrain.resident import current_resident_bytes
+from posttrain.workers.optim import PagedAdamW
+from tests.helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from tests.helpers.tokenizer import build_tiny_tokenizer
+
+
+def test_paged_tensors_keep_their_values_and_leave_memory(tmp_path):
+    like = [torch.empty(4096, 1024), torch.empty(3, 5, dtype=torch.bfloat16), torch.empty(0)]  # 16 MB, odd, empty
+    paged = PagedTensors(like, str(tmp_path))
+    values = [torch.randn(t.shape).to(t.dtype) for t in like]
+    before = current_resident_bytes()
+    assert all(t.shape == l.shape and t.dtype == l.dtype and not t.any() for t, l in zip(paged.tensors, like))
+    for t, v in zip(paged.tensors, values):
+        t.copy_(v)
+    touched = current_resident_bytes() - before
+    paged.page_out()
+    released = current_resident_bytes()
+    assert touched > 14e6 and before + touched - released > 14e6  # the 16 MB came in, then left the process
+    assert all(torch.equal(t, v) for t, v in zip(paged.tensors, values))  # and read back unchanged
+    paged.tensors[1].add_(1)
+    paged.page_out(1)  # one tensor's pages; its neighbours untouched
+    assert torch.equal(paged.tensors[1], values[1] + 1) and torch.equal(paged.tensors[0], values[0])
+    assert paged.holds(0, paged.tensors[0]) and not paged.holds(0, paged.tensors[0].clone())
+
+
+def test_paged_module_computes_as_before(tmp_path):
+    tok = build_tiny_tokenizer()
+    model = tiny_llama(tok, tie_word_embeddings=True).eval()
+    ids = torch.randint(0, len(tok), (2, 9))
+    want = model(ids).logits
+    paged = page_module(model, str(tmp_path))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    ptrs = {p.data_ptr() for t in paged.tensors for p in [t]}
+    assert {p.data_ptr() for p in model.parameters()} <= ptrs  # every weight lives in the file now
+    assert torch.equal(model(ids).logits, want)
+    paged.page_out()
+    assert torch.equal(model(ids).logits, want)
+
+
+def test_in_memory_directory_refused():
+    if _filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.ref\.fsdp_config\.param_offload.*tmpfs.*TMPDIR"):
+        paging_directory("actor_rollout_ref.ref.fsdp_config.param_offload", "/dev/shm")
+
+
+def _params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s)) for s in [(300, 70), (70,), (5, 3, 2), (1,)]]
+
+
+def _train(opt, params, steps, seed=1, skip=None):
+    g = torch.Generator().manual_seed(seed)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr changes between steps
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = None if (skip == i and step == 1) else torch.randn(p.shape, generator=g)
+        opt.step()
+        sched.step()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_paged_adamw_equals_torch_adamw(tmp_path, fused):
+    kw = dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1, fused=fused)
+    want, got = _params(), _params()
+    _train(torch.optim.AdamW(want, **kw), want, 4, skip=2)
+    opt = PagedAdamW(got, directory=str(tmp_path), **kw)
+    _train(opt, got, 4, skip=2)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    for i, p in enumerate(got):  # the moments live in the files
+        assert opt._files["exp_avg"].holds(i, opt.state[p]["exp_avg"])
+        assert opt._files["exp_avg_sq"].holds(i, opt.state[p]["exp_avg_sq"])
+    control = _params()  # negative control: another weight decay moves the weights elsewhere
+    _train(torch.optim.AdamW(control, **{**kw, "weight_decay": 0.0}), control, 4, skip=2)
+    assert not torch.equal(control[0], got[0])
+
+
+def test_paged_adamw_state_dict_interchangeable_with_torch(tmp_path):
+    kw = dict(lr=0.01, weight_decay=0.1, fused=True)
+    plain, paged = _params(), _params()
+    a, b = torch.optim.AdamW(plain, **kw), PagedAdamW(paged, directory=str(tmp_path), **kw)
+    _train(a, plain, 2)
+    _train(b, paged, 2)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in paged]
+    c = PagedAdamW(resumed, directory=str(tmp_path), **kw)
+    c.load_state_dict(copy.deepcopy(a.state_dict()))  # a torch AdamW checkpoint into a paged one
+    assert all(c._files["exp_avg"].holds(i, c.state[p]["exp_avg"]) for i, p in enumerate(resumed))
+    torch.optim.AdamW(plain, **kw).load_state_dict(b.state_dict())  # and the other way round
+    _train(a, plain, 2, seed=5)
+    _train(c, resumed, 2, seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(plain, resumed))
+
+
+def test_offload_keys_page_the_reference_and_the_moments_on_cpu(tmp_path, monkeypatch):
+    from posttrain.workers import ActorWorker, RefWorker
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tok = build_tiny_tokenizer()
+    prompts = tiny_prompt_batch(tok, ["1+1=", "hello 2*3=", "7-2=", "x"])
+    plain_cfg = tiny_worker_configs()
+    cfg = tiny_worker_configs(actor={"fsdp_config": dataclasses.replace(plain_cfg.actor.fsdp_config,
+                                                                        optimizer_offload=True)})
+    cfg.ref.fsdp_config.param_offload = True
+    actors = [ActorWorker(c.model, c.actor, c.rollout, device="cpu", module=tiny_llama(tok), tokenizer=tok, seed=3)
+              for c in (plain_cfg, cfg)]
+    assert type(actors[0].optimizer) is torch.optim.AdamW and isinstance(actors[1].optimizer, PagedAdamW)
+    refs = [RefWorker(tiny_llama(tok), c.ref, c.rollout, device="cpu") for c in (plain_cfg, cfg)]
+    assert refs[0].paged is None and refs[1].paged is not None
+    batch = actors[0].generate_sequences(prompts)  # one batch for both (sampling draws from shared streams)
+    batch.meta_info["temperature"] = 1.0
+    torch.manual_seed(7)
+    batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["response_mask"]) * batch["response_mask"]
+    for actor in actors:
+        for _ in range(3):
+            batch["old_log_probs"], _ = actor.compute_log_prob(batch)
+            actor.update_policy(batch)
+    moved = [(a - b).abs().max() for a, b in zip(tiny_llama(tok).parameters(), actors[1].module.parameters())]
+    assert min(moved) > 0  # the steps changed every weight
+    assert all(torch.equal(a, b) for a, b in zip(actors[0].module.parameters(), actors[1].module.parameters()))
+    assert torch.equal(refs[0].compute_ref_log_prob(batch), refs[1].compute_ref_log_prob(batch))
