@@ -6,11 +6,16 @@ by up to 2x within minutes, so runs one after the other cannot attribute a 1.3x 
     python benchmarks/bench_ab.py --lever prefix --with compile --steps 9 --off-first
     python benchmarks/bench_ab.py --steps 15 --off-first --precision fp32
     python benchmarks/bench_ab.py --lever lean --precision fp32   # the hf engine's lean decoder
+    python benchmarks/bench_ab.py --lever offload --precision fp32   # reference and AdamW moments paged to a file
 
 Levers: ``compile`` (``actor_rollout_ref.model.compile_layers``: the first step compiles and is
 reported, not counted), ``prefix`` (``actor_rollout_ref.actor.use_prefix_grouper``, the
-reference following) and ``lean`` (the ``hf`` engine's lean decoder, off as with
-``actor_rollout_ref.rollout.lean_decode=False``). ``--with`` keeps another lever on throughout. After the first step, steps
+reference following), ``lean`` (the ``hf`` engine's lean decoder, off as with
+``actor_rollout_ref.rollout.lean_decode=False``), ``offload`` (the reference's ``param_offload`` and the
+actor's ``optimizer_offload``: paged to a file between uses on a CPU run, the rollout's and update's
+large buffers in mappings of their own; off, the same file-backed memory stays resident, is stepped
+all at once, and freed memory stays in the heap) and
+``micro8`` (the actor's update in micro-batches of 8 responses instead of 16). ``--with`` keeps another lever on throughout. After the first step, steps
 alternate off / on and the median of each phase (``timing_s/*``) is printed for both, with their
 ratio.
 """
@@ -28,9 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PHASES = ("gen", "ref", "update_actor", "step")
-LEVERS = {"compile": "actor_rollout_ref.model.compile_layers=True",
-          "prefix": "actor_rollout_ref.actor.use_prefix_grouper=True",
-          "lean": "actor_rollout_ref.rollout.lean_decode=True"}
+LEVERS = {"compile": ["actor_rollout_ref.model.compile_layers=True"],
+          "prefix": ["actor_rollout_ref.actor.use_prefix_grouper=True"],
+          "lean": ["actor_rollout_ref.rollout.lean_decode=True"],
+          "offload": ["actor_rollout_ref.ref.fsdp_config.param_offload=True",
+                      "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"],
+          "micro8": []}
+MICRO_OFF, MICRO_ON = 16, 8
+"""``micro8``: the actor's update in micro-batches of 8 responses (on) instead of 16 (off)."""
 
 
 def _switch(trainer, lever: str, on: bool) -> None:
@@ -39,6 +49,27 @@ def _switch(trainer, lever: str, on: bool) -> None:
 
     if lever == "lean":
         trainer.workers.actor.rollout.lean_decode = on
+        return
+    if lever == "micro8":
+        trainer.workers.actor.config.ppo_micro_batch_size_per_gpu = MICRO_ON if on else MICRO_OFF
+        return
+    if lever == "offload":  # off: the same memory, never paged out (resident like any other) and no trims
+        import torch
+
+        from posttrain.workers.optim import PagedAdamW
+
+        actor = trainer.workers.actor
+        if not hasattr(actor, "paged_optimizer"):
+            actor.paged_optimizer = paged = actor.optimizer
+            assert isinstance(paged, PagedAdamW)
+            plain = torch.optim.AdamW(paged.param_groups, fused=True)  # torch's step over the same groups and state
+            plain.param_groups, plain.state = paged.param_groups, paged.state
+            actor.plain_optimizer = plain
+        actor.optimizer = actor.paged_optimizer if on else actor.plain_optimizer
+        actor.memory_first = on
+        ref = trainer.workers.ref
+        ref.kept_paged = getattr(ref, "kept_paged", ref.paged)
+        ref.paged = ref.kept_paged if on else None
         return
     workers = [w for w in (trainer.workers.actor, trainer.workers.ref) if w is not None]
     for worker in workers:
@@ -67,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {os.getloadavg()}; bf16 rate {rates['bf16'] / 1e12:.2f}, fp32 {rates['fp32'] / 1e12:.2f} TFLOP/s; "
           f"lever {a.lever}" + (f", always on: {', '.join(a.also)}" if a.also else ""), flush=True)
     levers = sorted({a.lever, *a.also})
-    config, _ = bench_step.build_config(a.precision, a.steps, [LEVERS[name] for name in levers])
+    config, _ = bench_step.build_config(a.precision, a.steps, [o for name in levers for o in LEVERS[name]])
     trainer = RLTrainer(config)
     rows: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     for i in range(a.steps):

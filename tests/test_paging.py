@@ -12,8 +12,8 @@ from posttrain.errors import ConfigError
 from posttrain.paging import PagedTensors, _filesystem_type, page_module, paging_directory
 from posttrain.resident import current_resident_bytes
 from posttrain.workers.optim import PagedAdamW
-from tests.helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
-from tests.helpers.tokenizer import build_tiny_tokenizer
+from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tokenizer import build_tiny_tokenizer
 
 
 def test_paged_tensors_keep_their_values_and_leave_memory(tmp_path):
@@ -77,7 +77,11 @@ def test_paged_adamw_equals_torch_adamw(tmp_path, fused):
     want, got = _params(), _params()
     _train(torch.optim.AdamW(want, **kw), want, 4, skip=2)
     opt = PagedAdamW(got, directory=str(tmp_path), **kw)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
     _train(opt, got, 4, skip=2)
+    assert calls == ["pre", "post"] * 4  # once per step, not once per parameter
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     for i, p in enumerate(got):  # the moments live in the files
         assert opt._files["exp_avg"].holds(i, opt.state[p]["exp_avg"])

@@ -132,7 +132,8 @@ class LeanDecoder:
 
     # ------------------------------------------------------------------ cache
     def load_cache(self, cache: Any, new_tokens: int) -> None:
-        """Copy a prefilled cache's keys/values into buffers with room for ``new_tokens`` more positions."""
+        """Move a prefilled cache's keys/values into buffers with room for ``new_tokens`` more positions
+        (``cache`` is left empty)."""
         with mapped_allocations():
             self._load_cache(cache, new_tokens)
 
@@ -143,6 +144,9 @@ class LeanDecoder:
             layer.values = cached.values.new_empty(batch, heads, length + new_tokens, dim)
             layer.keys[:, :, :length] = cached.keys
             layer.values[:, :, :length] = cached.values
+            # the prefilled layer freed as soon as it is copied (the engine drops the cache next): one layer's
+            # copy at a time instead of the whole cache twice (-0.4 GB at a 128-prompt validation of SmolLM2)
+            cached.keys = cached.values = cached.keys.new_empty(0)
             self.length = length
 
     def repeat(self, n: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -75,7 +76,9 @@ class PagedAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self.param_groups
+        groups, hooks = self.param_groups, (self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks)
+        # this step's hooks ran once around it; not again around each parameter's
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         try:
             for group in groups:
                 for p in group["params"]:
@@ -86,6 +89,7 @@ class PagedAdamW(torch.optim.AdamW):
                     self._page_out(p)
         finally:
             self.param_groups = groups
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = hooks
         return loss
 
     def _page_out(self, p: torch.nn.Parameter) -> None:

@@ -51,6 +51,7 @@ def ppo_update(data: dict[str, torch.Tensor], cfg: Any, *, micro_step: MicroStep
             grad_norm, skipped = optimizer_step(module.parameters(), optimizer, cfg.grad_clip, finite)
             meter.count(f"{prefix}/nonfinite_skipped", float(skipped))
             meter.end_mini_batch(**{f"{prefix}/grad_norm": float(grad_norm)})
+    optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for the phases before the next update
     metrics = meter.result()
     metrics[f"{prefix}/lr"] = lr_scheduler.get_last_lr()[0]
     step_scheduler(lr_scheduler)

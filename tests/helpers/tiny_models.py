@@ -28,7 +28,7 @@ from posttrain.config.actor_rollout_ref import (
 )
 from posttrain.config.critic import CriticConfig, CriticModelConfig
 
-__all__ = ["tiny_llama", "tiny_prompt_batch", "tiny_worker_configs"]
+__all__ = ["grads_at_step", "tiny_llama", "tiny_prompt_batch", "tiny_worker_configs"]
 
 
 def tiny_llama(tokenizer: Any, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
@@ -109,3 +109,12 @@ def random_advantage_update(actor: Any, prompts: Batch, seed: int | None = None)
     batch["advantages"] = torch.randn(len(batch), 1).expand_as(batch["response_mask"]) * batch["response_mask"]
     batch["old_log_probs"], _ = actor.compute_log_prob(batch)
     actor.update_policy(batch)
+
+
+def grads_at_step(worker) -> dict[str, torch.Tensor]:
+    """Filled with the gradients ``worker``'s optimizer steps with (the update frees them after its step)."""
+    names = {p: n for n, p in worker.module.named_parameters()}
+    seen: dict[str, torch.Tensor] = {}
+    worker.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.update(
+        {names[p]: p.grad.clone() for group in opt.param_groups for p in group["params"] if p.grad is not None}))
+    return seen

@@ -4,6 +4,8 @@ autocast), the architectures it declines, and rollout.lean_decode=False turning 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -59,7 +61,7 @@ def test_step_logits_equal_the_model_forward_in_float64(kind, tok):
     logits, cache = _prefill(model, prompts)
     lean = lean_decoder_for(model, cache)
     assert lean is not None, f"{kind} should be decoded by the lean decoder"
-    lean.load_cache(cache, new_tokens=2)  # smaller than the steps: the buffers must grow
+    lean.load_cache(copy.deepcopy(cache), new_tokens=2)  # smaller than the steps: the buffers must grow
     mask, pos = prompts["attention_mask"], prompts["position_ids"][:, -1:]
     for _ in range(6):
         token = logits.argmax(-1, keepdim=True)
@@ -72,13 +74,27 @@ def test_step_logits_equal_the_model_forward_in_float64(kind, tok):
 
 
 @torch.no_grad()
+def test_load_cache_moves_the_prefilled_cache(tok):
+    """The prefilled cache is emptied layer by layer as it is copied (one layer's copy at a time in memory)."""
+    model = _model("llama", tok).eval()
+    logits, cache = _prefill(model, tiny_prompt_batch(tok, PROMPTS))
+    want = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    lean = lean_decoder_for(model, cache)
+    lean.load_cache(cache, new_tokens=3)
+    assert all(layer.keys.numel() == 0 and layer.values.numel() == 0 for layer in cache.layers)
+    length = want[0][0].shape[2]
+    for mine, (keys, values) in zip(lean.layers, want):
+        assert torch.equal(mine.keys[:, :, :length], keys) and torch.equal(mine.values[:, :, :length], values)
+
+
+@torch.no_grad()
 def test_step_comparison_can_fail(tok):
     """Negative control: the same comparison with one layer's attention scale doubled differs."""
     model = _model("llama", tok).double().eval()
     prompts = tiny_prompt_batch(tok, PROMPTS)
     logits, cache = _prefill(model, prompts)
     lean = lean_decoder_for(model, cache)
-    lean.load_cache(cache, new_tokens=4)
+    lean.load_cache(copy.deepcopy(cache), new_tokens=4)
     lean.layers[1].scale *= 2
     token = logits.argmax(-1, keepdim=True)
     mask = torch.cat([prompts["attention_mask"], torch.ones_like(token)], 1)

@@ -15,7 +15,7 @@ from posttrain.algorithms import LOSS_AGG_MODES, agg_loss, get_policy_loss_fn, k
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.rollout import SamplingParams
 from posttrain.workers import ActorWorker, RefWorker
-from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
+from helpers.tiny_models import grads_at_step, tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 TEMP = 0.8
 PROMPTS = ["1+1=", "hello 2*3=", "x", "what is 7-5?"]
@@ -90,11 +90,13 @@ def test_grad_accumulation_equals_one_big_batch(tok, train_batch, mode, split):
         extra.update(use_remove_padding=True)
     actor, _ = make_actor(tok, mini_batch_size=8, micro_batch_size=3, actor=extra)
     ref_model = copy.deepcopy(actor.module)
+    got = grads_at_step(actor)
     metrics = actor.update_policy(train_batch)
+    assert all(p.grad is None for p in actor.module.parameters())  # freed after the update
     want, want_pg = one_big_batch_grads(ref_model, train_batch, actor.config)
-    for name, p in actor.module.named_parameters():
+    for name, _ in actor.module.named_parameters():
         scale = float(want[name].abs().max())
-        torch.testing.assert_close(p.grad, want[name], rtol=2e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=2e-4, atol=1e-5 * scale, msg=lambda m: f"{name}: {m}")
     assert metrics["actor/pg_loss"] == pytest.approx(want_pg, rel=1e-4, abs=1e-7)
     assert metrics["actor/nonfinite_skipped"] == 0
 
