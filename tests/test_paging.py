@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
+import math
+import os
+import tempfile
 
 import pytest
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.paging import PagedTensors, _filesystem_type, page_module, paging_directory
+from posttrain.paging import IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, page_module, paging_directory
 from posttrain.resident import current_resident_bytes
 from posttrain.workers.optim import PagedAdamW
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 from helpers.tokenizer import build_tiny_tokenizer
+
+
+@pytest.fixture
+def paging_dir(tmp_path, monkeypatch):
+    """The temporary directory (where paged state goes) set to ``tmp_path``, which must be on a disk."""
+    if _filesystem_type(str(tmp_path)) in IN_MEMORY_FILESYSTEMS:
+        pytest.skip("the test folder is in memory (tmpfs): paging is refused there")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
 
 
 def test_paged_tensors_keep_their_values_and_leave_memory(tmp_path):
@@ -107,10 +120,9 @@ def test_paged_adamw_state_dict_interchangeable_with_torch(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(plain, resumed))
 
 
-def test_offload_keys_page_the_reference_and_the_moments_on_cpu(tmp_path, monkeypatch):
+def test_offload_keys_page_the_reference_and_the_moments_on_cpu(paging_dir):
     from posttrain.workers import ActorWorker, RefWorker
 
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
     tok = build_tiny_tokenizer()
     prompts = tiny_prompt_batch(tok, ["1+1=", "hello 2*3=", "7-2=", "x"])
     plain_cfg = tiny_worker_configs()
@@ -134,3 +146,54 @@ def test_offload_keys_page_the_reference_and_the_moments_on_cpu(tmp_path, monkey
     assert min(moved) > 0  # the steps changed every weight
     assert all(torch.equal(a, b) for a, b in zip(actors[0].module.parameters(), actors[1].module.parameters()))
     assert torch.equal(refs[0].compute_ref_log_prob(batch), refs[1].compute_ref_log_prob(batch))
+
+
+def test_full_disk_is_one_error_naming_the_folder(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=rf"cannot reserve 0\.01 GB in {tmp_path} to page AdamW's exp_avg.*TMPDIR"):
+        PagedTensors([torch.empty(2_500_000)], str(tmp_path), what="AdamW's exp_avg")
+
+
+def test_offload_keys_change_nothing_off_a_one_process_cpu_run():
+    cfg = tiny_worker_configs()
+    cfg.ref.fsdp_config.param_offload = True
+    module = torch.nn.Linear(2, 2)
+    assert offload_directory(cfg.ref.fsdp_config, "param_offload", "x", module, torch.device("cuda")) is None
+    module.posttrain_fsdp = object()  # sharded on ranks: posttrain.distributed.fsdp's business
+    assert offload_directory(cfg.ref.fsdp_config, "param_offload", "x", module, torch.device("cpu")) is None
+    cfg.ref.fsdp_config.param_offload = False
+    assert offload_directory(cfg.ref.fsdp_config, "param_offload", "x", torch.nn.Linear(2, 2), "cpu") is None
+
+
+PAGED = ["actor_rollout_ref.ref.fsdp_config.param_offload=True",
+         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"]
+RUN = ["actor_rollout_ref.actor.use_kl_loss=True", "trainer.save_freq=2", "trainer.resume_mode=auto"]
+
+
+def test_paged_run_equals_the_plain_run_and_resumes_exactly(paging_dir):
+    """A tiny GRPO run with the reference and AdamW's moments paged: the same metrics as without
+    paging, and stopped after step 2 then resumed (checkpoint of the paged optimizer), the same steps 3-4."""
+    from helpers.tiny_run import one_thread, tiny_overrides
+    from posttrain.config import load_config
+    from posttrain.trainer.trainer import RLTrainer
+
+    def fit(folder, extra, steps):
+        overrides = tiny_overrides(paging_dir / folder, RUN + extra + [f"trainer.total_training_steps={steps}"])
+        trainer = RLTrainer(load_config(overrides=overrides))
+        return trainer, trainer.fit()
+
+    with one_thread():
+        _, plain = fit("plain", [], 4)
+        trainer, paged = fit("paged", PAGED, 4)
+        assert isinstance(trainer.workers.actor.optimizer, PagedAdamW) and trainer.workers.ref.paged is not None
+        fit("split", PAGED, 2)
+        _, resumed = fit("split", PAGED, 4)
+    assert [r["step"] for r in resumed] == [3, 4] and paged[2]["actor/kl_loss"] > 0
+    for a, b in [*zip(plain, paged), *zip(paged[2:], resumed)]:
+        keys = [k for k in a if k.startswith(("actor/", "response_length/"))]
+        assert len(keys) > 10
+        bad = {k: (a[k], b[k]) for k in keys if not math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7)}
+        assert bad == {}, f"step {a['step']}: {bad}"
