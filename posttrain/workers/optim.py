@@ -59,8 +59,8 @@ class PagedAdamW(torch.optim.AdamW):
     parameter, then pages its moments out: at most one parameter's moments are in memory at once,
     instead of all of them (8 bytes a parameter) on top of what the update holds. The update is
     torch's (the same numbers as ``torch.optim.AdamW``), the state dict is torch's (checkpoints are
-    interchangeable); moments that arrive from elsewhere (the first step creates them, a checkpoint
-    load replaces them) are copied into the file at their parameter's next step.
+    interchangeable); moments created elsewhere are copied into the file: torch creates them at a
+    parameter's first step (copied right after it), a checkpoint load replaces them (copied as it ends).
     """
 
     def __init__(self, params: Any, *, directory: str, **kwargs: Any):
