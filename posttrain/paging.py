@@ -10,9 +10,10 @@ a pass over 0.54 GB took 0.11-0.13 s against 0.10-0.12 s for ordinary memory on 
 Xeon), and under memory pressure the kernel writes them to the file and frees them instead of the
 process running out of memory.
 
-Used for the frozen reference's weights (``actor_rollout_ref.ref.fsdp_config.param_offload``: paged
-out after each reference pass) and for AdamW's moments (``*.fsdp_config.optimizer_offload``:
-`posttrain.workers.optim.PagedAdamW` pages each parameter's moments out right after its update).
+Used for the frozen reference's and reward model's weights (``actor_rollout_ref.ref.fsdp_config.
+param_offload``, ``reward_model.model.fsdp_config.param_offload``: paged out after each pass) and for
+AdamW's moments (``*.fsdp_config.optimizer_offload``: `posttrain.workers.optim.PagedAdamW` pages each
+parameter's moments out right after its update).
 The file lives in the temporary directory (``TMPDIR``), which must be on a disk: paging to a
 ``tmpfs`` would move the memory, not free it, so that is refused with an error that says so.
 """
@@ -117,11 +118,11 @@ class PagedTensors:
         return tensor.data_ptr() == mine.data_ptr() and tensor.shape == mine.shape
 
 
-def page_module(module: nn.Module, directory: str) -> PagedTensors:
+def page_module(module: nn.Module, directory: str, what: str = "the reference's weights") -> PagedTensors:
     """``module``'s parameters (each once, tied ones too) moved into a `PagedTensors` and paged out;
     the module computes as before, touching its weights pages them back in."""
     params = list({id(p): p for p in module.parameters()}.values())
-    paged = PagedTensors([p.detach() for p in params], directory, what="the reference's weights")
+    paged = PagedTensors([p.detach() for p in params], directory, what=what)
     with torch.no_grad():
         for p, slot in zip(params, paged.tensors):
             slot.copy_(p)

@@ -172,7 +172,7 @@ class RefFSDPConfig:
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
     """FSDP wrapping policy."""
     param_offload: bool = False
-    """Keep reference parameters in CPU memory between uses. On a one-process CPU run: paged to a file in TMPDIR (on a disk) after each reference pass (posttrain.paging)."""
+    """Keep reference parameters in CPU memory between uses. On a one-process CPU run: paged to a file in TMPDIR (on a disk) after each pass of the model (reference or reward model; posttrain.paging)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward."""
     forward_prefetch: bool = False

@@ -30,6 +30,7 @@ from posttrain.models.logprobs import forget_forward_record  # the reference's f
 from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices
 from posttrain.models.precision import autocast_context
 from posttrain.models.reward_model import import_external_lib, last_token_scores
+from posttrain.paging import offload_directory, page_module
 from posttrain.rewards.manager import place_on_last_token, response_mask_of
 
 __all__ = ["RewardModelWorker", "per_rank_micro_batch", "render_for_reward_model"]
@@ -78,6 +79,10 @@ class RewardModelWorker:
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device)
         self.module = module.to(self.device).eval().requires_grad_(False)
+        # param_offload on a CPU run: the weights in a file, paged out after each scoring (posttrain.paging)
+        directory = offload_directory(config.model.fsdp_config, "param_offload", "reward_model.model", self.module,
+                                      self.device)
+        self.paged = page_module(self.module, directory, "the reward model's weights") if directory else None
         text_config = self.module.config.get_text_config()
         if text_config.pad_token_id is None:  # transformers refuses batches of > 1 row without one
             text_config.pad_token_id = rm_tokenizer.pad_token_id
@@ -179,6 +184,8 @@ class RewardModelWorker:
                 if not padding:
                     scores[rows.cpu()] = out.cpu()
         forget_forward_record(self.module)
+        if self.paged is not None:
+            self.paged.page_out()
         return scores
 
 

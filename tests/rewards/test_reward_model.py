@@ -4,6 +4,8 @@ rule-based reward, a tiny PPO run, and the start-up errors for bad settings."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from helpers.tiny_reward_model import build_rm_tokenizer, tiny_reward_model, tiny_reward_model_dir
 from helpers.tiny_run import tiny_config, tiny_model_dir
 from helpers.tokenizer import build_tiny_tokenizer
+from posttrain import paging
 from posttrain.batch import Batch, to_object_array
 from posttrain.config import ConfigError
 from posttrain.config.critic import RewardModelConfig
@@ -297,3 +300,21 @@ def test_a_bad_input_tokenizer_path_is_refused(tmp_path):
 def test_bad_reward_model_settings_are_config_errors(tmp_path, setting, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, rm_overrides(tmp_path, setting))
+
+
+def test_param_offload_pages_the_weights_on_cpu(toks, tmp_path, monkeypatch):
+    """``reward_model.model.fsdp_config.param_offload`` on a CPU run: weights in a file (posttrain.paging),
+    paged out after each scoring; the scores are the same."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if paging._filesystem_type(str(tmp_path)) in paging.IN_MEMORY_FILESYSTEMS:
+        pytest.skip("the test folder is in memory (tmpfs): paging is refused there")
+    batch = rollout_batch(toks[0])
+    want = worker(tiny_reward_model(toks[1]), toks).compute_rm_score(batch)
+    config = rm_config()
+    config.model.fsdp_config.param_offload = True
+    paged = RewardModelWorker(tiny_reward_model(toks[1]), config, rm_tokenizer=toks[1], input_tokenizer=toks[0],
+                              micro_batch_size=config.micro_batch_size_per_gpu)
+    assert paged.paged is not None and worker(tiny_reward_model(toks[1]), toks).paged is None
+    assert {p.data_ptr() for p in paged.module.parameters()} <= {t.data_ptr() for t in paged.paged.tensors}
+    assert torch.equal(paged.compute_rm_score(batch), want)
+    assert torch.equal(paged.compute_rm_score(batch), want)  # again, after the pages left
