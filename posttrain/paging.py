@@ -92,7 +92,10 @@ class PagedTensors:
         self.nbytes = max(offset, PAGE)
         self._file = tempfile.TemporaryFile(dir=directory, prefix="posttrain-paged-")
         try:
-            os.posix_fallocate(self._file.fileno(), 0, self.nbytes)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self._file.fileno(), 0, self.nbytes)
+            else:  # macOS: sized, not reserved
+                self._file.truncate(self.nbytes)
         except OSError as e:
             self._file.close()
             raise OSError(e.errno, f"cannot reserve {self.nbytes / 1e9:.2f} GB in {directory} to page {what} "
