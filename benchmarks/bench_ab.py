@@ -65,8 +65,7 @@ def _switch(trainer, lever: str, on: bool) -> None:
             plain = torch.optim.AdamW(paged.param_groups, fused=True)  # torch's step over the same groups and state
             plain.param_groups, plain.state = paged.param_groups, paged.state
             actor.plain_optimizer = plain
-        actor.optimizer = actor.paged_optimizer if on else actor.plain_optimizer
-        actor.memory_first = on
+        actor.optimizer = actor.paged_optimizer if on else actor.plain_optimizer  # with it, the actor's memory-first mode
         ref = trainer.workers.ref
         ref.kept_paged = getattr(ref, "kept_paged", ref.paged)
         ref.paged = ref.kept_paged if on else None

@@ -20,17 +20,18 @@ The file lives in the temporary directory (``TMPDIR``), which must be on a disk:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from posttrain.errors import ConfigError
 
-__all__ = ["PagedTensors", "offload_directory", "page_module", "paging_directory"]
+__all__ = ["PagedTensors", "offload_directory", "one_pass", "page_module", "paging_directory"]
 
 PAGE = mmap.PAGESIZE
 IN_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -132,6 +133,17 @@ def page_module(module: nn.Module, directory: str, what: str = "the reference's 
             p.data = slot
     paged.page_out()
     return paged
+
+
+@contextlib.contextmanager
+def one_pass(paged: PagedTensors | None) -> Iterator[None]:
+    """One pass over a paged module's weights (`page_module`): paged out after it, however it ends;
+    nothing to do when ``paged`` is None (the weights are ordinary memory)."""
+    try:
+        yield
+    finally:
+        if paged is not None:
+            paged.page_out()
 
 
 def offload_directory(fsdp_config: Any, key: str, section: str, module: nn.Module,

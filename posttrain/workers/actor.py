@@ -27,10 +27,10 @@ from posttrain.models import autocast_context, compute_response_logprobs, defaul
 from posttrain.models import response_logprobs
 from posttrain.models.compile import enable_layer_compile
 from posttrain.models.lora import LoraAdapter, merged_for_generation
-from posttrain.paging import offload_directory, page_module
+from posttrain.paging import offload_directory, one_pass, page_module
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
-from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
+from posttrain.workers.optim import PagedAdamW, build_lr_scheduler, build_optimizer, trainable_parameters
 from posttrain.workers.prepare import InProcess, decide_param_dtype, load_role_model, prepare
 from posttrain.workers.update import ppo_update
 
@@ -91,7 +91,6 @@ class ActorWorker:
         paged = offload_directory(actor_config.fsdp_config, "optimizer_offload", "actor_rollout_ref.actor",
                                   self.module, self.device)
         self.optimizer = build_optimizer(trainable_parameters(self.module), actor_config.optim, paged)
-        self.memory_first = paged is not None  # see _memory_first
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
         self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
         self.generator = torch.Generator().manual_seed(seed)
@@ -135,7 +134,7 @@ class ActorWorker:
         the kernel after it (`posttrain.allocator`): otherwise freed memory stays for the next phase to
         reuse, and the update's gradient accumulation left holes that grew the heap by 0.5 GB. The
         built-in run at fp32 peaked at 3.1-3.2 GB without this, 2.4-2.6 GB with it (bench_memory.py)."""
-        if not self.memory_first:
+        if not isinstance(self.optimizer, PagedAdamW):
             yield
             return
         with mapped_allocations():
@@ -325,15 +324,6 @@ class RefWorker:
             enable_layer_compile(self.module)
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
 
-    @contextlib.contextmanager
-    def _pass(self):
-        """One pass over the weights; with them paged (param_offload on CPU) they leave memory after it."""
-        try:
-            yield
-        finally:
-            if self.paged is not None:
-                self.paged.page_out()
-
     @classmethod
     def from_config(cls, model_config: Any, ref_config: Any, rollout_config: Any = None, *,
                     device: str | torch.device | None = None, param_dtype: str | None = None) -> "RefWorker":
@@ -346,7 +336,7 @@ class RefWorker:
     def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
         """``ref_log_prob`` ``[N, R]`` of ``batch['responses']``."""
         cfg = self.config
-        with self._pass():
+        with one_pass(self.paged):
             log_probs, _ = compute_response_logprobs(
                 self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
                 False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
@@ -360,7 +350,7 @@ class RefWorker:
         """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens under the reference, and their count."""
         from posttrain.workers.sft import sequence_logps
 
-        with self._pass():
+        with one_pass(self.paged):
             return sequence_logps(self.module, batch, micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
                                   autocast=self.autocast, remove_padding=self.remove_padding,
                                   shared_prefix=bool(self.config.use_prefix_grouper))

@@ -30,7 +30,7 @@ from posttrain.models.logprobs import forget_forward_record  # the reference's f
 from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices
 from posttrain.models.precision import autocast_context
 from posttrain.models.reward_model import import_external_lib, last_token_scores
-from posttrain.paging import offload_directory, page_module
+from posttrain.paging import offload_directory, one_pass, page_module
 from posttrain.rewards.manager import place_on_last_token, response_mask_of
 
 __all__ = ["RewardModelWorker", "per_rank_micro_batch", "render_for_reward_model"]
@@ -177,15 +177,13 @@ class RewardModelWorker:
         # under FSDP every forward is a collective: all ranks run as many (a padding entry is dropped)
         plan = equal_micro_batch_count(groups) if is_sharded(self.module) else [(g, False) for g in groups]
         scores = torch.zeros(mask.shape[0], dtype=torch.float32)
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad(), self.autocast(), one_pass(self.paged):
             for rows, padding in plan:
                 micro = _trim_padding({k: v[rows.to(v.device)] for k, v in inputs.items()})
                 out = last_token_scores(self.module, **{k: v.to(self.device) for k, v in micro.items()})
                 if not padding:
                     scores[rows.cpu()] = out.cpu()
         forget_forward_record(self.module)
-        if self.paged is not None:
-            self.paged.page_out()
         return scores
 
 
