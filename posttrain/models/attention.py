@@ -14,7 +14,10 @@ backward must choose the same function). ``posttrain_sdpa`` uses transformers' s
 - one-token queries on CPU: :func:`single_query_attention` (grouped-query heads packed, no ``repeat_kv``);
 - multi-token queries on CPU computed in bf16/fp16 (autocast or half inputs), when the score
   tensor is small (``batch * heads * q * kv <= MAX_SCORE_ELEMENTS``): :func:`matmul_attention`;
-- everything else (fp32, CUDA, long sequences): transformers' own ``sdpa`` function.
+- everything else (fp32, CUDA, long sequences): transformers' own ``sdpa`` function;
+- a shared-prompt layout (``posttrain.models.shared_prefix``, which passes ``posttrain_prefix_slots``
+  through the backbone): :func:`prefix_slot_attention`, the prompt and each response slot attended
+  separately (each piece by the rules above) instead of the dense ``[L, L]`` mask.
 
 The softmax runs in float32 (float64 inputs: float64); masked scores use the float32 minimum, not ``-inf``, so the query
 rows of left padding (nothing to attend to) stay finite, as transformers' eager masks do.
@@ -30,9 +33,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
-__all__ = ["ATTN_NAME", "MAX_SCORE_ELEMENTS", "fast_cpu_attention", "matmul_attention", "single_query_attention"]
+__all__ = ["ATTN_NAME", "MAX_SCORE_ELEMENTS", "PREFIX_SLOTS_KWARG", "fast_cpu_attention", "matmul_attention",
+           "prefix_slot_attention", "single_query_attention"]
 
 ATTN_NAME = "posttrain_sdpa"
+PREFIX_SLOTS_KWARG = "posttrain_prefix_slots"
+"""Keyword a backbone passes through to its attention: ``(P, R)`` of a shared-prompt layout."""
 MAX_SCORE_ELEMENTS = 1 << 24
 """Largest ``batch * q_heads * q_len * kv_len`` computed with :func:`matmul_attention` (64 MiB of
 float32 scores per layer, 32 MiB of bf16 probabilities kept for backward); longer inputs use the
@@ -91,6 +97,50 @@ def matmul_attention(module: nn.Module, query, key, value, attention_mask, scali
     return out.view(batch, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, dim)
 
 
+def prefix_slot_attention(module: nn.Module, query, key, value, attention_mask, prompt_len: int,
+                          slot_start: torch.Tensor, slot_len: torch.Tensor, **kwargs):
+    """Attention over a shared-prompt layout ``[prompt (P) | slot 0 | slot 1 | ...]`` by segments.
+
+    query ``[G, Hq, L, d]``, key/value ``[G, Hkv, L, d]``, mask ``[G, 1, L, L]`` bool (the layout's dense
+    mask, read here only at the pairs a segment can attend: prompt-prompt and slot-[prompt | own slot]);
+    slot_start, slot_len ``[G, k]``: each slot's first column and length. The prompt's queries attend
+    to the prompt; the slots become ``G * k`` rows of ``R'`` queries (the longest slot; shorter ones
+    padded) against their prompt's keys followed by their own (``P^2 + k R' (P + R')`` pairs instead
+    of ``L^2``). Backward sums each prompt key's gradient over its slots. Returns ``[G, L, Hq, d]``;
+    columns after a row's last slot get the output of its first column (they are never scored).
+    """
+    groups, q_heads, width, dim = query.shape
+    p, k, device = prompt_len, slot_start.shape[1], query.device
+    longest = max(1, int(slot_len.max()))
+    head = posttrain_sdpa(module, query[:, :, :p], key[:, :, :p], value[:, :, :p],
+                          attention_mask[:, :, :p, :p], **kwargs)[0]  # [G, P, Hq, d]
+    steps = torch.arange(longest, device=device)
+    cols = (slot_start[..., None] + steps).clamp(max=width - 1)  # [G, k, R']: each slot's columns (padded)
+    rows_of = torch.arange(groups, device=device)[:, None, None]
+
+    def per_slot(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [G*k, h, P + R', d]: [prompt | slot]
+        heads = x.shape[1]
+        by_col = x.transpose(1, 2)  # [G, L, h, d]
+        prompt = by_col[:, None, :p].expand(groups, k, p, heads, dim)
+        both = torch.cat([prompt, by_col[rows_of, cols]], dim=2)  # [G, k, P + R', h, d]
+        return both.reshape(groups * k, p + longest, heads, dim).transpose(1, 2)
+
+    q = query.transpose(1, 2)[rows_of, cols].reshape(groups * k, longest, q_heads, dim).transpose(1, 2)
+    rows = attention_mask[:, 0][rows_of, cols]  # [G, k, R', L]: each slot query's mask row
+    own = rows.gather(-1, cols[:, :, None, :].expand(groups, k, longest, longest))  # [G, k, R', R']
+    # a slot's padding keys stay hidden (their columns belong to a sibling or are clamped); every query sees itself
+    own = own & (steps < slot_len[..., None])[:, :, None, :] | torch.eye(longest, dtype=torch.bool, device=device)
+    mask = torch.cat([rows[..., :p], own], dim=-1).reshape(groups * k, 1, longest, p + longest)
+    tail = posttrain_sdpa(module, q, per_slot(key), per_slot(value), mask, **kwargs)[0]  # [G*k, R', Hq, d]
+    source = torch.cat([head, tail.reshape(groups, k * longest, q_heads, dim)], dim=1)
+    index = torch.zeros(groups, width, dtype=torch.long, device=device)  # the source row of each layout column
+    index[:, :p] = torch.arange(p, device=device)
+    filled = steps < slot_len[..., None]
+    index[rows_of.expand_as(cols)[filled], cols[filled]] = (p + torch.arange(k * longest, device=device)).view(
+        1, k, longest).expand(groups, k, longest)[filled]
+    return source[torch.arange(groups, device=device)[:, None], index]
+
+
 def _half_compute(query: torch.Tensor) -> bool:
     if query.dtype in (torch.bfloat16, torch.float16):
         return True
@@ -105,6 +155,11 @@ def posttrain_sdpa(module: nn.Module, query, key, value, attention_mask, dropout
     """The ``posttrain_sdpa`` attention function (module docstring): ``([B, q, Hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    slots = kwargs.pop(PREFIX_SLOTS_KWARG, None)  # (P, slot_start, slot_len) of a shared-prompt layout
+    if slots is not None and query.shape[2] == key.shape[2] and attention_mask is not None \
+            and attention_mask.dtype == torch.bool:
+        return prefix_slot_attention(module, query, key, value, attention_mask, *slots, dropout=dropout,
+                                     scaling=scaling, is_causal=is_causal, **kwargs), None
     batch, q_heads, q_len, _, _ = _grouped(query, key)
     plain = (query.device.type == "cpu" and q_heads % key.shape[1] == 0 and kwargs.get("softcap") is None
              and kwargs.get("position_bias") is None and kwargs.get("sliding_window") is None

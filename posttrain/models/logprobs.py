@@ -17,9 +17,9 @@ How one micro-batch is computed (``response_logprobs``):
 4. ``lm_head`` + log-softmax run over chunks of those ``T`` rows: each chunk's logits ``[t, V]``
    are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
    an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that
-   math). With gradients on and more than one chunk, each chunk is checkpointed, so backward keeps
-   ``[t, H]`` per chunk instead of ``[t, V]`` logits (a single chunk's logits are kept: at most
-   ``_CHUNK_ELEMENTS`` floats).
+   math). With gradients on, each chunk keeps one ``[t, V]`` float32 tensor for backward while the
+   micro-batch's total stays within ``_KEEP_ELEMENTS`` floats; beyond that every chunk is
+   checkpointed, so backward keeps ``[t, H]`` per chunk and recomputes its logits.
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
 
@@ -62,6 +62,10 @@ def call_as_forward(model: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -
     return runner(fn, *args, **kwargs) if runner is not None else fn(*args, **kwargs)
 
 _CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
+_KEEP_ELEMENTS = 1 << 26
+"""Largest ``tokens x vocabulary`` of a micro-batch whose chunks keep their ``[t, V]`` tensor for
+backward (256 MiB in float32) instead of recomputing it: a recomputation costs another ``lm_head``
+product and ``log_softmax`` per chunk (0.1-0.2 s each for SmolLM2 on a 2-core CPU)."""
 
 
 def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] | None:
@@ -160,10 +164,7 @@ def _chunk_stats(
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
     rows = max(1, _CHUNK_ELEMENTS // max(1, vocab))
-    # One chunk (up to _CHUNK_ELEMENTS logits) is kept for backward rather than recomputed: a
-    # recomputation costs another lm_head product, weight cast and log-softmax, to save memory that
-    # only matters when there are many chunks.
-    use_ckpt = use_ckpt and hidden.shape[0] > rows
+    use_ckpt = use_ckpt and hidden.shape[0] * vocab > _KEEP_ELEMENTS
     lps, ents = [], []
     for h, y in zip(hidden.split(rows), labels.split(rows)):
         lp, ent = checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)

@@ -5,18 +5,26 @@ GRPO, RLOO and their relatives sample ``n`` responses per prompt, so the plain f
 every prompt ``n`` times. Here the rows of a micro-batch that share a prompt (same tokens, mask and
 positions) become one sequence::
 
-    [ prompt | response slot 0 | response slot 1 | ... ]      one row per distinct prompt
+    [ prompt | response 0 | response 1 | ... ]      one row per distinct prompt
 
-with a ``[G, 1, L, L]`` boolean mask: prompt tokens attend causally to the prompt; a response
-token attends to the whole prompt and causally to its own slot, never to a sibling's. Positions
-are the rows' own (each response continues its prompt's positions), so every hidden state that
-predicts a response token is the plain forward's, up to float rounding: the same math on fewer
-tokens (``G * (P + k * R)`` instead of ``G * k * (P + R)``). The mask is dense, so attention pays
-``L^2`` pairs per distinct prompt: with long responses and many samples that costs more than the
-prompt copies save, and :func:`build_layout` then returns None (the caller runs the plain forward).
+Each response fills a slot as long as its valid tokens (its right padding is not copied); prompts
+with fewer responses, or shorter ones, are padded at the end of their row. A ``[G, 1, L, L]``
+boolean mask lets prompt tokens attend causally to the prompt and a response token to the whole
+prompt and causally to its own slot, never to a sibling's. Positions are the rows' own (each
+response continues its prompt's positions), so every hidden state that predicts a response token
+is the plain forward's, up to float rounding: the same math on fewer tokens (``P + sum of response
+lengths`` per prompt instead of ``k * (P + R)``).
+
+Attention: with posttrain's CPU attention active (``posttrain.models.attention``, an ``sdpa`` model
+on CPU) the backbone is told where the slots are and attends by segments: the prompt causally to
+itself, then every slot as a row of queries against ``[prompt | own slot]`` keys (``P^2 + k R'
+(P + R')`` query-key pairs per prompt, ``R'`` the longest response). Other kernels get the dense
+``[L, L]`` mask and pay ``L^2`` pairs. Either way :func:`build_layout` compares the grouped forward's
+cost with the plain one and returns None (the caller runs the plain forward) where grouping would
+cost more.
 
 Measured (SmolLM2-135M shape, bf16 autocast, 8 prompts of 75 tokens x 4 responses of 32, one
-forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s shared.
+forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s shared (dense mask, slots padded).
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ class SharedPrefixLayout:
 
     input_ids, position_ids: ``[G, L]``; mask: ``[G, 1, L, L]`` bool (True = attend).
     group: ``[B]`` the layout row of each input row. predict_cols: ``[B, take]`` the layout columns
-    whose hidden states predict response tokens ``0..take-1`` of each input row.
+    whose hidden states predict response tokens ``0..take-1`` of each input row. prompt_len: ``P``;
+    slot_start, slot_len: ``[G, k]`` first column and length of each response slot (0: no response),
+    what segmented attention needs.
     """
 
     input_ids: torch.Tensor
@@ -48,6 +58,9 @@ class SharedPrefixLayout:
     mask: torch.Tensor
     group: torch.Tensor
     predict_cols: torch.Tensor
+    prompt_len: int
+    slot_start: torch.Tensor
+    slot_len: torch.Tensor
 
 
 def prompt_key(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -81,46 +94,63 @@ def _slots(group: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Te
 
 
 def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 response_length: int, hidden_size: int) -> SharedPrefixLayout | None:
+                 response_length: int, hidden_size: int, segmented: bool = False) -> SharedPrefixLayout | None:
     """The grouped layout of ``[B, P + R]`` rows (prompt left-padded, response right-padded), or None
-    when it would not be cheaper than the plain ``[B, P + R]`` forward (see the module docstring)."""
+    when it would not be cheaper than the plain ``[B, P + R]`` forward (see the module docstring).
+    ``segmented``: attention will run by segments (prompt, then each slot) instead of over the dense mask."""
     rows, seq_len = input_ids.shape
     prompt_len = seq_len - response_length
     group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, response_length)
     slot, first = _slots(group, num_groups)
     per_group = int(slot.max()) + 1  # rows of the largest group
-    width = prompt_len + per_group * response_length
-    shared = num_groups * width * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + width)
+    if per_group == 1:  # no prompt asked twice: nothing to share
+        return None
+    device = input_ids.device
+    steps = torch.arange(response_length, device=device)
+    resp_valid = attention_mask[:, prompt_len:].bool()
+    length = torch.where(resp_valid, steps + 1, 0).amax(1)  # [B]: up to the last valid token (no right padding)
+    slot_len = torch.zeros(num_groups, per_group, dtype=torch.long, device=device)
+    slot_len[group, slot] = length
+    slot_start = prompt_len + slot_len.cumsum(1) - slot_len  # [G, k]
+    width = prompt_len + int(slot_len.sum(1).max())
+    longest = max(1, int(length.max()))
+    pairs = (prompt_len ** 2 + per_group * longest * (prompt_len + longest)) if segmented else width ** 2
+    shared = num_groups * (width * _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + pairs)
     plain = rows * seq_len * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len)
     if shared >= plain:
         return None
-    device = input_ids.device
-    resp_cols = prompt_len + slot[:, None] * response_length + torch.arange(response_length, device=device)  # [B, R]
+    resp_cols = slot_start[group, slot][:, None] + steps  # [B, R]; valid where steps < length
+    copied = steps < length[:, None]
     ids = input_ids.new_zeros(num_groups, width)
     pos = position_ids.new_zeros(num_groups, width)
     valid = torch.zeros(num_groups, width, dtype=torch.bool, device=device)
+    segment = torch.full((num_groups, width), -2, dtype=torch.long, device=device)  # -2: after the last slot
     ids[:, :prompt_len] = input_ids[first, :prompt_len]
     pos[:, :prompt_len] = position_ids[first, :prompt_len]
     valid[:, :prompt_len] = attention_mask[first, :prompt_len].bool()
-    rows_of = group[:, None].expand_as(resp_cols)
-    ids[rows_of, resp_cols] = input_ids[:, prompt_len:]
-    pos[rows_of, resp_cols] = position_ids[:, prompt_len:]
-    valid[rows_of, resp_cols] = attention_mask[:, prompt_len:].bool()
+    segment[:, :prompt_len] = -1
+    at = (group[:, None].expand_as(resp_cols)[copied], resp_cols[copied])
+    ids[at] = input_ids[:, prompt_len:][copied]
+    pos[at] = position_ids[:, prompt_len:][copied]
+    valid[at] = resp_valid[copied]
+    segment[at] = slot[:, None].expand_as(resp_cols)[copied]
+    # states past a row's last valid token are never scored (callers keep valid tokens only): any column will do
     predict = torch.cat([torch.full((rows, 1), prompt_len - 1, device=device), resp_cols[:, :-1]], dim=1)
-    return SharedPrefixLayout(ids, pos, _layout_mask(valid, prompt_len, response_length), group, predict)
+    return SharedPrefixLayout(ids, pos, _layout_mask(valid, segment), group, predict.clamp(max=width - 1),
+                              prompt_len, slot_start, slot_len)
 
 
-def _layout_mask(valid: torch.Tensor, prompt_len: int, response_length: int) -> torch.Tensor:
-    """``[G, 1, L, L]`` bool from the layout's valid columns ``[G, L]``: prompt tokens attend causally
-    to the prompt, a response token to the prompt and causally to its own slot."""
+def _layout_mask(valid: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """``[G, 1, L, L]`` bool from the layout's valid columns and segments ``[G, L]`` (-1 prompt, ``j`` slot
+    ``j``): prompt tokens attend causally to the prompt, a response token to the prompt and causally
+    to its own slot."""
     width = valid.shape[1]
     cols = torch.arange(width, device=valid.device)
-    segment = torch.where(cols < prompt_len, -1, (cols - prompt_len) // max(response_length, 1))  # -1: prompt
-    same_or_prompt = (segment[:, None] == segment[None, :]) | (segment[None, :] == -1)  # [q, k]
+    same_or_prompt = (segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == -1)  # [G, q, k]
     attend = same_or_prompt & (cols[:, None] >= cols[None, :])
     # every query keeps its own position (a padding query with nothing to attend to would give NaN
     # under sdpa, and NaN times a zero gradient is still NaN in backward); valid queries never see padding
-    mask = (attend[None] & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=valid.device)[None]
+    mask = (attend & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=valid.device)[None]
     return mask[:, None]
 
 
@@ -140,16 +170,22 @@ def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, at
     (``[:, j]`` predicts response token ``j``), computed on the grouped layout; None when the plain
     forward is cheaper or the attention kernel takes no dense mask. Callers pass the column window
     they would run (no all-padding columns)."""
+    from posttrain.models.attention import ATTN_NAME, PREFIX_SLOTS_KWARG
+
     form = _mask_form(backbone)  # checked first: no layout is built for a kernel that cannot take it
     if form is None:
         return None
+    # posttrain's attention reads the layout's segments from a keyword the backbone passes through to it
+    segmented = getattr(backbone.config, "_attn_implementation", None) == ATTN_NAME
     layout = build_layout(input_ids, attention_mask, position_ids, response_length,
-                          int(getattr(backbone.config, "hidden_size", 0) or 0))
+                          int(getattr(backbone.config, "hidden_size", 0) or 0), segmented)
     if layout is None:
         return None
     mask = layout.mask
     if form == "additive":
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
             ~mask, torch.finfo(torch.float32).min)
-    out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False)
+    extra = {PREFIX_SLOTS_KWARG: (layout.prompt_len, layout.slot_start, layout.slot_len)} if segmented else {}
+    out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False,
+                   **extra)
     return out.last_hidden_state[layout.group[:, None], layout.predict_cols]

@@ -61,6 +61,10 @@ def test_entropy_without_grad_is_a_metric_only():
     x = logits.reshape(-1, logits.shape[-1]).requires_grad_(True)
     logp, ent = logprob_and_entropy(x, labels.reshape(-1), entropy_grad=False)
     assert logp.requires_grad and not ent.requires_grad
+    x64 = x.detach().double().requires_grad_(True)  # the log-prob's gradient is the float64 one, with no entropy term
+    (ref_grad,) = torch.autograd.grad(_reference(x64, labels.reshape(-1))[0].sum(), x64)
+    (grad,) = torch.autograd.grad(logp.sum(), x)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_the_training_path_computes_log_probs_with_it(monkeypatch):
@@ -83,3 +87,13 @@ def test_the_training_path_computes_log_probs_with_it(monkeypatch):
     assert calls and logp.shape == responses.shape
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -4:-1].float()
     torch.testing.assert_close(logp, logprobs_from_logits(logits, responses), rtol=1e-4, atol=1e-4)
+
+
+def test_float32_under_bf16_autocast():
+    """Training calls it inside bf16 autocast: float32 logits stay float32 (log-prob and entropy)."""
+    logits, labels = _inputs(5)
+    x = logits.reshape(-1, logits.shape[-1]).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, ent = logprob_and_entropy(x, labels.reshape(-1))
+    assert logp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(ent, entropy_from_logits(x.detach()), rtol=1e-5, atol=1e-5)

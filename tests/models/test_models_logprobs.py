@@ -69,10 +69,13 @@ def test_lm_head_sees_only_valid_response_tokens(tok, data):
     assert sum(rows) == int(data["attention_mask"][:, -R:].sum()) == 13
 
 
-@pytest.mark.parametrize("packed,chunk_rows", [(False, 4), (True, 4), (False, 1000)])
-def test_gradients_match_reference_with_checkpointing(tok, data, monkeypatch, packed, chunk_rows):
-    """Many checkpointed lm_head chunks (4 rows each), or one chunk kept for backward (1000 rows)."""
+@pytest.mark.parametrize("packed,chunk_rows,keep_rows", [(False, 4, 0), (True, 4, 0), (False, 4, 1000),
+                                                         (False, 1000, 1000)])
+def test_gradients_match_reference_with_checkpointing(tok, data, monkeypatch, packed, chunk_rows, keep_rows):
+    """Many lm_head chunks (4 rows each), checkpointed (nothing kept) or each keeping its tensor for
+    backward; or one chunk (1000 rows)."""
     monkeypatch.setattr(logprobs_mod, "_CHUNK_ELEMENTS", chunk_rows * len(tok))
+    monkeypatch.setattr(logprobs_mod, "_KEEP_ELEMENTS", keep_rows * len(tok))
     model, ref = tiny_llama(tok).train(), tiny_llama(tok).train()
     enable_activation_checkpointing(model)
     weights = torch.randn(4, R, generator=torch.Generator().manual_seed(1))

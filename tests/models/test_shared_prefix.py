@@ -91,7 +91,8 @@ def test_shared_prefix_equals_plain_forward(tok, monkeypatch, float64_norm, atte
 
 
 def test_shared_prefix_under_bf16_autocast_uses_the_cpu_attention(tok, monkeypatch):
-    """bf16 autocast on CPU attends with posttrain's matmul attention, which must honour the 4D mask."""
+    """bf16 autocast on CPU attends with posttrain's matmul attention, which must honour the 4D mask: by
+    segments, the prompt's ``[G, 1, P, P]`` and the slots' ``[G * k, 1, R, P + R]``."""
     from posttrain.models import attention as attn
 
     calls, real = [], attn.matmul_attention
@@ -104,7 +105,8 @@ def test_shared_prefix_under_bf16_autocast_uses_the_cpu_attention(tok, monkeypat
             plain = response_logprobs(model, *batch)[0]
             calls.clear()
             got = response_logprobs(model, *batch, shared_prefix=True)[0]
-    assert calls and all(len(shape) == 4 and shape[-1] == shape[-2] for shape in calls)  # the layout's [G,1,L,L]
+    layers = len(model.model.layers)
+    assert calls == [(3, 1, 12, 12), (3 * 4, 1, 5, 12 + 5)] * layers  # 3 prompts, 4 slots of 5 after 12 tokens
     # as close to the float32 result as the plain bf16 forward is
     assert (got - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3
 
@@ -132,18 +134,28 @@ def test_responses_never_see_their_siblings(tok, float64_norm):
 
 
 def test_plain_forward_when_grouping_costs_more(tok, monkeypatch, float64_norm):
-    """All prompts distinct, or long responses with a short prompt: the grouped layout would compute
-    more, so the plain forward runs (and gives the same numbers)."""
+    """All prompts distinct, or one prompt with two long answers beside four prompts with one each (every
+    layout row is as wide as the first prompt's two answers): grouping would compute more, so the plain
+    forward runs (and gives the same numbers)."""
     model = tiny_llama(tok).double()
     seen = _spy(monkeypatch)
     distinct = _grouped_batch(sizes=(1, 1, 1))
-    long_answers = _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 2))
-    for batch in (distinct, long_answers):
+    uneven = _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 1, 1, 1, 1))
+    for batch in (distinct, uneven):
         with torch.no_grad():
             want = response_logprobs(model, *batch, shared_prefix=False)[0]
             got = response_logprobs(model, *batch, shared_prefix=True)[0]
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert seen == [None, None]
+
+
+def test_the_dense_mask_costs_more_than_segments_with_long_answers():
+    """Two prompts of 3 tokens with two 40-token answers each: over a dense mask the [L, L] pairs cost
+    more than the prompt copies save; by segments (each answer attends to its prompt and itself) they do not."""
+    ids, mask, pos, resp = _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 2))
+    mask[:, 3:] = 1  # every answer its full 40 tokens
+    assert sp.build_layout(ids, mask, pos, resp.shape[1], hidden_size=16) is None
+    assert sp.build_layout(ids, mask, pos, resp.shape[1], hidden_size=16, segmented=True) is not None
 
 
 def test_same_tokens_at_other_positions_are_not_shared():
@@ -183,3 +195,92 @@ def test_tiny_grpo_run_with_prefix_grouper_equals_plain_run(tmp_path, monkeypatc
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
         assert got[0][key] == pytest.approx(want[0][key], rel=1e-4, abs=1e-6), key
     assert max(row["training/rollout_actor_probs_diff_max"] for row in got) < 1e-4
+
+
+def _random_layout_attention(seed=0):
+    """q/k/v of a layout with 2 prompts of 6 tokens (left padding on one) and 3 slots of 4 (one
+    response ending early), grouped-query heads, float64; the layout's own boolean mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, 40, (6, 10), generator=g)
+    ids[3:, :6] = ids[3, :6]  # rows 3-5 share a prompt
+    ids[:3, :6] = ids[0, :6]
+    mask = torch.ones_like(ids)
+    mask[3:, :2] = 0
+    mask[1, 8:] = 0
+    pos = torch.clamp(mask.cumsum(-1) - 1, min=0)
+    layout = sp.build_layout(ids, mask, pos, 4, hidden_size=64, segmented=True)
+    width = layout.input_ids.shape[1]
+    q = torch.randn(2, 4, width, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, width, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    return layout, q, k, v
+
+
+def _real_columns(layout) -> torch.Tensor:
+    """``[G, L]``: the columns that hold a prompt or response token (not the padding after a short row)."""
+    ends = layout.prompt_len + layout.slot_len.sum(1, keepdim=True)
+    return torch.arange(layout.input_ids.shape[1]) < ends
+
+
+def _slots_of(layout):
+    return layout.prompt_len, layout.slot_start, layout.slot_len
+
+
+def _attention_module() -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True  # as a Llama attention with 4 query and 2 kv heads
+    return module
+
+
+def _dense_attention(q, k, v, mask):
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def test_segmented_attention_equals_the_dense_mask():
+    """By segments (prompt, then each slot against [prompt | itself]) equals attention over the
+    layout's dense [L, L] mask, in float64, output and the gradients of q, k and v."""
+    from posttrain.models.attention import prefix_slot_attention
+
+    layout, q, k, v = _random_layout_attention()
+    module = _attention_module()
+    real = _real_columns(layout)[:, :, None, None]
+    outs = []
+    for fn in (lambda *t: _dense_attention(*t, layout.mask),
+               lambda *t: prefix_slot_attention(module, *t, layout.mask, *_slots_of(layout))):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves) * real
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        outs.append([out.detach()] + [x.grad for x in leaves])
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_segmented_attention_reads_the_mask_inside_a_slot():
+    """Negative control: a query that the mask lets see a later token of its own slot sees it by
+    segments too (the slot's causal rule comes from the mask, not from an assumption), and the
+    output moves with it."""
+    from posttrain.models.attention import prefix_slot_attention
+
+    layout, q, k, v = _random_layout_attention()
+    leaky = layout.mask.clone()
+    g = int((layout.slot_len[:, 1] >= 3).nonzero()[0])  # a prompt whose second answer has 3 tokens or more
+    first = int(layout.slot_start[g, 1])  # that answer's first query
+    leaky[g, :, first, first + 2] = True
+    got = prefix_slot_attention(_attention_module(), q, k, v, leaky, *_slots_of(layout))
+    real = _real_columns(layout)
+    torch.testing.assert_close(got[real], _dense_attention(q, k, v, leaky)[real], rtol=1e-12, atol=1e-12)
+    kept = prefix_slot_attention(_attention_module(), q, k, v, layout.mask, *_slots_of(layout))
+    assert (got - kept)[g, first].abs().max() > 1e-3
+
+
+def test_segmented_attention_runs_under_the_cpu_attention_only(tok, monkeypatch):
+    """sdpa (switched to posttrain's CPU attention) attends by segments; eager gets the dense mask."""
+    from posttrain.models import attention as attn
+
+    calls, real = [], attn.prefix_slot_attention
+    monkeypatch.setattr(attn, "prefix_slot_attention", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    for implementation, want in (("sdpa", [12]), ("eager", [])):
+        calls.clear()
+        with torch.no_grad():
+            response_logprobs(tiny_llama(tok, attn_implementation=implementation), *_grouped_batch(), shared_prefix=True)
+        assert sorted(set(calls)) == want, implementation
