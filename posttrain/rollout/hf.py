@@ -240,6 +240,7 @@ class _ModelStepper:
         self.cache = None
         self.lean_decode = lean_decode
         self.lean: LeanDecoder | None = None
+        self.samples = 1  # rows per cached prompt, for the lean decoder (which keeps one copy of each prompt)
 
     def _run(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
@@ -263,7 +264,13 @@ class _ModelStepper:
         return self._run(input_ids, attention_mask, position_ids)
 
     def repeat(self, n: int) -> bool:
-        """Repeat each cache row ``n`` times (interleaved); False when the cache type cannot."""
+        """Repeat each cache row ``n`` times (interleaved); False when the cache type cannot. A lean
+        decoder keeps the one copy and decodes ``n`` rows from it."""
+        if self.lean_decode:
+            self.lean = lean_decoder_for(self.model, self.cache)
+            if self.lean is not None:
+                self.samples = n
+                return True
         try:
             self.cache.batch_repeat_interleave(n)
         except (AttributeError, NotImplementedError, TypeError):
@@ -275,9 +282,10 @@ class _ModelStepper:
         cache moved into a :class:`LeanDecoder` with that room."""
         from posttrain.rollout.kv_cache import reserve
 
-        self.lean = lean_decoder_for(self.model, self.cache) if self.lean_decode else None
+        if self.lean is None and self.lean_decode:
+            self.lean = lean_decoder_for(self.model, self.cache)
         if self.lean is not None:
-            self.lean.load_cache(self.cache, new_tokens)
+            self.lean.load_cache(self.cache, new_tokens, self.samples)
             self.cache = None
             return True
         return reserve(self.cache, new_tokens)

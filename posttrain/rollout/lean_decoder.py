@@ -6,7 +6,8 @@ cache bookkeeping, separate q/k/v and gate/up projections), each a few microseco
 Here a step of the same model is ~15 ops per layer: q/k/v as one matmul and gate/up as one (their
 weights concatenated, or packed together, once per generation), rotary embedding from the model's own rotary module,
 keys and values written in place into preallocated buffers, grouped-query attention of the one
-query against them (float32 softmax), SiLU-gated MLP. Under bf16 autocast the weights are cast to
+query against them (float32 softmax), SiLU-gated MLP. A prompt's keys and values are kept once for
+all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cache a step reads. Under bf16 autocast the weights are cast to
 bf16 once per generation and the ops keep autocast's precisions (bf16 matmuls, float32 norms and
 residual stream).
 
@@ -18,8 +19,8 @@ cores of an AMX Xeon: 576->1536 0.30 -> 0.18 ms, 1536->576 0.39 -> 0.16 ms, the 
 15.7 -> 11.7 ms. Packing all weights costs ~150 ms, so when rows leave the batch the packed
 weights are kept, and the rows padded to the packed count, until fewer than half remain.
 
-Prefill stays ``transformers``' own forward (long inputs, its masks); its KV cache is then copied
-into this decoder's buffers. :func:`lean_decoder_for` returns None, and the engine keeps the
+Prefill stays ``transformers``' own forward (long inputs, its masks), once per distinct prompt; its
+KV cache is then moved into this decoder, beside buffers for the generated tokens of every sample. :func:`lean_decoder_for` returns None, and the engine keeps the
 model's forward, for anything this does not reproduce exactly or was not built for: a model on a
 GPU, other architectures, sliding-window attention, LoRA-wrapped or otherwise non-``nn.Linear``
 projections, non-SiLU MLPs, sharded (DTensor) weights, caches without per-layer keys/values. ``tests/rollout/test_lean_decoder.py``
@@ -41,7 +42,6 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's are the same
 
 from posttrain.allocator import mapped_allocations
-from posttrain.models.attention import single_query_attention
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available"]
 
@@ -108,12 +108,19 @@ class _Layer:
         self.down = _Weight([mlp.down_proj], dtype)
         self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
         self.scale = getattr(attn, "scaling", attn.head_dim ** -0.5)
-        self.keys: torch.Tensor | None = None  # [B, Hkv, capacity, d]
+        self.prompt_keys: torch.Tensor | None = None  # [G, Hkv, P, d]: each distinct prompt once
+        self.prompt_values: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # [B, Hkv, capacity, d]: each row's generated tokens
         self.values: torch.Tensor | None = None
 
 
 class LeanDecoder:
-    """Decoding steps over buffers filled from a prefilled ``transformers`` cache (see module doc).
+    """Decoding steps over a prefilled ``transformers`` cache of distinct prompts (see module doc).
+
+    The prompts' keys and values stay one copy per prompt, however many samples decode from it:
+    a row's attention reads its prompt's copy (the queries of a prompt's samples multiplied
+    against it together) and its own generated tokens' buffer. With ``n`` samples per prompt
+    a step reads the prompts' cache once instead of ``n`` times.
 
     Args:
         body: the model's backbone (``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``).
@@ -128,35 +135,31 @@ class LeanDecoder:
         self.layers = [_Layer(layer, dtype) for layer in body.layers]
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.length = 0
+        self.prompt_len = self.length = 0  # prompt positions; generated positions cached so far
+        self.prompts = self.samples = 1
+        self.slot = torch.zeros(0, dtype=torch.long)  # [B]: prompt * samples + sample of each decoding row
 
     # ------------------------------------------------------------------ cache
-    def load_cache(self, cache: Any, new_tokens: int) -> None:
-        """Move a prefilled cache's keys/values into buffers with room for ``new_tokens`` more positions
-        (``cache`` is left empty)."""
+    def load_cache(self, cache: Any, new_tokens: int, samples: int = 1) -> None:
+        """Take a prefilled cache of ``G`` prompts (``cache`` is left empty) for ``G * samples`` rows
+        (each prompt's samples consecutive), with room for ``new_tokens`` generated positions."""
         with mapped_allocations():
-            self._load_cache(cache, new_tokens)
+            self._load_cache(cache, new_tokens, samples)
 
-    def _load_cache(self, cache: Any, new_tokens: int) -> None:
+    def _load_cache(self, cache: Any, new_tokens: int, samples: int) -> None:
         for layer, cached in zip(self.layers, cache.layers):
-            batch, heads, length, dim = cached.keys.shape
-            layer.keys = cached.keys.new_empty(batch, heads, length + new_tokens, dim)
-            layer.values = cached.values.new_empty(batch, heads, length + new_tokens, dim)
-            layer.keys[:, :, :length] = cached.keys
-            layer.values[:, :, :length] = cached.values
-            # the prefilled layer freed as soon as it is copied (the engine drops the cache next): one layer's
-            # copy at a time instead of the whole cache twice (-0.4 GB at a 128-prompt validation of SmolLM2)
+            prompts, heads, length, dim = cached.keys.shape
+            layer.prompt_keys, layer.prompt_values = cached.keys, cached.values  # moved: no copy
+            layer.keys = cached.keys.new_empty(prompts * samples, heads, new_tokens, dim)
+            layer.values = cached.values.new_empty(prompts * samples, heads, new_tokens, dim)
             cached.keys = cached.values = cached.keys.new_empty(0)
-            self.length = length
-
-    def repeat(self, n: int) -> None:
-        """Each batch row ``n`` times (interleaved), as the engine repeats a prompt for its samples."""
-        for layer in self.layers:
-            layer.keys = layer.keys.repeat_interleave(n, dim=0)
-            layer.values = layer.values.repeat_interleave(n, dim=0)
+            self.prompts, self.prompt_len = prompts, length
+        self.samples, self.length = samples, 0
+        self.slot = torch.arange(self.prompts * samples, device=self.layers[0].keys.device)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (indices)."""
+        """Keep only batch rows ``rows`` (indices); the prompts' cache stays."""
+        self.slot = self.slot[rows]
         for layer in self.layers:
             layer.keys, layer.values = layer.keys[rows], layer.values[rows]
 
@@ -168,22 +171,21 @@ class LeanDecoder:
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """tokens ``[B, 1]``, mask ``[B, L]`` (L = cached positions + 1), positions ``[B, 1]`` -> logits ``[B, V]``."""
+        """tokens ``[B, 1]``, mask ``[B, L]`` (L = prompt + generated positions + 1), positions ``[B, 1]`` -> logits ``[B, V]``."""
         if self.length >= self.layers[0].keys.shape[2]:
             self._grow()
         batch, pos, d = tokens.shape[0], self.length, self.head_dim
         hidden = self.body.embed_tokens(tokens)  # [B, 1, H]
         cos, sin = self.body.rotary_emb(hidden, position_ids)  # [B, 1, d], float32 as in the model's forward
         hidden = hidden[:, 0]  # [B, H]
-        attend = attention_mask[:, None, None, :pos + 1].bool()  # [B, 1, 1, L]
+        attend = attention_mask[:, None, None, :self.prompt_len + pos + 1].bool()  # [B, 1, 1, L]
         for layer in self.layers:
             qkv = layer.qkv(layer.norm_in(hidden).to(self.dtype)).view(batch, 1, -1, d)
             q, k, v = qkv.split([self.q_heads, self.kv_heads, self.kv_heads], dim=2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, 1, heads, d]
             layer.keys[:, :, pos] = k[:, 0]
             layer.values[:, :, pos] = v[:, 0]
-            attn = single_query_attention(None, q.transpose(1, 2).to(layer.keys.dtype), layer.keys[:, :, :pos + 1],
-                                          layer.values[:, :, :pos + 1], attend, layer.scale)  # [B, 1, Hq, d]
+            attn = self._attention(layer, q[:, 0].to(layer.keys.dtype), attend)  # [B, Hq, d]
             hidden = hidden + layer.o(attn.reshape(batch, -1).to(self.dtype))
             gate, up = layer.gate_up(layer.norm_post(hidden).to(self.dtype)).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
@@ -192,6 +194,39 @@ class LeanDecoder:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _attention(self, layer: _Layer, query: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """query ``[B, Hq, d]`` against the row's prompt and generated tokens -> ``[B, Hq, d]``.
+
+        Grouped-query heads packed (head ``h`` reads kv head ``h // g``); the softmax in float32 at
+        least, masked scores at the float32 minimum (as ``single_query_attention``)."""
+        batch, dim, kv_heads = query.shape[0], self.head_dim, self.kv_heads
+        q = query.reshape(batch, kv_heads, -1, dim)  # [B, Hkv, g, d]
+        keys, values = layer.keys[:, :, :self.length + 1], layer.values[:, :, :self.length + 1]
+        prompt = self._per_row(torch.matmul(self._per_prompt(q), layer.prompt_keys.transpose(-1, -2)))
+        scores = torch.cat([prompt, torch.matmul(q, keys.transpose(-1, -2))], dim=-1)  # [B, Hkv, g, L]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer.scale
+        scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs[..., self.prompt_len:], values)
+        out = out + self._per_row(torch.matmul(self._per_prompt(probs[..., :self.prompt_len]), layer.prompt_values))
+        return out.reshape(batch, self.q_heads, dim)
+
+    def _per_prompt(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, g, m]`` per decoding row -> ``[G, Hkv, samples * g, m]`` per prompt (rows that
+        have ended as zeros)."""
+        if x.shape[0] != self.prompts * self.samples:
+            x = x.new_zeros(self.prompts * self.samples, *x.shape[1:]).index_copy_(0, self.slot, x)
+        _, kv_heads, group, m = x.shape
+        return x.view(self.prompts, self.samples, kv_heads, group, m).transpose(1, 2).reshape(
+            self.prompts, kv_heads, self.samples * group, m)
+
+    def _per_row(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`_per_prompt`, for the rows still decoding."""
+        kv_heads, m = y.shape[1], y.shape[-1]
+        y = y.view(self.prompts, kv_heads, self.samples, -1, m).transpose(1, 2).reshape(
+            self.prompts * self.samples, kv_heads, -1, m)
+        return y if self.slot.shape[0] == y.shape[0] else y[self.slot]
 
 
 def lean_decoder_for(model: nn.Module, cache: Any) -> LeanDecoder | None:

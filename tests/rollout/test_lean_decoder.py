@@ -75,16 +75,43 @@ def test_step_logits_equal_the_model_forward_in_float64(kind, tok):
 
 @torch.no_grad()
 def test_load_cache_moves_the_prefilled_cache(tok):
-    """The prefilled cache is emptied layer by layer as it is copied (one layer's copy at a time in memory)."""
+    """The prefilled cache moves into the decoder (no copy) and is left empty."""
     model = _model("llama", tok).eval()
     logits, cache = _prefill(model, tiny_prompt_batch(tok, PROMPTS))
-    want = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    want = [(layer.keys, layer.values) for layer in cache.layers]
     lean = lean_decoder_for(model, cache)
-    lean.load_cache(cache, new_tokens=3)
+    lean.load_cache(cache, new_tokens=3, samples=2)
     assert all(layer.keys.numel() == 0 and layer.values.numel() == 0 for layer in cache.layers)
-    length = want[0][0].shape[2]
     for mine, (keys, values) in zip(lean.layers, want):
-        assert torch.equal(mine.keys[:, :, :length], keys) and torch.equal(mine.values[:, :, :length], values)
+        assert mine.prompt_keys is keys and mine.prompt_values is values
+        assert mine.keys.shape == (2 * keys.shape[0], keys.shape[1], 3, keys.shape[3])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@torch.no_grad()
+def test_samples_share_their_prompt_cache_in_float64(kind, tok):
+    """Three samples per prompt decoding from one copy of its cache, rows leaving after the second
+    and fourth steps: logits equal to the model's forward on the cache repeated for every row."""
+    model = _model(kind, tok).double().eval()
+    prompts = tiny_prompt_batch(tok, PROMPTS)
+    logits, cache = _prefill(model, prompts)
+    lean = lean_decoder_for(model, cache)
+    lean.load_cache(copy.deepcopy(cache), new_tokens=3, samples=3)
+    cache.batch_repeat_interleave(3)
+    logits = logits.repeat_interleave(3, dim=0) + torch.randn(12, logits.shape[1], dtype=torch.float64)
+    mask = prompts["attention_mask"].repeat_interleave(3, dim=0)
+    pos = prompts["position_ids"][:, -1:].repeat_interleave(3, dim=0)
+    for step, keep in enumerate([None, None, [0, 2, 3, 5, 7, 8, 9, 11], None, [1, 2, 6, 7], None]):
+        if keep is not None:
+            keep = torch.tensor(keep)
+            lean.select(keep)
+            cache.batch_select_indices(keep)
+            logits, mask, pos = logits[keep], mask[keep], pos[keep]
+        token = logits.argmax(-1, keepdim=True)  # noise above: the samples of a prompt take different tokens
+        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        logits = model(input_ids=token, attention_mask=mask, position_ids=pos, use_cache=True, cache=cache).logits[:, -1]
+        assert (lean.step(token, mask, pos) - logits).abs().max().item() < 1e-10, f"step {step}"
+        logits = logits + torch.randn(logits.shape, dtype=torch.float64)
 
 
 @torch.no_grad()

@@ -161,6 +161,7 @@ def test_reserved_cache_decodes_exactly_as_the_growing_one(tok, eos_heavy_engine
 
     prompts = tiny_prompt_batch(tok, PROMPTS, uids=["a", "b", "c"])
     sampling = SamplingParams(n=4, temperature=1.0, response_length=R)
+    monkeypatch.setattr(eos_heavy_engine, "lean_decode", False)  # transformers' cache both times
     reserved = []
     original = hf._ModelStepper.reserve
     monkeypatch.setattr(hf._ModelStepper, "reserve", lambda self, n: reserved.append(original(self, n)) or reserved[-1])
