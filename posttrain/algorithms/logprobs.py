@@ -82,8 +82,8 @@ class _LogProbEntropy(torch.autograd.Function):
             grad = probs * -grad_logp[:, None]
         else:
             grad = probs.mul_(-grad_logp[:, None])  # probs is this pass's own exp(): built in place
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, labels] += grad_logp
+        at_label = torch.arange(grad.shape[0], device=grad.device) * grad.shape[1] + labels
+        grad.view(-1).index_add_(0, at_label, grad_logp.to(grad.dtype))  # (advanced-index += is ~50x slower on CPU)
         return grad, None, None, None
 
 

@@ -164,7 +164,7 @@ class ActorConfig:
     use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
     """Follows actor_rollout_ref.model.use_remove_padding."""
     use_prefix_grouper: bool = False
-    """Encode each distinct prompt of a micro-batch once for all its responses (n > 1), in the old-log-prob, reference and update forwards: the same log-probs and gradients on fewer tokens. Rows of one prompt share a micro-batch; a micro-batch where the dense grouped attention would cost more than the prompt copies save (long responses) runs the plain forward. Not with use_remove_padding."""
+    """Encode each distinct prompt of a micro-batch once for all its responses (n > 1), in the old-log-prob, reference and update forwards: the same log-probs and gradients on fewer tokens (responses packed without their padding; on CPU with sdpa attention each response attends to [prompt | itself] by segments). Rows of one prompt share a micro-batch; a micro-batch where grouping would cost more than the prompt copies save (a dense mask with long responses, prompts asked once) runs the plain forward. Not with use_remove_padding."""
 
 
 @_cfg()

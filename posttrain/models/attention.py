@@ -117,28 +117,35 @@ def prefix_slot_attention(module: nn.Module, query, key, value, attention_mask, 
     steps = torch.arange(longest, device=device)
     cols = (slot_start[..., None] + steps).clamp(max=width - 1)  # [G, k, R']: each slot's columns (padded)
     rows_of = torch.arange(groups, device=device)[:, None, None]
+    # (group, column) pairs as rows of a [G * L, ...] view: index_select's backward is index_add,
+    # where advanced indexing's (index_put with accumulation) is many times slower on CPU
+    flat_cols = (rows_of * width + cols).view(-1)
+
+    def slots_of(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [G, k, R', h, d]
+        by_col = x.transpose(1, 2).reshape(groups * width, x.shape[1], dim)
+        return by_col.index_select(0, flat_cols).view(groups, k, longest, x.shape[1], dim)
 
     def per_slot(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [G*k, h, P + R', d]: [prompt | slot]
         heads = x.shape[1]
-        by_col = x.transpose(1, 2)  # [G, L, h, d]
-        prompt = by_col[:, None, :p].expand(groups, k, p, heads, dim)
-        both = torch.cat([prompt, by_col[rows_of, cols]], dim=2)  # [G, k, P + R', h, d]
+        prompt = x.transpose(1, 2)[:, None, :p].expand(groups, k, p, heads, dim)
+        both = torch.cat([prompt, slots_of(x)], dim=2)  # [G, k, P + R', h, d]
         return both.reshape(groups * k, p + longest, heads, dim).transpose(1, 2)
 
-    q = query.transpose(1, 2)[rows_of, cols].reshape(groups * k, longest, q_heads, dim).transpose(1, 2)
+    q = slots_of(query).reshape(groups * k, longest, q_heads, dim).transpose(1, 2)
     rows = attention_mask[:, 0][rows_of, cols]  # [G, k, R', L]: each slot query's mask row
     own = rows.gather(-1, cols[:, :, None, :].expand(groups, k, longest, longest))  # [G, k, R', R']
     # a slot's padding keys stay hidden (their columns belong to a sibling or are clamped); every query sees itself
     own = own & (steps < slot_len[..., None])[:, :, None, :] | torch.eye(longest, dtype=torch.bool, device=device)
     mask = torch.cat([rows[..., :p], own], dim=-1).reshape(groups * k, 1, longest, p + longest)
     tail = posttrain_sdpa(module, q, per_slot(key), per_slot(value), mask, **kwargs)[0]  # [G*k, R', Hq, d]
-    source = torch.cat([head, tail.reshape(groups, k * longest, q_heads, dim)], dim=1)
+    source = torch.cat([head, tail.reshape(groups, k * longest, q_heads, dim)], dim=1)  # [G, P + k R', Hq, d]
     index = torch.zeros(groups, width, dtype=torch.long, device=device)  # the source row of each layout column
     index[:, :p] = torch.arange(p, device=device)
     filled = steps < slot_len[..., None]
     index[rows_of.expand_as(cols)[filled], cols[filled]] = (p + torch.arange(k * longest, device=device)).view(
         1, k, longest).expand(groups, k, longest)[filled]
-    return source[torch.arange(groups, device=device)[:, None], index]
+    index = index + torch.arange(groups, device=device)[:, None] * source.shape[1]
+    return source.reshape(-1, q_heads, dim).index_select(0, index.view(-1)).view(groups, width, q_heads, dim)
 
 
 def _half_compute(query: torch.Tensor) -> bool:
