@@ -17,7 +17,9 @@ panel layout; MKL packs a weight once for a given row count (``cblas_sgemm_pack`
 multiplies panels only, with the same results. Measured on SmolLM2-135M's shapes at 20 rows, 2
 cores of an AMX Xeon: 576->1536 0.30 -> 0.18 ms, 1536->576 0.39 -> 0.16 ms, the 49152-token head
 15.7 -> 11.7 ms. Packing all weights costs ~150 ms, so when rows leave the batch the packed
-weights are kept, and the rows padded to the packed count, until fewer than half remain.
+weights are kept, and the rows padded to the packed count, until fewer than half remain; they are
+packed again only where the steps left can repay it, and never for fewer than 4 rows, where the
+plain GEMM reads each weight once and is as fast.
 
 Prefill stays ``transformers``' own forward (long inputs, its masks), once per distinct prompt; its
 KV cache is then moved into this decoder, beside buffers for the generated tokens of every sample. :func:`lean_decoder_for` returns None, and the engine keeps the
@@ -50,6 +52,16 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 grouped-query attention with optional q/k/v bias, SiLU-gated MLP)."""
 
 
+PACK_MIN_ROWS = 4
+"""Fewer rows multiply the model's weights directly: MKL's plain fp32 GEMM reads the weights once
+at 1-3 rows (SmolLM2-135M, 2 cores of an AMX Xeon: 18-22 ms for all weights, packed 21-22 ms), so
+packing (110-250 ms) never pays; from 4 rows on it re-packs every call (33-51 ms against 24-32 ms)."""
+
+REPACK_MIN_STEPS = 16
+"""Pack the weights for a new row count only when at least this many decoding steps may remain:
+packing costs 110-250 ms and saves 8-20 ms a step over the plain GEMM at 4-12 rows."""
+
+
 def mkl_packing_available() -> bool:
     """True where this torch build has MKL's packed fp32 GEMM (x86 builds; not ARM)."""
     return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
@@ -59,8 +71,10 @@ class _Weight:
     """One projection, or several fused into one matmul (q/k/v, gate/up), in the step's precision.
 
     fp32 with MKL: packed for the batch's row count straight from the model's own weights (no fused
-    copy is kept: packing is the copy), packed again from them when fewer than half the rows remain
-    and padded to the packed count until then; one row multiplies the model's weights directly.
+    copy is kept: packing is the copy), padded to the packed count while at least half the rows
+    remain, then packed again for the new count if enough steps may remain to repay it
+    (:data:`REPACK_MIN_STEPS`); otherwise, and below :data:`PACK_MIN_ROWS` rows, the model's own
+    weights are multiplied directly.
     Otherwise (bf16 autocast, float64, no MKL): one fused copy in ``dtype``.
     """
 
@@ -83,20 +97,28 @@ class _Weight:
         weights = [lin.weight.detach() for lin in self.linears]
         return torch.cat(weights) if len(weights) > 1 else weights[0]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, may_pack: bool = True) -> torch.Tensor:
+        """``x @ W.T + b``; ``may_pack``: enough steps remain to repay packing for a new row count."""
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
-        if rows < 2:
-            return torch.cat([F.linear(x, lin.weight, lin.bias) for lin in self.linears], dim=-1)
+        if rows < PACK_MIN_ROWS:
+            self.packed, self.rows = None, 0  # not used again: rows only leave
+            return self._unpacked(x)
         if self.rows // 2 <= rows < self.rows:  # rows left the batch: pad rather than pack again
             padded = torch.cat([x, x.new_zeros(self.rows - rows, x.shape[1])])
             return torch.ops.mkl._mkl_linear(padded, self.packed, self.shape, self.bias, self.rows)[:rows]
         if rows != self.rows:
-            self.packed = None
+            self.packed, self.rows = None, 0
+            if not may_pack:
+                return self._unpacked(x)
             with mapped_allocations():  # MKL allocates 2x what it fills: keep that out of the heap
                 self.packed, self.rows = torch.ops.mkl._mkl_reorder_linear_weight(self._source(), rows), rows
         return torch.ops.mkl._mkl_linear(x, self.packed, self.shape, self.bias, rows)
+
+    def _unpacked(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [F.linear(x, lin.weight, lin.bias) for lin in self.linears]
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
 
 
 class _Layer:
@@ -175,22 +197,23 @@ class LeanDecoder:
         if self.length >= self.layers[0].keys.shape[2]:
             self._grow()
         batch, pos, d = tokens.shape[0], self.length, self.head_dim
+        pack = self.layers[0].keys.shape[2] - pos >= REPACK_MIN_STEPS
         hidden = self.body.embed_tokens(tokens)  # [B, 1, H]
         cos, sin = self.body.rotary_emb(hidden, position_ids)  # [B, 1, d], float32 as in the model's forward
         hidden = hidden[:, 0]  # [B, H]
         attend = attention_mask[:, None, None, :self.prompt_len + pos + 1].bool()  # [B, 1, 1, L]
         for layer in self.layers:
-            qkv = layer.qkv(layer.norm_in(hidden).to(self.dtype)).view(batch, 1, -1, d)
+            qkv = layer.qkv(layer.norm_in(hidden).to(self.dtype), pack).view(batch, 1, -1, d)
             q, k, v = qkv.split([self.q_heads, self.kv_heads, self.kv_heads], dim=2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, 1, heads, d]
             layer.keys[:, :, pos] = k[:, 0]
             layer.values[:, :, pos] = v[:, 0]
             attn = self._attention(layer, q[:, 0].to(layer.keys.dtype), attend)  # [B, Hq, d]
-            hidden = hidden + layer.o(attn.reshape(batch, -1).to(self.dtype))
-            gate, up = layer.gate_up(layer.norm_post(hidden).to(self.dtype)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = hidden + layer.o(attn.reshape(batch, -1).to(self.dtype), pack)
+            gate, up = layer.gate_up(layer.norm_post(hidden).to(self.dtype), pack).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up, pack)
         self.length = pos + 1
-        logits = self.head(self.body.norm(hidden).to(self.dtype))
+        logits = self.head(self.body.norm(hidden).to(self.dtype), pack)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

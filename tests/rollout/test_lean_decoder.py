@@ -208,17 +208,27 @@ def test_rollout_lean_decode_key_turns_it_off(tok):
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
 def test_packed_weight_equals_linear_as_rows_leave():
-    """fp32 through MKL's packed GEMM, two projections fused: packed for 8 rows, then 5 (padded to
-    8), 3 (packed again), 1 (the model's weights): every result equals the two layers' outputs."""
-    from posttrain.rollout.lean_decoder import _Weight
+    """fp32 through MKL's packed GEMM, two projections fused: packed for 16 rows, then 9 (padded to
+    16), 6 (packed again), 5 (padded to 6), then 2 and 1 (below PACK_MIN_ROWS: the model's weights,
+    the packed copy dropped); and 5 rows when too few steps remain to repay packing (the model's
+    weights). Every result equals the two layers' outputs."""
+    from posttrain.rollout.lean_decoder import PACK_MIN_ROWS, _Weight
 
     torch.manual_seed(0)
     first, second = torch.nn.Linear(64, 96), torch.nn.Linear(64, 32)  # fused, as q/k/v are
     packed = _Weight([first, second], torch.float32)
     assert packed.weight is None  # no fused copy kept: the packed weight is the only copy
-    for rows, packed_for in ((8, 8), (5, 8), (3, 3), (1, 3)):
+    assert PACK_MIN_ROWS == 4
+    for rows, may_pack, packed_for in ((16, True, 16), (9, True, 16), (6, True, 6), (5, False, 6), (2, True, 0),
+                                       (1, True, 0)):
         x = torch.randn(rows, 64)
-        out = packed(x)
-        assert packed.rows == packed_for
+        out = packed(x, may_pack)
+        assert packed.rows == packed_for and (packed.packed is None) == (packed_for == 0)
         want = torch.cat([first(x), second(x)], dim=-1)
         assert (out - want).abs().max().item() < 1e-5
+    late = _Weight([first, second], torch.float32)
+    late(torch.randn(16, 64))
+    x = torch.randn(5, 64)
+    out = late(x, may_pack=False)  # fewer than half the rows and few steps left: no new packing
+    assert late.rows == 0 and late.packed is None
+    assert (out - torch.cat([first(x), second(x)], dim=-1)).abs().max().item() < 1e-5
