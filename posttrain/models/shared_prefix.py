@@ -170,7 +170,7 @@ def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, at
     (``[:, j]`` predicts response token ``j``), computed on the grouped layout; None when the plain
     forward is cheaper or the attention kernel takes no dense mask. Callers pass the column window
     they would run (no all-padding columns)."""
-    from posttrain.models.attention import ATTN_NAME, PREFIX_SLOTS_KWARG
+    from posttrain.models.attention import ATTN_NAME, PREFIX_SLOTS_KWARG, slot_segments
 
     form = _mask_form(backbone)  # checked first: no layout is built for a kernel that cannot take it
     if form is None:
@@ -185,7 +185,9 @@ def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, at
     if form == "additive":
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
             ~mask, torch.finfo(torch.float32).min)
-    extra = {PREFIX_SLOTS_KWARG: (layout.prompt_len, layout.slot_start, layout.slot_len)} if segmented else {}
+    # segments read the layout (mask, slots), not the layer: built once here rather than in every layer
+    extra = {PREFIX_SLOTS_KWARG: slot_segments(layout.mask, layout.prompt_len, layout.slot_start, layout.slot_len)
+             } if segmented else {}
     out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False,
                    **extra)
     return out.last_hidden_state[layout.group[:, None], layout.predict_cols]

@@ -152,6 +152,7 @@ def test_tiny_run_with_compiled_layers_equals_eager_run(tmp_path):
     assert hasattr(compiled.workers.actor.module, compile_mod._ATTR)
     assert hasattr(compiled.workers.ref.module, compile_mod._ATTR)
     assert not hasattr(eager.workers.actor.module, compile_mod._ATTR)
+    torch._dynamo.reset()  # graphs of earlier tests (same layer code and shapes) would otherwise be reused
     before = _graphs()
     want, got = eager.fit(), compiled.fit()
     assert _graphs() > before

@@ -221,8 +221,10 @@ def _real_columns(layout) -> torch.Tensor:
     return torch.arange(layout.input_ids.shape[1]) < ends
 
 
-def _slots_of(layout):
-    return layout.prompt_len, layout.slot_start, layout.slot_len
+def _segments(layout, mask=None):
+    from posttrain.models.attention import slot_segments
+
+    return slot_segments(layout.mask if mask is None else mask, layout.prompt_len, layout.slot_start, layout.slot_len)
 
 
 def _attention_module() -> torch.nn.Module:
@@ -246,7 +248,7 @@ def test_segmented_attention_equals_the_dense_mask():
     real = _real_columns(layout)[:, :, None, None]
     outs = []
     for fn in (lambda *t: _dense_attention(*t, layout.mask),
-               lambda *t: prefix_slot_attention(module, *t, layout.mask, *_slots_of(layout))):
+               lambda *t: prefix_slot_attention(module, *t, _segments(layout))):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out = fn(*leaves) * real
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
@@ -266,10 +268,10 @@ def test_segmented_attention_reads_the_mask_inside_a_slot():
     g = int((layout.slot_len[:, 1] >= 3).nonzero()[0])  # a prompt whose second answer has 3 tokens or more
     first = int(layout.slot_start[g, 1])  # that answer's first query
     leaky[g, :, first, first + 2] = True
-    got = prefix_slot_attention(_attention_module(), q, k, v, leaky, *_slots_of(layout))
+    got = prefix_slot_attention(_attention_module(), q, k, v, _segments(layout, leaky))
     real = _real_columns(layout)
     torch.testing.assert_close(got[real], _dense_attention(q, k, v, leaky)[real], rtol=1e-12, atol=1e-12)
-    kept = prefix_slot_attention(_attention_module(), q, k, v, layout.mask, *_slots_of(layout))
+    kept = prefix_slot_attention(_attention_module(), q, k, v, _segments(layout))
     assert (got - kept)[g, first].abs().max() > 1e-3
 
 
@@ -278,7 +280,7 @@ def test_segmented_attention_runs_under_the_cpu_attention_only(tok, monkeypatch)
     from posttrain.models import attention as attn
 
     calls, real = [], attn.prefix_slot_attention
-    monkeypatch.setattr(attn, "prefix_slot_attention", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    monkeypatch.setattr(attn, "prefix_slot_attention", lambda *a, **k: calls.append(a[4].prompt_len) or real(*a, **k))
     for implementation, want in (("sdpa", [12]), ("eager", [])):
         calls.clear()
         with torch.no_grad():
