@@ -15,7 +15,7 @@ reference following), ``lean`` (the ``hf`` engine's lean decoder, off as with
 actor's ``optimizer_offload``: paged to a file between uses on a CPU run, the rollout's and update's
 large buffers in mappings of their own; off, the same file-backed memory stays resident, is stepped
 all at once, and freed memory stays in the heap) and
-``micro8`` (the actor's update in micro-batches of 8 responses instead of 16). ``--with`` keeps another lever on throughout. After the first step, steps
+``micro8``/``micro32`` (the actor's update in micro-batches of 8 or 32 responses instead of 16). ``--with`` keeps another lever on throughout. After the first step, steps
 alternate off / on and the median of each phase (``timing_s/*``) is printed for both, with their
 ratio.
 """
@@ -38,9 +38,9 @@ LEVERS = {"compile": ["actor_rollout_ref.model.compile_layers=True"],
           "lean": ["actor_rollout_ref.rollout.lean_decode=True"],
           "offload": ["actor_rollout_ref.ref.fsdp_config.param_offload=True",
                       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"],
-          "micro8": []}
-MICRO_OFF, MICRO_ON = 16, 8
-"""``micro8``: the actor's update in micro-batches of 8 responses (on) instead of 16 (off)."""
+          "micro8": [], "micro32": []}
+MICRO_OFF, MICRO_ON = 16, {"micro8": 8, "micro32": 32}
+"""``micro8``/``micro32``: the actor's update in micro-batches of 8 / 32 responses (on) instead of 16 (off)."""
 
 
 def _switch(trainer, lever: str, on: bool) -> None:
@@ -50,8 +50,8 @@ def _switch(trainer, lever: str, on: bool) -> None:
     if lever == "lean":
         trainer.workers.actor.rollout.lean_decode = on
         return
-    if lever == "micro8":
-        trainer.workers.actor.config.ppo_micro_batch_size_per_gpu = MICRO_ON if on else MICRO_OFF
+    if lever in MICRO_ON:
+        trainer.workers.actor.config.ppo_micro_batch_size_per_gpu = MICRO_ON[lever] if on else MICRO_OFF
         return
     if lever == "offload":  # off: the same memory, never paged out (resident like any other) and no trims
         import torch
