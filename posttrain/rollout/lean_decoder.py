@@ -171,10 +171,14 @@ class LeanDecoder:
             self._load_cache(cache, new_tokens, samples)
 
     def _load_cache(self, cache: Any, new_tokens: int, samples: int) -> None:
+        # under autocast the cache holds float32 keys (rotated in float32) that every step's bf16 matmul
+        # would cast again: cast once here instead (the same rounding, so the same scores)
+        half = self.dtype in (torch.bfloat16, torch.float16)
         for layer, cached in zip(self.layers, cache.layers):
             prompts, heads, length, dim = cached.keys.shape
-            layer.prompt_keys, layer.prompt_values = cached.keys, cached.values  # moved: no copy
-            layer.keys = cached.keys.new_empty(prompts * samples, heads, new_tokens, dim)
+            keys = cached.keys.to(self.dtype) if half else cached.keys
+            layer.prompt_keys, layer.prompt_values = keys, cached.values  # moved: no copy (but the cast)
+            layer.keys = keys.new_empty(prompts * samples, heads, new_tokens, dim)
             layer.values = cached.values.new_empty(prompts * samples, heads, new_tokens, dim)
             cached.keys = cached.values = cached.keys.new_empty(0)
             self.prompts, self.prompt_len = prompts, length
