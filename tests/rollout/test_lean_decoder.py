@@ -115,6 +115,32 @@ def test_samples_share_their_prompt_cache_in_float64(kind, tok):
 
 
 @torch.no_grad()
+def test_keys_cast_once_under_autocast_equal_casting_at_every_step(tok):
+    """Under bf16 autocast the prefilled cache holds float32 keys; the decoder casts them to bf16 once.
+    A decoder given float32 key buffers instead (autocast then casts them, and the float32 keys
+    written each step, at every matmul) gives bit-equal logits: the same rounding, once."""
+    model = _model("llama", tok).eval()
+    prompts = tiny_prompt_batch(tok, PROMPTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, cache = _prefill(model, prompts)
+        assert cache.layers[0].keys.dtype == torch.float32  # rotated in float32
+        once, every = (lean_decoder_for(model, copy.deepcopy(cache)) for _ in range(2))
+        once.load_cache(copy.deepcopy(cache), new_tokens=4, samples=2)
+        every.load_cache(copy.deepcopy(cache), new_tokens=4, samples=2)
+        for layer in every.layers:
+            layer.prompt_keys, layer.keys = layer.prompt_keys.float(), layer.keys.float()
+        assert once.layers[0].prompt_keys.dtype == once.layers[0].keys.dtype == torch.bfloat16
+        token = logits.float().argmax(-1, keepdim=True).repeat_interleave(2, dim=0)
+        mask = prompts["attention_mask"].repeat_interleave(2, dim=0)
+        pos = prompts["position_ids"][:, -1:].repeat_interleave(2, dim=0)
+        for step in range(4):
+            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+            got, want = once.step(token, mask, pos), every.step(token, mask, pos)
+            assert torch.equal(got, want), f"step {step}"
+            token = (want.float() + torch.randn(want.shape)).argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
 def test_step_comparison_can_fail(tok):
     """Negative control: the same comparison with one layer's attention scale doubled differs."""
     model = _model("llama", tok).double().eval()
