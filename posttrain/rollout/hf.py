@@ -268,6 +268,7 @@ class _ModelStepper:
         decoder keeps the one copy and decodes ``n`` rows from it."""
         if self.lean_decode:
             self.lean = lean_decoder_for(self.model, self.cache)
+            self.lean_decode = self.lean is not None  # unsupported: reserve() need not ask again
             if self.lean is not None:
                 self.samples = n
                 return True
