@@ -8,8 +8,8 @@ weights concatenated, or packed together, once per generation), rotary embedding
 keys and values written in place into preallocated buffers, grouped-query attention of the one
 query against them (float32 softmax), SiLU-gated MLP. A prompt's keys and values are kept once for
 all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cache a step reads. Under bf16 autocast the weights are cast to
-bf16 once per generation and the ops keep autocast's precisions (bf16 matmuls, float32 norms and
-residual stream).
+bf16 once per generation (and packed for oneDNN where the CPU multiplies bf16 natively) and the ops
+keep autocast's precisions (bf16 matmuls, float32 norms and residual stream).
 
 fp32 weights are multiplied through MKL's packed GEMM where torch has it (x86 builds). For a few
 rows, a plain fp32 GEMM spends much of each call re-packing the whole weight into the kernel's
@@ -47,7 +47,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mis
 
 from posttrain.allocator import mapped_allocations
 
-__all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available"]
+__all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available", "onednn_bf16_packing_available"]
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values whose decoder layer this module reproduces (RMSNorm, rotary q/k,
@@ -69,6 +69,12 @@ def mkl_packing_available() -> bool:
     return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def onednn_bf16_packing_available() -> bool:
+    """True where oneDNN can pack bf16 weights and this CPU multiplies bf16 natively (AVX512-BF16, AMX)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class _Weight:
     """One projection, or several fused into one matmul (q/k/v, gate/up), in the step's precision.
 
@@ -77,10 +83,13 @@ class _Weight:
     remain, then packed again for the new count if enough steps may remain to repay it
     (:data:`REPACK_MIN_STEPS`); otherwise, and below :data:`PACK_MIN_ROWS` rows, the model's own
     weights are multiplied directly.
-    Otherwise (bf16 autocast, float64, no MKL): one fused copy in ``dtype``.
+    bf16 with oneDNN: the fused bf16 copy packed once into oneDNN's blocked layout, which serves every
+    row count (2 cores of an AMX Xeon, all of SmolLM2's weights: 18.4 ms against 24.9 ms at 32 rows,
+    14.6 against 19.9 ms at 1 row; packing ~60 ms; bit-equal to ``F.linear``).
+    Otherwise (float64, no MKL or oneDNN): one fused copy in ``dtype``.
     """
 
-    __slots__ = ("linears", "bias", "weight", "packed", "rows", "shape")
+    __slots__ = ("linears", "bias", "weight", "onednn", "packed", "rows", "shape")
 
     def __init__(self, linears: list[nn.Linear], dtype: torch.dtype):
         self.linears = linears
@@ -91,6 +100,9 @@ class _Weight:
         packable = dtype == torch.float32 and mkl_packing_available() and all(
             lin.weight.dtype == torch.float32 for lin in linears)
         self.weight = None if packable else self._source().to(dtype)
+        self.onednn = None
+        if dtype == torch.bfloat16 and self.weight.device.type == "cpu" and onednn_bf16_packing_available():
+            self.onednn, self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight), None
         self.packed, self.rows = None, 0
         # _mkl_linear reads only the shape of its "original weight" when the rows match the packing
         self.shape = torch.zeros(1).expand(sum(lin.out_features for lin in linears), linears[0].in_features)
@@ -101,6 +113,8 @@ class _Weight:
 
     def __call__(self, x: torch.Tensor, may_pack: bool = True) -> torch.Tensor:
         """``x @ W.T + b``; ``may_pack``: enough steps remain to repay packing for a new row count."""
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]

@@ -15,7 +15,7 @@ from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.config.actor_rollout_ref import RolloutConfig
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.hf import HFRolloutEngine
-from posttrain.rollout.lean_decoder import lean_decoder_for, mkl_packing_available
+from posttrain.rollout.lean_decoder import lean_decoder_for, mkl_packing_available, onednn_bf16_packing_available
 
 PROMPTS = ["1+1=", "hello there 2*3=", "x", "abc 12"]
 
@@ -258,3 +258,20 @@ def test_packed_weight_equals_linear_as_rows_leave():
     out = late(x, may_pack=False)  # fewer than half the rows and few steps left: no new packing
     assert late.rows == 0 and late.packed is None
     assert (out - torch.cat([first(x), second(x)], dim=-1)).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not onednn_bf16_packing_available(), reason="no oneDNN bf16 packing on this CPU/build")
+def test_onednn_packed_bf16_weight_equals_linear_at_every_row_count():
+    """bf16: the fused copy packed once for oneDNN (no bf16 copy kept) gives F.linear's result on
+    the fused bf16 weight and bias bit for bit, at every row count (rows leaving need no re-packing)."""
+    from posttrain.rollout.lean_decoder import _Weight
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(64, 96), torch.nn.Linear(64, 32)
+    packed = _Weight([first, second], torch.bfloat16)
+    assert packed.onednn is not None and packed.weight is None
+    weight = torch.cat([first.weight, second.weight]).detach().bfloat16()
+    bias = torch.cat([first.bias, second.bias]).detach().bfloat16()
+    for rows in (16, 9, 3, 1):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, weight, bias)), rows
