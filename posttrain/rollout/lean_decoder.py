@@ -102,7 +102,10 @@ class _Weight:
         self.weight = None if packable else self._source().to(dtype)
         self.onednn = None
         if dtype == torch.bfloat16 and self.weight.device.type == "cpu" and onednn_bf16_packing_available():
-            self.onednn, self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight), None
+            try:
+                self.onednn, self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight), None
+            except RuntimeError:  # a build whose oneDNN cannot pack this weight (e.g. some ARM builds): plain copy
+                self.onednn = None
         self.packed, self.rows = None, 0
         # _mkl_linear reads only the shape of its "original weight" when the rows match the packing
         self.shape = torch.zeros(1).expand(sum(lin.out_features for lin in linears), linears[0].in_features)
