@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 __all__ = ["ATTN_NAME", "MAX_SCORE_ELEMENTS", "PREFIX_SLOTS_KWARG", "fast_cpu_attention", "matmul_attention",
-           "SlotSegments", "prefix_slot_attention", "single_query_attention", "slot_segments"]
+           "SlotSegments", "prefix_slot_attention", "single_query_attention", "single_query_probs",
+           "slot_segments"]
 
 ATTN_NAME = "posttrain_sdpa"
 PREFIX_SLOTS_KWARG = "posttrain_prefix_slots"
@@ -63,16 +64,23 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
     return scores + mask.float()
 
 
+def single_query_probs(scores: torch.Tensor, mask: torch.Tensor | None, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Attention probabilities of one query token: scores ``[B, Hkv, g, L]`` scaled and softmaxed in
+    float32 at least, mask ``[B|1, 1, 1, L]`` (bool, True = attend, or additive) applied as
+    :func:`_apply_mask` does; returned in ``dtype``."""
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    scores = _apply_mask(scores[:, :, :, None], mask)[:, :, :, 0]
+    return torch.softmax(scores, dim=-1).to(dtype)
+
+
 def single_query_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None):
     """One query token: ``[B, Hq, 1, d]`` x keys/values ``[B, Hkv, L, d]`` -> ``[B, 1, Hq, d]``."""
     batch, q_heads, _, dim, group = _grouped(query, key)
     scale = scaling if scaling is not None else dim ** -0.5
     q = query.reshape(batch, key.shape[1], group, dim)  # head h uses kv head h // group
-    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, g, L]; softmax in float32 at least
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-    scores = _apply_mask(scores[:, :, :, None], attention_mask[..., -1:, :] if attention_mask is not None else None)
-    probs = torch.softmax(scores[:, :, :, 0], dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(batch, 1, q_heads, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, Hkv, g, L]
+    mask = attention_mask[..., -1:, :] if attention_mask is not None else None
+    return torch.matmul(single_query_probs(scores, mask, scale, value.dtype), value).reshape(batch, 1, q_heads, dim)
 
 
 def matmul_attention(module: nn.Module, query, key, value, attention_mask, scaling: float | None = None,

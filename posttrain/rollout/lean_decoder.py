@@ -47,6 +47,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's are the same
 
 from posttrain.allocator import mapped_allocations
+from posttrain.models.attention import single_query_probs
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available", "onednn_bf16_packing_available"]
 
@@ -246,16 +247,14 @@ class LeanDecoder:
     def _attention(self, layer: _Layer, query: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         """query ``[B, Hq, d]`` against the row's prompt and generated tokens -> ``[B, Hq, d]``.
 
-        Grouped-query heads packed (head ``h`` reads kv head ``h // g``); the softmax in float32 at
-        least, masked scores at the float32 minimum (as ``single_query_attention``)."""
+        Grouped-query heads packed (head ``h`` reads kv head ``h // g``); scores of the prompt and of
+        the row's own tokens normalised together by ``single_query_probs``."""
         batch, dim, kv_heads = query.shape[0], self.head_dim, self.kv_heads
         q = query.reshape(batch, kv_heads, -1, dim)  # [B, Hkv, g, d]
         keys, values = layer.keys[:, :, :self.length + 1], layer.values[:, :, :self.length + 1]
         prompt = self._per_row(torch.matmul(self._per_prompt(q), layer.prompt_keys.transpose(-1, -2)))
         scores = torch.cat([prompt, torch.matmul(q, keys.transpose(-1, -2))], dim=-1)  # [B, Hkv, g, L]
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * layer.scale
-        scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        probs = single_query_probs(scores, attend, layer.scale, values.dtype)
         out = torch.matmul(probs[..., self.prompt_len:], values)
         out = out + self._per_row(torch.matmul(self._per_prompt(probs[..., :self.prompt_len]), layer.prompt_values))
         return out.reshape(batch, self.q_heads, dim)
