@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # mistral's and qwen2's are the same
+from transformers.models.llama.modeling_llama import rotate_half  # mistral's and qwen2's are the same
 
 from posttrain.allocator import mapped_allocations
 from posttrain.models.attention import single_query_probs
@@ -234,12 +234,16 @@ class LeanDecoder:
         pack = self.layers[0].keys.shape[2] - pos >= REPACK_MIN_STEPS
         hidden = self.body.embed_tokens(tokens)  # [B, 1, H]
         cos, sin = self.body.rotary_emb(hidden, position_ids)  # [B, 1, d], float32 as in the model's forward
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, 1, 1, d]: broadcast over heads
         hidden = hidden[:, 0]  # [B, H]
+        rotated = self.q_heads + self.kv_heads
         attend = attention_mask[:, None, None, :self.prompt_len + pos + 1].bool()  # [B, 1, 1, L]
         for layer in self.layers:
             qkv = layer.qkv(layer.norm_in(hidden).to(self.dtype), pack).view(batch, 1, -1, d)
-            q, k, v = qkv.split([self.q_heads, self.kv_heads, self.kv_heads], dim=2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)  # [B, 1, heads, d]
+            # q and k heads rotated together: the model's apply_rotary_pos_emb, elementwise, in half the ops
+            qk = qkv[:, :, :rotated]
+            q, k = (qk * cos + rotate_half(qk) * sin).split([self.q_heads, self.kv_heads], dim=2)  # [B, 1, heads, d]
+            v = qkv[:, :, rotated:]
             layer.keys[:, :, pos] = k[:, 0].to(self.dtype)  # rounded as autocast's matmul would, held in attn_dtype
             layer.values[:, :, pos] = v[:, 0]
             attn = self._attention(layer, self._rounded(q[:, 0]), attend)  # [B, Hq, d]
