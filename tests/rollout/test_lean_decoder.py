@@ -87,6 +87,25 @@ def test_load_cache_moves_the_prefilled_cache(tok):
         assert mine.keys.shape == mine.values.shape == (2 * keys.shape[0], keys.shape[1], 3, keys.shape[3])
 
 
+@torch.no_grad()
+def test_rows_leaving_keep_the_cache_buffers(tok):
+    """select() moves the kept rows (any order) to the front of the same buffers: the same contents
+    as indexing, no new cache allocated (new ones at every row change fragmented the heap)."""
+    model = _model("llama", tok).eval()
+    lean = lean_decoder_for(model, _prefill(model, tiny_prompt_batch(tok, PROMPTS))[1])
+    lean.load_cache(_prefill(model, tiny_prompt_batch(tok, PROMPTS))[1], new_tokens=3, samples=2)
+    for layer in lean.layers:
+        layer.keys.normal_(), layer.values.normal_()
+    rows = torch.tensor([5, 0, 3, 2])
+    want = [(layer.keys[rows].clone(), layer.values[rows].clone()) for layer in lean.layers]
+    storage = [(layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()) for layer in lean.layers]
+    lean.select(rows)
+    for layer, (keys, values), ptrs in zip(lean.layers, want, storage):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert (layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()) == ptrs
+    assert torch.equal(lean.slot, rows)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @torch.no_grad()
 def test_samples_share_their_prompt_cache_in_float64(kind, tok):
