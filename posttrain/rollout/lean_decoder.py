@@ -9,9 +9,7 @@ keys and values written in place into preallocated buffers, grouped-query attent
 query against them (float32 softmax), SiLU-gated MLP. A prompt's keys and values are kept once for
 all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cache a step reads. Under bf16 autocast the weights are cast to
 bf16 once per generation (and packed for oneDNN where the CPU multiplies bf16 natively) and the ops
-keep autocast's precisions (bf16 projections, float32 norms and residual stream); the attention
-reads keys and values rounded to bf16, as autocast's matmuls round them, but held and multiplied
-in float32 (a bf16 matmul copied the cache's strided slice first; see ``LeanDecoder._attention``).
+keep autocast's precisions (bf16 matmuls, float32 norms and residual stream).
 
 fp32 weights are multiplied through MKL's packed GEMM where torch has it (x86 builds). For a few
 rows, a plain fp32 GEMM spends much of each call re-packing the whole weight into the kernel's
@@ -39,7 +37,6 @@ the noise in another; at the built-in run's <= 32 tokens 2.57 s against 2.53 s (
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
@@ -178,9 +175,6 @@ class LeanDecoder:
     def __init__(self, body: nn.Module, head: nn.Linear, softcap: float | None, dtype: torch.dtype):
         cfg = body.config
         self.body, self.softcap, self.dtype = body, softcap, dtype
-        # attention in float32 at least, over keys and values rounded to ``dtype`` (see _attention)
-        self.attn_dtype = torch.promote_types(dtype, torch.float32)
-        self.half = self.attn_dtype != dtype
         self.head = _Weight([head], dtype)
         self.layers = [_Layer(layer, dtype) for layer in body.layers]
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -197,12 +191,15 @@ class LeanDecoder:
             self._load_cache(cache, new_tokens, samples)
 
     def _load_cache(self, cache: Any, new_tokens: int, samples: int) -> None:
+        # under autocast the cache holds float32 keys (rotated in float32) that every step's bf16 matmul
+        # would cast again: cast once here instead (the same rounding, so the same scores)
+        half = self.dtype in (torch.bfloat16, torch.float16)
         for layer, cached in zip(self.layers, cache.layers):
             prompts, heads, length, dim = cached.keys.shape
-            # moved (no copy) where the step's precision is the cache's; under autocast rounded to bf16
-            layer.prompt_keys, layer.prompt_values = self._rounded(cached.keys), self._rounded(cached.values)
-            layer.keys = layer.prompt_keys.new_empty(prompts * samples, heads, new_tokens, dim)
-            layer.values = layer.prompt_values.new_empty(prompts * samples, heads, new_tokens, dim)
+            keys = cached.keys.to(self.dtype) if half else cached.keys
+            layer.prompt_keys, layer.prompt_values = keys, cached.values  # moved: no copy (but the cast)
+            layer.keys = keys.new_empty(prompts * samples, heads, new_tokens, dim)
+            layer.values = cached.values.new_empty(prompts * samples, heads, new_tokens, dim)
             cached.keys = cached.values = cached.keys.new_empty(0)
             self.prompts, self.prompt_len = prompts, length
         self.samples, self.length = samples, 0
@@ -210,20 +207,14 @@ class LeanDecoder:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (indices); the prompts' cache stays. The kept rows move to
-        the front of the same buffers (through one layer's temporary copy at a time): a new cache
-        at every row change left heap holes that grew a bf16 validation pass after a training
-        step from 4.5 to 5.9 GB (the generated tokens' float32 buffers; ``bench_memory.py``)."""
+        the front of the same buffers (through one layer's temporary copy at a time) instead of
+        into a new cache at every row change, whose freed predecessors left holes in the heap."""
         self.slot = self.slot[rows]
         kept = rows.shape[0]
         for layer in self.layers:
             layer.keys[:kept] = layer.keys[rows]
             layer.values[:kept] = layer.values[rows]
             layer.keys, layer.values = layer.keys[:kept], layer.values[:kept]
-
-    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` rounded to the step's precision (as autocast's matmul would cast it) and held in the
-        attention's: bf16 values exactly in float32 under autocast; otherwise ``x`` itself."""
-        return x.to(self.dtype).to(self.attn_dtype) if self.half else x
 
     def _grow(self) -> None:
         for layer in self.layers:
@@ -250,9 +241,9 @@ class LeanDecoder:
             qk = qkv[:, :, :rotated]
             q, k = (qk * cos + rotate_half(qk) * sin).split([self.q_heads, self.kv_heads], dim=2)  # [B, 1, heads, d]
             v = qkv[:, :, rotated:]
-            layer.keys[:, :, pos] = k[:, 0].to(self.dtype)  # rounded as autocast's matmul would, held in attn_dtype
+            layer.keys[:, :, pos] = k[:, 0]
             layer.values[:, :, pos] = v[:, 0]
-            attn = self._attention(layer, self._rounded(q[:, 0]), attend)  # [B, Hq, d]
+            attn = self._attention(layer, q[:, 0].to(layer.keys.dtype), attend)  # [B, Hq, d]
             hidden = hidden + layer.o(attn.reshape(batch, -1).to(self.dtype), pack)
             gate, up = layer.gate_up(layer.norm_post(hidden).to(self.dtype), pack).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up, pack)
@@ -266,27 +257,15 @@ class LeanDecoder:
         """query ``[B, Hq, d]`` against the row's prompt and generated tokens -> ``[B, Hq, d]``.
 
         Grouped-query heads packed (head ``h`` reads kv head ``h // g``); scores of the prompt and of
-        the row's own tokens normalised together by ``single_query_probs``.
-
-        Computed in ``attn_dtype`` (float32 under bf16 autocast, autocast off here) from the query,
-        keys and values rounded to bf16 as autocast's matmuls would round them: the products are
-        exact and summed in float32 as in a bf16 matmul, but scores and probabilities are not
-        rounded to bf16 afterwards (torch's own CPU sdpa kernel keeps its scores in float32 too).
-        A bf16 matmul over the cache's [..., :L] slice copied the slice first (its batch stride is
-        the capacity's): the scores of 20 rows x 230 positions took 319 us against 116 us in float32
-        (2 cores of an AMX Xeon); SmolLM2-135M's decoding step at GSM8K length (20 rows, 150-token
-        prompts, 256 new tokens) 66 -> 62 ms, at the built-in run's 32 rows x 32 tokens 52.7 -> 49.2 ms
-        (medians of 2 and 6, alternating). The price: the cache takes float32's memory (SmolLM2-135M,
-        20 rows x 256 tokens: 0.24 GB instead of 0.12)."""
+        the row's own tokens normalised together by ``single_query_probs``."""
         batch, dim, kv_heads = query.shape[0], self.head_dim, self.kv_heads
         q = query.reshape(batch, kv_heads, -1, dim)  # [B, Hkv, g, d]
         keys, values = layer.keys[:, :, :self.length + 1], layer.values[:, :, :self.length + 1]
-        with torch.autocast("cpu", enabled=False) if self.half else contextlib.nullcontext():
-            prompt = self._per_row(torch.matmul(self._per_prompt(q), layer.prompt_keys.transpose(-1, -2)))
-            scores = torch.cat([prompt, torch.matmul(q, keys.transpose(-1, -2))], dim=-1)  # [B, Hkv, g, L]
-            probs = single_query_probs(scores, attend, layer.scale, values.dtype)
-            out = torch.matmul(probs[..., self.prompt_len:], values)
-            out = out + self._per_row(torch.matmul(self._per_prompt(probs[..., :self.prompt_len]), layer.prompt_values))
+        prompt = self._per_row(torch.matmul(self._per_prompt(q), layer.prompt_keys.transpose(-1, -2)))
+        scores = torch.cat([prompt, torch.matmul(q, keys.transpose(-1, -2))], dim=-1)  # [B, Hkv, g, L]
+        probs = single_query_probs(scores, attend, layer.scale, values.dtype)
+        out = torch.matmul(probs[..., self.prompt_len:], values)
+        out = out + self._per_row(torch.matmul(self._per_prompt(probs[..., :self.prompt_len]), layer.prompt_values))
         return out.reshape(batch, self.q_heads, dim)
 
     def _per_prompt(self, x: torch.Tensor) -> torch.Tensor:
