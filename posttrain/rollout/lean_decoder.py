@@ -11,15 +11,22 @@ all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cach
 bf16 once per generation (and packed for oneDNN where the CPU multiplies bf16 natively) and the ops
 keep autocast's precisions (bf16 matmuls, float32 norms and residual stream).
 
-fp32 weights are multiplied through MKL's packed GEMM where torch has it (x86 builds). For a few
-rows, a plain fp32 GEMM spends much of each call re-packing the whole weight into the kernel's
-panel layout; MKL packs a weight once for a given row count (``cblas_sgemm_pack``) and then
-multiplies panels only, with the same results. Measured on SmolLM2-135M's shapes at 20 rows, 2
-cores of an AMX Xeon: 576->1536 0.30 -> 0.18 ms, 1536->576 0.39 -> 0.16 ms, the 49152-token head
-15.7 -> 11.7 ms. Packing all weights costs ~150 ms, so when rows leave the batch the packed
-weights are kept, and the rows padded to the packed count, until fewer than half remain; they are
-packed again only where the steps left can repay it, and never for fewer than 4 rows, where the
-plain GEMM reads each weight once and is as fast.
+fp32 weights are packed once per generation into the layout a GEMM kernel wants, because for a few
+rows a plain fp32 GEMM spends much of each call re-packing the whole weight into its panels. Two
+packings exist in x86 builds of torch, and which is faster depends on the CPU, so the first decoder
+of a process times both on its first layer's weights (:func:`fp32_matmul_backend`, ~0.1 s, cached):
+
+- oneDNN's blocked layout (``_reorder_linear_weight``): one packing serves every row count. On 2
+  cores of an AMD EPYC (Zen 3, AVX2) all of SmolLM2-135M's weights at 32 rows took 81 ms against
+  141 ms through MKL's packing and 127 ms plain; at 8 rows 31 against 70 and 72 ms.
+- MKL's packed GEMM (``cblas_sgemm_pack``): packed for one row count, then panels only. On 2 cores of
+  an AMX Xeon at 20 rows: 576->1536 0.30 -> 0.18 ms, 1536->576 0.39 -> 0.16 ms, the 49152-token
+  head 15.7 -> 11.7 ms (oneDNN 39 against MKL's 36 ms for all weights there). Packing all weights
+  costs ~150 ms, so when rows leave the batch the packed weights are kept, and the rows padded to
+  the packed count, until fewer than half remain; they are packed again only where the steps left
+  can repay it, and never for fewer than 4 rows, where the plain GEMM reads each weight once.
+
+Either gives the plain product up to fp32 rounding (a different order of the same sums).
 
 Prefill stays ``transformers``' own forward (long inputs, its masks), once per distinct prompt; its
 KV cache is then moved into this decoder, beside buffers for the generated tokens of every sample. :func:`lean_decoder_for` returns None, and the engine keeps the
@@ -38,6 +45,7 @@ the noise in another; at the built-in run's <= 32 tokens 2.57 s against 2.53 s (
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import torch
@@ -49,7 +57,10 @@ from transformers.models.llama.modeling_llama import rotate_half  # mistral's an
 from posttrain.allocator import mapped_allocations
 from posttrain.models.attention import single_query_probs
 
-__all__ = ["LEAN_MODEL_TYPES", "LeanDecoder", "lean_decoder_for", "mkl_packing_available", "onednn_bf16_packing_available"]
+__all__ = [
+    "LEAN_MODEL_TYPES", "LeanDecoder", "fp32_matmul_backend", "lean_decoder_for", "mkl_packing_available",
+    "onednn_bf16_packing_available", "onednn_fp32_packing_available",
+]
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values whose decoder layer this module reproduces (RMSNorm, rotary q/k,
@@ -71,6 +82,64 @@ def mkl_packing_available() -> bool:
     return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def onednn_fp32_packing_available() -> bool:
+    """True where this torch build can pack fp32 weights for oneDNN (x86 builds with mkldnn)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+MEASURE_ROWS = 16
+"""Rows at which :func:`fp32_matmul_backend` times the packings (the built-in run decodes 32 rows
+that leave as they end; GSM8K-shaped steps 20)."""
+
+_FP32_BACKENDS: dict[tuple, str] = {}
+
+
+def fp32_matmul_backend(weights: list[torch.Tensor]) -> str:
+    """``"onednn"``, ``"mkl"`` or ``"plain"``: the fastest fp32 product for these weights (a layer's
+    fused projections) at :data:`MEASURE_ROWS` rows, timed once per process for their shapes and
+    thread count (each available packing and the plain GEMM, 5 alternating rounds, best of each;
+    oneDNN's single packing wins ties within 5%, since it needs no re-packing as rows leave)."""
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
+    if key not in _FP32_BACKENDS:
+        _FP32_BACKENDS[key] = _time_fp32_backends(weights)
+    return _FP32_BACKENDS[key]
+
+
+def _time_fp32_backends(weights: list[torch.Tensor]) -> str:
+    inputs = [torch.randn(MEASURE_ROWS, w.shape[1]) for w in weights]
+    products: dict[str, Any] = {"plain": [functools.partial(F.linear, weight=w) for w in weights]}
+    with mapped_allocations():
+        if onednn_fp32_packing_available():
+            try:
+                packs = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+                products["onednn"] = [functools.partial(_onednn_linear, weight=p, bias=None) for p in packs]
+            except RuntimeError:  # a build whose oneDNN cannot pack fp32 weights
+                pass
+        if mkl_packing_available():
+            packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, MEASURE_ROWS) for w in weights]
+            products["mkl"] = [functools.partial(torch.ops.mkl._mkl_linear, MKL_W=p, ORI_W=w, B=None,
+                                                  batch_size=MEASURE_ROWS) for p, w in zip(packs, weights)]
+        best = {name: float("inf") for name in products}
+        for _ in range(5):
+            for name, calls in products.items():
+                start = time.perf_counter()
+                for call, x in zip(calls, inputs):
+                    call(x)
+                best[name] = min(best[name], time.perf_counter() - start)
+    return _fastest_fp32_backend(best)
+
+
+def _fastest_fp32_backend(seconds: dict[str, float]) -> str:
+    if "onednn" in seconds and seconds["onednn"] <= 1.05 * min(seconds.values()):
+        return "onednn"  # within 5% of the best: its one packing serves every row count
+    return min(seconds, key=seconds.get)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 @functools.cache  # the build and the CPU do not change within a process
 def onednn_bf16_packing_available() -> bool:
     """True where oneDNN can pack bf16 weights and this CPU multiplies bf16 natively (AVX512-BF16, AMX)."""
@@ -81,9 +150,10 @@ def onednn_bf16_packing_available() -> bool:
 class _Weight:
     """One projection, or several fused into one matmul (q/k/v, gate/up), in the step's precision.
 
-    fp32 with MKL: packed for the batch's row count straight from the model's own weights (no fused
-    copy is kept: packing is the copy), padded to the packed count while at least half the rows
-    remain, then packed again for the new count if enough steps may remain to repay it
+    fp32, ``backend="onednn"``: packed once into oneDNN's blocked layout, every row count.
+    fp32, ``backend="mkl"``: packed for the batch's row count straight from the model's own weights
+    (no fused copy is kept: packing is the copy), padded to the packed count while at least half the
+    rows remain, then packed again for the new count if enough steps may remain to repay it
     (:data:`REPACK_MIN_STEPS`); otherwise, and below :data:`PACK_MIN_ROWS` rows, the model's own
     weights are multiplied directly.
     bf16 with oneDNN: the fused bf16 copy packed once into oneDNN's blocked layout, which serves every
@@ -94,17 +164,17 @@ class _Weight:
 
     __slots__ = ("linears", "bias", "weight", "onednn", "packed", "rows", "shape")
 
-    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype):
+    def __init__(self, linears: list[nn.Linear], dtype: torch.dtype, backend: str = "mkl"):
         self.linears = linears
         biases = [lin.bias for lin in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else lin.weight.new_zeros(lin.out_features) for b, lin in zip(biases, linears)]
         ).to(dtype)
-        packable = dtype == torch.float32 and mkl_packing_available() and all(
-            lin.weight.dtype == torch.float32 for lin in linears)
+        fp32 = dtype == torch.float32 and all(lin.weight.dtype == torch.float32 for lin in linears)
+        packable = fp32 and backend == "mkl" and mkl_packing_available()
         self.weight = None if packable else self._source().to(dtype)
         self.onednn = None
-        if dtype == torch.bfloat16 and self.weight.device.type == "cpu" and onednn_bf16_packing_available():
+        if (dtype == torch.bfloat16 and onednn_bf16_packing_available()) or (fp32 and backend == "onednn"):
             try:
                 self.onednn, self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight), None
             except RuntimeError:  # a build whose oneDNN cannot pack this weight (e.g. some ARM builds): plain copy
@@ -144,18 +214,21 @@ class _Weight:
 
 
 class _Layer:
-    def __init__(self, layer: nn.Module, dtype: torch.dtype):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _Weight([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
-        self.o = _Weight([attn.o_proj], dtype)
-        self.gate_up = _Weight([mlp.gate_proj, mlp.up_proj], dtype)
-        self.down = _Weight([mlp.down_proj], dtype)
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, backend: str = "mkl"):
+        attn = layer.self_attn
+        self.qkv, self.o, self.gate_up, self.down = (_Weight(group, dtype, backend) for group in self.projections(layer))
         self.norm_in, self.norm_post = layer.input_layernorm, layer.post_attention_layernorm
         self.scale = getattr(attn, "scaling", attn.head_dim ** -0.5)
         self.prompt_keys: torch.Tensor | None = None  # [G, Hkv, P, d]: each distinct prompt once
         self.prompt_values: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None  # [B, Hkv, capacity, d]: each row's generated tokens
         self.values: torch.Tensor | None = None
+
+    @staticmethod
+    def projections(layer: nn.Module) -> tuple[list[nn.Linear], ...]:
+        """The layer's projections as the step multiplies them: q/k/v fused, o, gate/up fused, down."""
+        attn, mlp = layer.self_attn, layer.mlp
+        return [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]
 
 
 class LeanDecoder:
@@ -175,8 +248,12 @@ class LeanDecoder:
     def __init__(self, body: nn.Module, head: nn.Linear, softcap: float | None, dtype: torch.dtype):
         cfg = body.config
         self.body, self.softcap, self.dtype = body, softcap, dtype
-        self.head = _Weight([head], dtype)
-        self.layers = [_Layer(layer, dtype) for layer in body.layers]
+        self.backend = "mkl"  # bf16 and float64 ignore it
+        if dtype == torch.float32:
+            self.backend = fp32_matmul_backend([torch.cat([lin.weight.detach() for lin in group])
+                                                for group in _Layer.projections(body.layers[0])])
+        self.head = _Weight([head], dtype, self.backend)
+        self.layers = [_Layer(layer, dtype, self.backend) for layer in body.layers]
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.prompt_len = self.length = 0  # prompt positions; generated positions cached so far

@@ -15,8 +15,12 @@ from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.config.actor_rollout_ref import RolloutConfig
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.hf import HFRolloutEngine
-from posttrain.rollout.lean_decoder import lean_decoder_for, mkl_packing_available, onednn_bf16_packing_available
+from posttrain.rollout import lean_decoder
+from posttrain.rollout.lean_decoder import (
+    lean_decoder_for, mkl_packing_available, onednn_bf16_packing_available, onednn_fp32_packing_available,
+)
 
+FP32_BACKENDS = ["plain"] + ["mkl"] * mkl_packing_available() + ["onednn"] * onednn_fp32_packing_available()
 PROMPTS = ["1+1=", "hello there 2*3=", "x", "abc 12"]
 
 
@@ -182,12 +186,14 @@ def _generate(model, tok, lean: bool, sampling: SamplingParams, autocast=None, e
     return engine.generate(tiny_prompt_batch(tok, PROMPTS), sampling)
 
 
+@pytest.mark.parametrize("backend", FP32_BACKENDS)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_engine_generations_equal_with_and_without_lean_decoding(kind, greedy, tok):
-    """fp32, n=3, rows leaving the batch at different steps (the stop token is the third token the
-    model wrote in its first row): the same tokens and the same rollout log-probs (to 1e-5) as
-    decoding with the model's own forward."""
+def test_engine_generations_equal_with_and_without_lean_decoding(kind, greedy, backend, tok, monkeypatch):
+    """fp32 through each packing this build has, n=3, rows leaving the batch at different steps (the
+    stop token is the third token the model wrote in its first row): the same tokens and the same
+    rollout log-probs (to 1e-5) as decoding with the model's own forward."""
+    monkeypatch.setattr(lean_decoder, "fp32_matmul_backend", lambda weights: backend)
     model = _model(kind, tok)
     sampling = SamplingParams(n=3, temperature=1.0, response_length=12, do_sample=not greedy)
     stop = [int(_generate(model, tok, False, sampling)["responses"][0, 2])]
@@ -318,3 +324,47 @@ def test_onednn_packed_bf16_weight_equals_linear_at_every_row_count():
     for rows in (16, 9, 3, 1):
         x = torch.randn(rows, 64).bfloat16()
         assert torch.equal(packed(x), torch.nn.functional.linear(x, weight, bias)), rows
+
+
+@pytest.mark.skipif(not onednn_fp32_packing_available(), reason="no oneDNN fp32 packing in this build")
+def test_onednn_packed_fp32_weight_equals_linear_at_every_row_count():
+    """fp32 packed once for oneDNN (no fused copy kept): F.linear's result up to fp32 rounding at
+    every row count, with no re-packing as rows leave; a wrong bias shows (negative control)."""
+    from posttrain.rollout.lean_decoder import _Weight
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(64, 96), torch.nn.Linear(64, 32)
+    packed = _Weight([first, second], torch.float32, backend="onednn")
+    assert packed.onednn is not None and packed.weight is None and packed.packed is None
+    for rows in (16, 9, 3, 1):
+        x = torch.randn(rows, 64)
+        want = torch.cat([first(x), second(x)], dim=-1)
+        assert (packed(x) - want).abs().max().item() < 1e-5, rows
+        assert packed.packed is None  # oneDNN's one packing serves every row count
+    packed.bias = packed.bias + 1e-3
+    assert (packed(x) - want).abs().max().item() > 5e-4
+
+
+def test_fp32_backend_is_timed_once_per_shape_and_thread_count(monkeypatch):
+    """The first decoder of a process times the packings; later ones with the same shapes and threads
+    reuse the answer, which is one of the backends this build has."""
+    calls = []
+    real = lean_decoder._time_fp32_backends
+    monkeypatch.setattr(lean_decoder, "_FP32_BACKENDS", {})
+    monkeypatch.setattr(lean_decoder, "_time_fp32_backends", lambda weights: calls.append(1) or real(weights))
+    weights = [torch.randn(96, 64), torch.randn(64, 96)]
+    first = lean_decoder.fp32_matmul_backend(weights)
+    assert first in FP32_BACKENDS
+    assert lean_decoder.fp32_matmul_backend([w.clone() for w in weights]) == first and len(calls) == 1
+    lean_decoder.fp32_matmul_backend([torch.randn(32, 64)])
+    assert len(calls) == 2
+
+
+def test_fp32_backend_prefers_onednn_within_five_percent():
+    """oneDNN's packing needs no re-packing as rows leave, so it wins near-ties; a clearly faster
+    product wins otherwise."""
+    fastest = lean_decoder._fastest_fp32_backend
+    assert fastest({"plain": 1.0, "mkl": 1.01, "onednn": 1.04}) == "onednn"
+    assert fastest({"plain": 1.0, "mkl": 0.9, "onednn": 1.2}) == "mkl"
+    assert fastest({"plain": 1.0, "onednn": 1.2}) == "plain"
+    assert fastest({"plain": 1.0, "mkl": 0.8}) == "mkl"
