@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from posttrain.cache import cache_root
 from posttrain.models.precision import autocast_context
 
 __all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "resolve_param_dtype",
@@ -213,8 +214,7 @@ def _cpu_name() -> str:
 
 
 def _cache_file(cache_dir: str | os.PathLike | None) -> Path:
-    root = cache_dir or os.environ.get("POSTTRAIN_CACHE_DIR") or Path.home() / ".cache" / "posttrain"
-    return Path(root) / "precision.json"
+    return Path(cache_dir or cache_root()) / "precision.json"
 
 
 def _read_cache(path: Path) -> dict[str, Any]:

@@ -95,3 +95,89 @@ def test_value_model_zero_init_and_from_checkpoint(tiny_dir):
     values = vm(ids, torch.ones_like(ids))
     assert values.shape == (2, 7) and values.dtype == torch.float32 and torch.count_nonzero(values) == 0
     assert torch.equal(vm.backbone.embed_tokens.weight, original.model.embed_tokens.weight)
+
+
+def _fake_gguf(tmp_path, monkeypatch, tiny_dir):
+    """A ``.gguf`` path whose "parsing" (transformers' from_pretrained with ``gguf_file``) returns the
+    tiny folder's model and tokenizer, counting the parses."""
+    folder, model = tiny_dir
+    gguf = tmp_path / "tiny.Q4.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    parses = []
+    real_model, real_tok = loading.AutoModelForCausalLM.from_pretrained, loading.AutoTokenizer.from_pretrained
+
+    def parse(real):
+        def from_pretrained(source, *args, gguf_file=None, **kwargs):
+            if gguf_file is None:
+                return real(source, *args, **kwargs)
+            assert os.path.join(source, gguf_file) == str(gguf)
+            parses.append(gguf_file)
+            return real(folder, *args, **{k: v for k, v in kwargs.items() if k != "config"})
+        return from_pretrained
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", parse(real_model))
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", parse(real_tok))
+    monkeypatch.setattr(loading.AutoConfig, "from_pretrained", parse(loading.AutoConfig.from_pretrained))
+    return gguf, model, parses
+
+
+def test_gguf_is_converted_once_into_a_plain_cached_folder(tmp_path, monkeypatch, tiny_dir):
+    """The first load converts the GGUF (one model parse, one tokenizer parse) into
+    <cache>/gguf/<name>-<size>-<mtime>; every later load (tokenizer, config, model) reads that folder,
+    with the same weights; no partial folder is left behind."""
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    gguf, model, parses = _fake_gguf(tmp_path, monkeypatch, tiny_dir)
+    tok = load_tokenizer(gguf)
+    folder = loading.gguf_cache_folder(resolve_model_path(gguf))
+    assert folder.parent == tmp_path / "cache" / "gguf" and folder.name.startswith("tiny.Q4-")
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert len(parses) == 2 and [p.name for p in folder.parent.iterdir()] == [folder.name]
+    loaded = load_causal_lm(gguf)
+    load_tokenizer(gguf), loading.load_config(gguf)
+    assert len(parses) == 2, "later loads must read the plain folder, not the GGUF"
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert tok.pad_token == tok.eos_token
+    gguf.write_bytes(b"GGUF stand-in, edited")  # a changed file is converted again
+    load_tokenizer(gguf)
+    assert len(parses) == 4
+
+
+def test_gguf_loads_directly_where_the_cache_cannot_be_written(tmp_path, monkeypatch, tiny_dir, capsys):
+    """A cache path that cannot be created (here: under a file): the GGUF itself is loaded, with one
+    line saying why; a conversion that fails half-way leaves no partial folder."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(blocker))
+    gguf, model, parses = _fake_gguf(tmp_path, monkeypatch, tiny_dir)
+    loaded = load_causal_lm(gguf)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert "cannot write a plain copy of tiny.Q4.gguf" in capsys.readouterr().err
+    assert len(parses) >= 2  # config and weights from the GGUF itself
+
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading.PreTrainedModel, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(ValueError("disk")))
+    with pytest.raises(ValueError, match="disk"):
+        load_causal_lm(gguf)
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+@pytest.mark.skipif(not (HAS_SMOLLM2 and os.environ.get("POSTTRAIN_SLOW_TESTS")),
+                    reason="parses the real GGUF twice (~40 s); set POSTTRAIN_SLOW_TESTS=1")
+def test_smollm2_plain_copy_equals_the_gguf(tmp_path, monkeypatch):
+    """The cached folder against transformers' own GGUF loading: the same float32 weights, the same
+    token ids for a few strings, the same chat template output."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
+    where = resolve_model_path(SMOLLM2_ALIAS)
+    tok, model = load_tokenizer(SMOLLM2_ALIAS), load_causal_lm(SMOLLM2_ALIAS)
+    assert loading._loadable(SMOLLM2_ALIAS).gguf_file is None
+    ref_tok = AutoTokenizer.from_pretrained(where.source, gguf_file=where.gguf_file)
+    for text in ["What is 12 + 34?", "  héllo\n\tworld 😀 ", "<|im_start|>user\nhi<|im_end|>", "#### 42"]:
+        assert tok(text)["input_ids"] == ref_tok(text)["input_ids"], text
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2+2?"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    ref = AutoModelForCausalLM.from_pretrained(where.source, gguf_file=where.gguf_file, dtype=torch.float32)
+    mine, theirs = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs if k in mine) and len(mine) >= len(theirs) - 1
