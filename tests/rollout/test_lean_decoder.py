@@ -180,10 +180,11 @@ def test_step_comparison_can_fail(tok):
     assert (lean.step(token, mask, pos) - want).abs().max().item() > 1e-3
 
 
-def _generate(model, tok, lean: bool, sampling: SamplingParams, autocast=None, eos: list[int] | None = None):
+def _generate(model, tok, lean: bool, sampling: SamplingParams, autocast=None, eos: list[int] | None = None,
+              texts: list[str] = PROMPTS):
     engine = HFRolloutEngine(model, tok, lean_decode=lean, autocast=autocast, eos_token_ids=eos)
     torch.manual_seed(11)
-    return engine.generate(tiny_prompt_batch(tok, PROMPTS), sampling)
+    return engine.generate(tiny_prompt_batch(tok, texts), sampling)
 
 
 @pytest.mark.parametrize("backend", FP32_BACKENDS)
@@ -368,3 +369,50 @@ def test_fp32_backend_prefers_onednn_within_five_percent():
     assert fastest({"plain": 1.0, "mkl": 0.9, "onednn": 1.2}) == "mkl"
     assert fastest({"plain": 1.0, "onednn": 1.2}) == "plain"
     assert fastest({"plain": 1.0, "mkl": 0.8}) == "mkl"
+
+
+SHARED = "You are a calculator. Example: 31 + 45 = 76. Now: "  # more than SHARED_PREFIX_MIN_TOKENS tokens
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_shared_prompt_beginning_prefilled_once_equals_a_plain_prefill(lean, tok, monkeypatch):
+    """Prompts that begin alike (different lengths after it, left-padded): prefilling the shared
+    tokens once, then each prompt's own, gives the plain prefill's generation in float64 (same greedy
+    tokens, log-probs to 1e-10), through the lean decoder and the model's own step. Negative control:
+    a shared part taken one token too long (the first prompt's token for all) changes the log-probs."""
+    from posttrain.rollout import hf
+
+    model = _model("llama", tok).double()
+    texts = [SHARED + "1+1=", SHARED + "hello there 2*3=", SHARED + "abc 12"]
+    prompts = tiny_prompt_batch(tok, texts)
+    ids, mask, pos = prompts["input_ids"], prompts["attention_mask"], prompts["position_ids"]
+    shared = hf._shared_prefix_length(ids, mask, pos)
+    assert shared >= hf.SHARED_PREFIX_MIN_TOKENS and shared == len(tok(SHARED, add_special_tokens=False)["input_ids"])
+    sampling = SamplingParams(n=2, response_length=8, do_sample=False)
+    seen = []
+    real = hf._shared_prefix_length
+    monkeypatch.setattr(hf, "_shared_prefix_length", lambda *a: seen.append(real(*a)) or seen[-1])
+    once = _generate(model, tok, lean, sampling, texts=texts)
+    monkeypatch.setattr(hf, "_shared_prefix_length", lambda *a: 0)
+    plain = _generate(model, tok, lean, sampling, texts=texts)
+    assert seen == [shared]
+    assert torch.equal(once["responses"], plain["responses"])
+    assert (once["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max().item() < 1e-10
+    monkeypatch.setattr(hf, "_shared_prefix_length", lambda *a: real(*a) + 1)
+    wrong = _generate(model, tok, lean, sampling, texts=texts)
+    assert (wrong["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max().item() > 1e-6
+
+
+def test_shared_prefix_length_rules():
+    """Left-padded rows only; each row keeps one token of its own; positions must agree too."""
+    from posttrain.rollout.hf import _shared_prefix_length
+
+    ids = torch.tensor([[0, 5, 6, 7, 8], [5, 6, 7, 9, 9], [0, 0, 5, 6, 1]])
+    mask = (ids != 0).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert _shared_prefix_length(ids, mask, pos) == 2
+    assert _shared_prefix_length(ids[:2], mask[:2], pos[:2]) == 3
+    assert _shared_prefix_length(ids[:1], mask[:1], pos[:1]) == 0
+    assert _shared_prefix_length(ids[:2], mask[:2], pos[:2] + torch.tensor([[0], [1]])) == 0
+    right_padded = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]])
+    assert _shared_prefix_length(right_padded, (right_padded != 0).long(), pos[:2, :4]) == 0
