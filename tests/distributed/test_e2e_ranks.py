@@ -99,6 +99,7 @@ def test_exported_weights_equal_one_process(one_process_ppo, two_rank_ppo):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_grpo_on_replayed_samples_equals_one_process(tmp_path_factory, ray_cluster):
     """GRPO with sampled responses: the one-process run records its rollouts, the 2-rank run replays
     them (the ranks' own sampling streams differ from one process's), so rewards, group advantages,
@@ -151,6 +152,7 @@ def micro_batch_counts(lengths, ranks: int) -> list[int]:
     return counts
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_token_budget_micro_batches_and_padding_removal_equal_one_process(tmp_path_factory, ray_cluster):
     """Real GSM8K prompts of varied length, token-budget micro-batches (each rank its own count, the
     ranks then agree on the largest) and padding-free forwards: the numbers equal one process's."""
@@ -179,6 +181,7 @@ def test_checkpoint_of_two_ranks_resumes_in_one_process(two_rank_ppo, tmp_path):
     assert_same_metrics([None] + resumed, two, steps=(2, 3))
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_checkpoint_of_one_process_resumes_on_two_ranks(one_process_ppo, ray_cluster, tmp_path):
     work, one = one_process_ppo
     shutil.copytree(work / "tiny_model_0", tmp_path / "tiny_model_0")
@@ -188,6 +191,7 @@ def test_checkpoint_of_one_process_resumes_on_two_ranks(one_process_ppo, ray_clu
     assert_same_metrics([None] + resumed, one, steps=(2, 3))
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 @pytest.mark.parametrize("when", ["computing", "saving"])
 def test_grpo_runs_and_a_dead_rank_stops_the_run_fast(ray_cluster, tmp_path, when):
     """3 sampled GRPO steps; at step 4 rank 1's process is killed, while the ranks compute (after the

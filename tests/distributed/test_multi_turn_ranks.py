@@ -50,6 +50,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_multi_turn_grpo_on_replayed_trajectories_equals_one_process(tmp_path_factory, ray_cluster, monkeypatch):
     from posttrain.trainer.trainer import RLTrainer
 

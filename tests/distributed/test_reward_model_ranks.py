@@ -37,6 +37,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_two_ranks_score_like_one_process(tmp_path_factory, ray_cluster):
     one = ppo_with_reward_model(tmp_path_factory.mktemp("rm1"), 1)
     two = ppo_with_reward_model(tmp_path_factory.mktemp("rm2"), 2)

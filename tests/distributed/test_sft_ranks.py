@@ -35,6 +35,7 @@ def test_sft_two_ranks_equal_one_process(tmp_path, ray_cluster):
     assert (tmp_path / "two" / "ckpt" / "global_step_3" / "actor" / "dcp" / ".metadata").exists()
 
 
+@pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_dpo_two_ranks_equal_one_process(tmp_path, ray_cluster):
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
