@@ -90,7 +90,8 @@ def _shared_prompt_batch(tok, prompt_len: int, resp_len: int, seed: int):
     return ids, mask, pos, ids[:, prompt_len:]
 
 
-@pytest.mark.parametrize("variant", ["packed", "gradient_checkpointing", "lora", "shared_prefix"])
+@pytest.mark.parametrize("variant", ["packed", "gradient_checkpointing", "lora",
+                                     pytest.param("shared_prefix", marks=pytest.mark.slow)])  # ~19 s of inductor
 def test_compiled_layers_equal_eager_with_other_features(tok, variant):
     """use_remove_padding (one packed row), activation checkpointing (recomputed through the compiled
     layer), LoRA adapters (peft layers inside the compiled layer, non-zero so they matter), the
@@ -141,6 +142,7 @@ def test_sharded_module_and_layerless_module_refused(tok, monkeypatch):
         enable_layer_compile(tiny_llama(tok))
 
 
+@pytest.mark.slow  # a tiny run compiled by inductor (~15 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_tiny_run_with_compiled_layers_equals_eager_run(tmp_path):
     """The trainer wires the key to the actor and the reference: step 1 (same weights, same samples)
     has the eager run's losses, and the compiled scorer agrees with the eager engine's log-probs."""

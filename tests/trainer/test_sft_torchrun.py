@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers.sft import tiny_sft_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +23,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # two torchrun ranks and a one-process run (~16 s on 2 Zen 3 cores): `python -m pytest -m slow`
 def test_torchrun_two_cpu_ranks_equal_one_process(tmp_path):
     from posttrain.config.sft_load import load_sft_config
     from posttrain.trainer.sft_trainer import SFTTrainer
