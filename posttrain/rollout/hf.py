@@ -191,8 +191,8 @@ def _prefill(step: "_ModelStepper", ids: torch.Tensor, mask: torch.Tensor, pos: 
     returned mask says so. Each real token sees the same tokens at the same positions as in a plain
     prefill, so the logits and cache entries are the plain prefill's up to float rounding (the shared
     part is one row of a product instead of ``B``). The built-in run's 128 validation prompts share
-    63 of their 76 tokens (a validation pass 32.3 -> 12.3 s on 2 Zen 3 cores). Otherwise (fewer shared tokens, one prompt, a cache that cannot be repeated)
-    a plain prefill.
+    63 of their 76 tokens (a validation pass 32.3 -> 12.3 s on 2 Zen 3 cores). Otherwise (fewer
+    shared tokens, one prompt, a cache that cannot be repeated) a plain prefill.
     """
     shared = _shared_prefix_length(ids, mask, pos)
     if shared < SHARED_PREFIX_MIN_TOKENS:

@@ -95,14 +95,17 @@ that leave as they end; GSM8K-shaped steps 20)."""
 _FP32_BACKENDS: dict[tuple, str] = {}
 
 
-def fp32_matmul_backend(weights: list[torch.Tensor]) -> str:
-    """``"onednn"``, ``"mkl"`` or ``"plain"``: the fastest fp32 product for these weights (a layer's
-    fused projections) at :data:`MEASURE_ROWS` rows, timed once per process for their shapes and
-    thread count (each available packing and the plain GEMM, 5 alternating rounds, best of each;
-    oneDNN's single packing wins ties within 5%, since it needs no re-packing as rows leave)."""
-    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
+def fp32_matmul_backend(groups: list[list[nn.Linear]]) -> str:
+    """``"onednn"``, ``"mkl"`` or ``"plain"``: the fastest fp32 product for these projections (a
+    layer's, each group fused into one weight as the step multiplies them) at :data:`MEASURE_ROWS`
+    rows, timed once per process for their shapes and thread count (each available packing and the
+    plain GEMM, 5 alternating rounds, best of each; oneDNN's single packing wins ties within 5%,
+    since it needs no re-packing as rows leave). Later calls only look the answer up."""
+    key = (tuple((sum(lin.out_features for lin in group), group[0].in_features) for group in groups),
+           torch.get_num_threads())
     if key not in _FP32_BACKENDS:
-        _FP32_BACKENDS[key] = _time_fp32_backends(weights)
+        _FP32_BACKENDS[key] = _time_fp32_backends([torch.cat([lin.weight.detach() for lin in group])
+                                                   for group in groups])
     return _FP32_BACKENDS[key]
 
 
@@ -190,7 +193,7 @@ class _Weight:
     def __call__(self, x: torch.Tensor, may_pack: bool = True) -> torch.Tensor:
         """``x @ W.T + b``; ``may_pack``: enough steps remain to repay packing for a new row count."""
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+            return _onednn_linear(x, self.onednn, self.bias)
         if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]
@@ -248,12 +251,9 @@ class LeanDecoder:
     def __init__(self, body: nn.Module, head: nn.Linear, softcap: float | None, dtype: torch.dtype):
         cfg = body.config
         self.body, self.softcap, self.dtype = body, softcap, dtype
-        self.backend = "mkl"  # bf16 and float64 ignore it
-        if dtype == torch.float32:
-            self.backend = fp32_matmul_backend([torch.cat([lin.weight.detach() for lin in group])
-                                                for group in _Layer.projections(body.layers[0])])
-        self.head = _Weight([head], dtype, self.backend)
-        self.layers = [_Layer(layer, dtype, self.backend) for layer in body.layers]
+        backend = fp32_matmul_backend(list(_Layer.projections(body.layers[0]))) if dtype == torch.float32 else "mkl"
+        self.head = _Weight([head], dtype, backend)  # bf16 and float64 ignore the backend
+        self.layers = [_Layer(layer, dtype, backend) for layer in body.layers]
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.prompt_len = self.length = 0  # prompt positions; generated positions cached so far

@@ -194,7 +194,7 @@ def test_engine_generations_equal_with_and_without_lean_decoding(kind, greedy, b
     """fp32 through each packing this build has, n=3, rows leaving the batch at different steps (the
     stop token is the third token the model wrote in its first row): the same tokens and the same
     rollout log-probs (to 1e-5) as decoding with the model's own forward."""
-    monkeypatch.setattr(lean_decoder, "fp32_matmul_backend", lambda weights: backend)
+    monkeypatch.setattr(lean_decoder, "fp32_matmul_backend", lambda groups: backend)
     model = _model(kind, tok)
     sampling = SamplingParams(n=3, temperature=1.0, response_length=12, do_sample=not greedy)
     stop = [int(_generate(model, tok, False, sampling)["responses"][0, 2])]
@@ -353,11 +353,12 @@ def test_fp32_backend_is_timed_once_per_shape_and_thread_count(monkeypatch):
     real = lean_decoder._time_fp32_backends
     monkeypatch.setattr(lean_decoder, "_FP32_BACKENDS", {})
     monkeypatch.setattr(lean_decoder, "_time_fp32_backends", lambda weights: calls.append(1) or real(weights))
-    weights = [torch.randn(96, 64), torch.randn(64, 96)]
-    first = lean_decoder.fp32_matmul_backend(weights)
+    groups = [[torch.nn.Linear(64, 64), torch.nn.Linear(64, 32)], [torch.nn.Linear(96, 64)]]
+    first = lean_decoder.fp32_matmul_backend(groups)
     assert first in FP32_BACKENDS
-    assert lean_decoder.fp32_matmul_backend([w.clone() for w in weights]) == first and len(calls) == 1
-    lean_decoder.fp32_matmul_backend([torch.randn(32, 64)])
+    same_shapes = [[torch.nn.Linear(64, 96)], [torch.nn.Linear(96, 64)]]  # 64 + 32 outputs fused = 96
+    assert lean_decoder.fp32_matmul_backend(same_shapes) == first and len(calls) == 1
+    lean_decoder.fp32_matmul_backend([[torch.nn.Linear(64, 32)]])
     assert len(calls) == 2
 
 
