@@ -181,3 +181,32 @@ def test_smollm2_plain_copy_equals_the_gguf(tmp_path, monkeypatch):
     ref = AutoModelForCausalLM.from_pretrained(where.source, gguf_file=where.gguf_file, dtype=torch.float32)
     mine, theirs = model.state_dict(), ref.state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs if k in mine) and len(mine) >= len(theirs) - 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
+def test_gguf_conversion_parses_each_file_once_and_restores_the_libraries(tmp_path):
+    """Inside the conversion's block a GGUF file is parsed once and gguf's name table built once per
+    architecture; after it (also after an error) gguf and transformers have their own functions back."""
+    import gguf
+    import numpy as np
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", 7)
+    writer.add_tensor("t", np.arange(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    originals = (hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map, gguf.GGUFReader)
+    with loading._gguf_parsed_once():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again and int(first.fields["test.value"].parts[-1][0]) == 7
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
+    assert (hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map, gguf.GGUFReader) == originals
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # the library's own class again
+    with pytest.raises(RuntimeError, match="inside"), loading._gguf_parsed_once():
+        raise RuntimeError("inside")
+    assert (hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map, gguf.GGUFReader) == originals
