@@ -204,6 +204,7 @@ def _prefill(step: "_ModelStepper", ids: torch.Tensor, mask: torch.Tensor, pos: 
     if not step.expand(rows):
         step.cache = None
         return step.prefill(ids, mask, pos), mask
+    step.shared_prefix = shared  # a lean decoder keeps these positions once (the expanded cache repeats them)
     own = width - int(starts.min()) - shared  # the longest prompt's own tokens
     columns = torch.arange(width - own, width, device=ids.device)
     own_mask = (columns[None] >= (starts + shared)[:, None]).to(mask.dtype)
@@ -296,6 +297,7 @@ class _ModelStepper:
         self.lean_decode = lean_decode
         self.lean: LeanDecoder | None = None
         self.samples = 1  # rows per cached prompt, for the lean decoder (which keeps one copy of each prompt)
+        self.shared_prefix = 0  # first cache positions identical in every prompt (`_prefill`)
 
     def _run(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
@@ -349,7 +351,7 @@ class _ModelStepper:
         if self.lean is None and self.lean_decode:
             self.lean = lean_decoder_for(self.model, self.cache)
         if self.lean is not None:
-            self.lean.load_cache(self.cache, new_tokens, self.samples)
+            self.lean.load_cache(self.cache, new_tokens, self.samples, self.shared_prefix)
             self.cache = None
             return True
         return reserve(self.cache, new_tokens)

@@ -379,7 +379,8 @@ SHARED = "You are a calculator. Example: 31 + 45 = 76. Now: "  # more than SHARE
 def test_shared_prompt_beginning_prefilled_once_equals_a_plain_prefill(lean, tok, monkeypatch):
     """Prompts that begin alike (different lengths after it, left-padded): prefilling the shared
     tokens once, then each prompt's own, gives the plain prefill's generation in float64 (same greedy
-    tokens, log-probs to 1e-10), through the lean decoder and the model's own step. Negative control:
+    tokens, log-probs to 1e-10), through the lean decoder (which keeps the shared positions once)
+    and the model's own step. Negative control:
     a shared part taken one token too long (the first prompt's token for all) changes the log-probs."""
     from posttrain.rollout import hf
 
@@ -390,13 +391,16 @@ def test_shared_prompt_beginning_prefilled_once_equals_a_plain_prefill(lean, tok
     shared = hf._shared_prefix_length(ids, mask, pos)
     assert shared >= hf.SHARED_PREFIX_MIN_TOKENS and shared == len(tok(SHARED, add_special_tokens=False)["input_ids"])
     sampling = SamplingParams(n=2, response_length=8, do_sample=False)
-    seen = []
-    real = hf._shared_prefix_length
+    seen, kept_once = [], []
+    real, load = hf._shared_prefix_length, lean_decoder.LeanDecoder.load_cache
     monkeypatch.setattr(hf, "_shared_prefix_length", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(lean_decoder.LeanDecoder, "load_cache",
+                        lambda self, *a: kept_once.append(a[3]) or load(self, *a))
     once = _generate(model, tok, lean, sampling, texts=texts)
     monkeypatch.setattr(hf, "_shared_prefix_length", lambda *a: 0)
     plain = _generate(model, tok, lean, sampling, texts=texts)
     assert seen == [shared]
+    assert kept_once == ([shared, 0] if lean else [])  # the lean decoder kept the shared positions once
     assert torch.equal(once["responses"], plain["responses"])
     assert (once["rollout_log_probs"] - plain["rollout_log_probs"]).abs().max().item() < 1e-10
     monkeypatch.setattr(hf, "_shared_prefix_length", lambda *a: real(*a) + 1)
