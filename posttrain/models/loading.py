@@ -158,7 +158,7 @@ def _gguf_parsed_once():
     tokenizer each ask) and gguf's tensor-name table (``get_tensor_name_map``, built again for every
     submodule: 397 times). All three are pure functions of their arguments and their results are
     only read (the metadata dicts, which callers edit, are handed out as deep copies). The
-    conversion took 35.6 s on 2 Zen 3 cores, ~13 s with this. Where one of them is missing (another
+    conversion took 35.6 s on 2 Zen 3 cores, 15.8 s with this. Where one of them is missing (another
     transformers or gguf version), nothing is patched and the loading is only slower."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf

@@ -7,8 +7,9 @@ Here a step of the same model is ~15 ops per layer: q/k/v as one matmul and gate
 weights concatenated, or packed together, once per generation), rotary embedding from the model's own rotary module,
 keys and values written in place into preallocated buffers, grouped-query attention of the one
 query against them (float32 softmax), SiLU-gated MLP. A prompt's keys and values are kept once for
-all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cache a step reads. Under bf16 autocast the weights are cast to
-bf16 once per generation (and packed for oneDNN where the CPU multiplies bf16 natively) and the ops
+all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cache a step reads. A
+beginning every prompt shares (a system prompt, a worked example, which the engine prefills once)
+is kept once for all of them. Under bf16 autocast the weights are cast to bf16 once per generation (and packed for oneDNN where the CPU multiplies bf16 natively) and the ops
 keep autocast's precisions (bf16 matmuls, float32 norms and residual stream).
 
 fp32 weights are packed once per generation into the layout a GEMM kernel wants, because for a few
@@ -284,7 +285,8 @@ class LeanDecoder:
             keys = cached.keys.to(self.dtype) if half else cached.keys
             layer.prompt_keys, layer.prompt_values = keys, cached.values  # moved: no copy (but the cast)
             if shared:  # one copy of the shared beginning; each prompt keeps only its own positions
-                layer.shared_keys, layer.shared_values = keys[0, :, :shared].clone(), cached.values[0, :, :shared].clone()
+                layer.shared_keys = keys[0, :, :shared].clone()
+                layer.shared_values = cached.values[0, :, :shared].clone()
                 layer.prompt_keys = keys[:, :, shared:].clone()
                 layer.prompt_values = cached.values[:, :, shared:].clone()
             layer.keys = keys.new_empty(prompts * samples, heads, new_tokens, dim)

@@ -203,8 +203,9 @@ def test_gguf_conversion_parses_each_file_once_and_restores_the_libraries(tmp_pa
     with loading._gguf_parsed_once():
         first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
         assert first is again and int(first.fields["test.value"].parts[-1][0]) == 7
-        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
-        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
+        names = gguf.get_tensor_name_map
+        assert names(gguf.MODEL_ARCH.LLAMA, 2) is names(gguf.MODEL_ARCH.LLAMA, 2)
+        assert names(gguf.MODEL_ARCH.LLAMA, 2) is not names(gguf.MODEL_ARCH.LLAMA, 3)
     assert (hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map, gguf.GGUFReader) == originals
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # the library's own class again
     with pytest.raises(RuntimeError, match="inside"), loading._gguf_parsed_once():
