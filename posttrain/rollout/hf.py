@@ -184,8 +184,8 @@ template) have those tokens prefilled once for the batch (:func:`_prefill`)."""
 def _prefill(step: "_ModelStepper", ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor):
     """The prompts' cache and last logits, and the attention mask of what the cache holds.
 
-    Prompts that begin with the same tokens (``c`` of them: the chat template's system prompt, a
-    worked example) share them: those are prefilled once, as a batch of one, the cache is repeated
+    Prompts that begin with the same tokens (the chat template's system prompt, a worked example)
+    share them: those are prefilled once, as a batch of one, the cache is repeated
     for every prompt, and each prompt's own tokens are prefilled after them. The cache then holds
     ``[shared | each prompt's own tokens, right-aligned]``, with the columns between masked out; the
     returned mask says so. Each real token sees the same tokens at the same positions as in a plain
@@ -329,14 +329,11 @@ class _ModelStepper:
             if self.lean is not None:
                 self.samples = n
                 return True
-        try:
-            self.cache.batch_repeat_interleave(n)
-        except (AttributeError, NotImplementedError, TypeError):
-            return False
-        return True
+        return self.expand(n)
 
     def expand(self, rows: int) -> bool:
-        """Repeat a one-row cache for ``rows`` rows; False when the cache type cannot."""
+        """Repeat each cache row ``rows`` times (interleaved; a one-row cache becomes ``rows`` rows);
+        False when the cache type cannot."""
         try:
             self.cache.batch_repeat_interleave(rows)
         except (AttributeError, NotImplementedError, TypeError):

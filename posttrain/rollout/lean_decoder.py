@@ -9,8 +9,9 @@ keys and values written in place into preallocated buffers, grouped-query attent
 query against them (float32 softmax), SiLU-gated MLP. A prompt's keys and values are kept once for
 all of its samples (GRPO's ``n``): at GSM8K length the prompts are half the cache a step reads. A
 beginning every prompt shares (a system prompt, a worked example, which the engine prefills once)
-is kept once for all of them. Under bf16 autocast the weights are cast to bf16 once per generation (and packed for oneDNN where the CPU multiplies bf16 natively) and the ops
-keep autocast's precisions (bf16 matmuls, float32 norms and residual stream).
+is kept once for all of them. Under bf16 autocast the weights are cast to bf16 once per generation
+(and packed for oneDNN where the CPU multiplies bf16 natively) and the ops keep autocast's precisions
+(bf16 matmuls, float32 norms and residual stream).
 
 fp32 weights are packed once per generation into the layout a GEMM kernel wants, because for a few
 rows a plain fp32 GEMM spends much of each call re-packing the whole weight into its panels. Two
@@ -283,12 +284,13 @@ class LeanDecoder:
         for layer, cached in zip(self.layers, cache.layers):
             prompts, heads, length, dim = cached.keys.shape
             keys = cached.keys.to(self.dtype) if half else cached.keys
-            layer.prompt_keys, layer.prompt_values = keys, cached.values  # moved: no copy (but the cast)
             if shared:  # one copy of the shared beginning; each prompt keeps only its own positions
                 layer.shared_keys = keys[0, :, :shared].clone()
                 layer.shared_values = cached.values[0, :, :shared].clone()
                 layer.prompt_keys = keys[:, :, shared:].clone()
                 layer.prompt_values = cached.values[:, :, shared:].clone()
+            else:
+                layer.prompt_keys, layer.prompt_values = keys, cached.values  # moved: no copy (but the cast)
             layer.keys = keys.new_empty(prompts * samples, heads, new_tokens, dim)
             layer.values = cached.values.new_empty(prompts * samples, heads, new_tokens, dim)
             cached.keys = cached.values = cached.keys.new_empty(0)
