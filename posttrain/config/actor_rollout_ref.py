@@ -164,7 +164,7 @@ class ActorConfig:
     use_remove_padding: bool = "${actor_rollout_ref.model.use_remove_padding}"  # type: ignore[assignment]
     """Follows actor_rollout_ref.model.use_remove_padding."""
     use_prefix_grouper: bool = False
-    """Encode each distinct prompt of a micro-batch once for all its responses (n > 1), in the old-log-prob, reference and update forwards: the same log-probs and gradients on fewer tokens (responses packed without their padding; on CPU with sdpa attention each response attends to [prompt | itself] by segments). Rows of one prompt share a micro-batch; a micro-batch where grouping would cost more than the prompt copies save (a dense mask with long responses, prompts asked once) runs the plain forward. Not with use_remove_padding."""
+    """Encode each distinct prompt of a micro-batch once for all its responses (n > 1), in the old-log-prob, reference and update forwards: the same log-probs and gradients on fewer tokens (responses packed without their padding). On CPU with sdpa attention the micro-batch becomes one row, the beginning its prompts share (a system prompt, a worked example) encoded once too, also with n = 1, and attention runs by blocks (the beginning; each prompt's own tokens against it and themselves; each response against its prompt and itself); other kernels get one row per prompt and a dense mask. Rows of one prompt share a micro-batch; a micro-batch where this would cost more than it saves (a dense mask with long responses, nothing shared) runs the plain forward. Not with use_remove_padding."""
 
 
 @_cfg()

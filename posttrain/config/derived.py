@@ -57,8 +57,10 @@ class DerivedSizes:
     """Where the old log-probs come from: recompute (a no-grad actor pass), update (the on-policy
     update's own forward; the pass is skipped) or rollout (bypass_mode). See `old_log_probs_source`."""
     prompts_shared: bool = False
-    """actor.use_prefix_grouper with rollout.n > 1: the actor and reference forwards encode each
-    distinct prompt once for its responses."""
+    """actor.use_prefix_grouper: the actor and reference forwards encode each distinct prompt once for
+    its responses (rollout.n > 1) and the beginning the prompts of a micro-batch share once."""
+    samples_per_prompt: int = 1
+    """rollout.n."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +186,7 @@ def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
                                     ref.log_prob_micro_batch_size_per_gpu, dp, ref.log_prob_use_dynamic_bsz, True)
     return DerivedSizes(world, dp, tbs, responses, per_rank, actor_sizes, critic_sizes, rollout_micro, ref_micro,
                         old_log_probs_source(config, actor_sizes),
-                        bool(config.actor_rollout_ref.actor.use_prefix_grouper) and n > 1)
+                        bool(config.actor_rollout_ref.actor.use_prefix_grouper), n)
 
 
 def old_log_probs_source(config: PostTrainConfig, actor_sizes: RoleSizes) -> str:
@@ -245,8 +247,10 @@ def describe_sizes(sizes: DerivedSizes) -> str:
     if sizes.ref_log_prob_micro_batch is not None:
         lines.append(f"reference: micro-batches of {sizes.ref_log_prob_micro_batch} responses per rank")
     if sizes.prompts_shared:
-        lines.append("actor and reference forwards: each distinct prompt of a micro-batch encoded once for its "
-                     "responses (actor.use_prefix_grouper; the plain forward where that costs less)")
+        each = "each distinct prompt of a micro-batch encoded once for its responses, and " if (
+            sizes.samples_per_prompt > 1) else ""
+        lines.append(f"actor and reference forwards: {each}the beginning the prompts of a micro-batch share encoded "
+                     "once (actor.use_prefix_grouper; the plain forward where that costs less)")
     if sizes.critic is not None:
         c = sizes.critic
         lines.append(f"critic: {_mini_batches(c, '')}")

@@ -16,8 +16,9 @@ backward must choose the same function). ``posttrain_sdpa`` uses transformers' s
   tensor is small (``batch * heads * q * kv <= MAX_SCORE_ELEMENTS``): :func:`matmul_attention`;
 - everything else (fp32, CUDA, long sequences): transformers' own ``sdpa`` function;
 - a shared-prompt layout (``posttrain.models.shared_prefix``, which passes ``posttrain_prefix_slots``
-  through the backbone): :func:`prefix_slot_attention`, the prompt and each response slot attended
-  separately (each piece by the rules above) instead of the dense ``[L, L]`` mask.
+  through the backbone): :func:`block_attention`, the beginning all prompts share, each prompt's own
+  tokens and each response attended as separate blocks (each by the rules above) instead of one
+  dense ``[W, W]`` mask.
 
 The softmax runs in float32 (float64 inputs: float64); masked scores use the float32 minimum, not ``-inf``, so the query
 rows of left padding (nothing to attend to) stay finite, as transformers' eager masks do.
@@ -33,13 +34,13 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["ATTN_NAME", "MAX_SCORE_ELEMENTS", "PREFIX_SLOTS_KWARG", "fast_cpu_attention", "matmul_attention",
-           "SlotSegments", "prefix_slot_attention", "single_query_attention", "single_query_probs",
-           "slot_segments"]
+__all__ = ["ATTN_NAME", "AttentionBlocks", "MAX_SCORE_ELEMENTS", "PREFIX_SLOTS_KWARG", "QueryBlock",
+           "block_attention", "fast_cpu_attention", "matmul_attention", "single_query_attention",
+           "single_query_probs"]
 
 ATTN_NAME = "posttrain_sdpa"
 PREFIX_SLOTS_KWARG = "posttrain_prefix_slots"
-"""Keyword a backbone passes through to its attention: the :class:`SlotSegments` of a shared-prompt layout."""
+"""Keyword a backbone passes through to its attention: the :class:`AttentionBlocks` of a shared-prompt layout."""
 MAX_SCORE_ELEMENTS = 1 << 24
 """Largest ``batch * q_heads * q_len * kv_len`` computed with :func:`matmul_attention` (64 MiB of
 float32 scores per layer, 32 MiB of bf16 probabilities kept for backward); longer inputs use the
@@ -105,74 +106,45 @@ def matmul_attention(module: nn.Module, query, key, value, attention_mask, scali
     return out.view(batch, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, dim)
 
 
-class SlotSegments(NamedTuple):
-    """A shared-prompt layout ``[prompt (P) | slot 0 | slot 1 | ...]`` of ``G`` rows of ``L`` columns
-    with ``k`` slots each, as :func:`prefix_slot_attention` reads it: built once per forward by
-    :func:`slot_segments` (it depends on the layout only, not on the layer)."""
+class QueryBlock(NamedTuple):
+    """``N`` rows of ``n`` queries, each against its own ``m`` keys, as columns of a flat layout."""
 
-    prompt_len: int
-    longest: int  # R': the longest slot (shorter ones padded to it)
-    prompt_mask: torch.Tensor  # [G, 1, P, P] bool: the prompt's queries against the prompt
-    slot_cols: torch.Tensor  # [G * k * R']: each slot query's row of a [G * L] view (padding clamped)
-    slot_mask: torch.Tensor  # [G * k, 1, R', P + R'] bool: each slot's queries against [prompt | own slot]
-    source_rows: torch.Tensor  # [G * L]: the row of the [G * (P + k R')] outputs that each column takes
+    query_cols: torch.Tensor  # [N, n]: the layout column of each query (padding repeats a real column)
+    key_cols: torch.Tensor  # [N, m]: the layout column of each key
+    mask: torch.Tensor  # [N, 1, n, m] bool, True = attend
 
 
-def slot_segments(mask: torch.Tensor, prompt_len: int, slot_start: torch.Tensor, slot_len: torch.Tensor) -> SlotSegments:
-    """The segments of a shared-prompt layout from its dense mask ``[G, 1, L, L]`` (bool, True = attend;
-    read only at the pairs a segment can attend: prompt-prompt and slot-[prompt | own slot]) and each
-    slot's first column and length ``[G, k]`` (0: no response)."""
-    groups, k, width, p, device = mask.shape[0], slot_start.shape[1], mask.shape[-1], prompt_len, mask.device
-    longest = max(1, int(slot_len.max()))
-    steps = torch.arange(longest, device=device)
-    cols = (slot_start[..., None] + steps).clamp(max=width - 1)  # [G, k, R']: each slot's columns (padded)
-    rows_of = torch.arange(groups, device=device)[:, None, None]
-    rows = mask[:, 0][rows_of, cols]  # [G, k, R', L]: each slot query's mask row
-    own = rows.gather(-1, cols[:, :, None, :].expand(groups, k, longest, longest))  # [G, k, R', R']
-    filled = steps < slot_len[..., None]  # [G, k, R']
-    # a slot's padding keys stay hidden (their columns belong to a sibling or are clamped); every query sees itself
-    own = own & filled[:, :, None, :] | torch.eye(longest, dtype=torch.bool, device=device)
-    slot_mask = torch.cat([rows[..., :p], own], dim=-1).reshape(groups * k, 1, longest, p + longest)
-    source = torch.zeros(groups, width, dtype=torch.long, device=device)  # columns after the last slot: column 0
-    source[:, :p] = torch.arange(p, device=device)
-    source[rows_of.expand_as(cols)[filled], cols[filled]] = (p + torch.arange(k * longest, device=device)).view(
-        1, k, longest).expand(groups, k, longest)[filled]
-    source = source + torch.arange(groups, device=device)[:, None] * (p + k * longest)
-    # (group, column) pairs as rows of a [G * L, ...] view: index_select's backward is index_add,
-    # where advanced indexing's (index_put with accumulation) is many times slower on CPU
-    return SlotSegments(p, longest, mask[:, :, :p, :p], (rows_of * width + cols).view(-1), slot_mask, source.view(-1))
+class AttentionBlocks(NamedTuple):
+    """Attention over a one-row layout of ``W`` columns as a few batched pieces
+    (`posttrain.models.shared_prefix.build_tree_layout`): each :class:`QueryBlock` gathers its queries
+    and keys from the layout's columns, and ``source_rows[c]`` is the row of the blocks' concatenated
+    ``[sum N * n]`` outputs that column ``c`` takes. Built once per forward (it depends on the
+    layout, not on the layer)."""
+
+    blocks: tuple[QueryBlock, ...]
+    source_rows: torch.Tensor  # [W]
 
 
-def prefix_slot_attention(module: nn.Module, query, key, value, segments: SlotSegments, **kwargs):
-    """Attention over a shared-prompt layout by segments (:class:`SlotSegments`).
+def block_attention(module: nn.Module, query, key, value, layout: AttentionBlocks, **kwargs):
+    """Attention over a one-row layout by blocks (:class:`AttentionBlocks`).
 
-    query ``[G, Hq, L, d]``, key/value ``[G, Hkv, L, d]``. The prompt's queries attend to the prompt;
-    the slots become ``G * k`` rows of ``R'`` queries (the longest slot; shorter ones padded) against
-    their prompt's keys followed by their own (``P^2 + k R' (P + R')`` pairs instead of ``L^2``), each
-    piece by :func:`posttrain_sdpa`'s rules. Backward sums each prompt key's gradient over its slots.
-    Returns ``[G, L, Hq, d]``; columns after a row's last slot get the output of column 0 (they are
-    never scored).
+    query ``[1, Hq, W, d]``, key/value ``[1, Hkv, W, d]``. Each block's queries and keys are gathered
+    from the layout's columns (``index_select``, whose backward is ``index_add``: a key read by many
+    blocks, such as a shared prompt token, sums its gradients) and attended by :func:`posttrain_sdpa`'s
+    rules with the block's mask. Returns ``[1, W, Hq, d]``.
     """
-    groups, q_heads, width, dim = query.shape
-    p, longest = segments.prompt_len, segments.longest
-    k = segments.slot_mask.shape[0] // groups
-    head = posttrain_sdpa(module, query[:, :, :p], key[:, :, :p], value[:, :, :p], segments.prompt_mask,
-                          **kwargs)[0]  # [G, P, Hq, d]
+    q_heads, dim = query.shape[1], query.shape[3]
 
-    def slots_of(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [G, k, R', h, d]
-        by_col = x.transpose(1, 2).reshape(groups * width, x.shape[1], dim)
-        return by_col.index_select(0, segments.slot_cols).view(groups, k, longest, x.shape[1], dim)
+    def gather(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:  # [1, h, W, d] -> [N, h, n, d]
+        by_col = x[0].transpose(0, 1)  # [W, h, d]
+        return by_col.index_select(0, cols.reshape(-1)).view(*cols.shape, x.shape[1], dim).transpose(1, 2)
 
-    def per_slot(x: torch.Tensor) -> torch.Tensor:  # [G, h, L, d] -> [G*k, h, P + R', d]: [prompt | slot]
-        heads = x.shape[1]
-        prompt = x.transpose(1, 2)[:, None, :p].expand(groups, k, p, heads, dim)
-        both = torch.cat([prompt, slots_of(x)], dim=2)  # [G, k, P + R', h, d]
-        return both.reshape(groups * k, p + longest, heads, dim).transpose(1, 2)
-
-    q = slots_of(query).reshape(groups * k, longest, q_heads, dim).transpose(1, 2)
-    tail = posttrain_sdpa(module, q, per_slot(key), per_slot(value), segments.slot_mask, **kwargs)[0]  # [G*k, R', Hq, d]
-    source = torch.cat([head, tail.reshape(groups, k * longest, q_heads, dim)], dim=1)  # [G, P + k R', Hq, d]
-    return source.reshape(-1, q_heads, dim).index_select(0, segments.source_rows).view(groups, width, q_heads, dim)
+    outs = []
+    for block in layout.blocks:
+        keys, values = gather(key, block.key_cols), gather(value, block.key_cols)
+        out = posttrain_sdpa(module, gather(query, block.query_cols), keys, values, block.mask, **kwargs)[0]
+        outs.append(out.reshape(-1, q_heads, dim))  # [N * n, Hq, d]
+    return torch.cat(outs).index_select(0, layout.source_rows)[None]
 
 
 def _half_compute(query: torch.Tensor) -> bool:
@@ -189,10 +161,10 @@ def posttrain_sdpa(module: nn.Module, query, key, value, attention_mask, dropout
     """The ``posttrain_sdpa`` attention function (module docstring): ``([B, q, Hq, d], None)``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    segments = kwargs.pop(PREFIX_SLOTS_KWARG, None)  # SlotSegments of a shared-prompt layout
-    if segments is not None and query.shape[2] == key.shape[2]:
-        return prefix_slot_attention(module, query, key, value, segments, dropout=dropout,
-                                     scaling=scaling, is_causal=is_causal, **kwargs), None
+    blocks = kwargs.pop(PREFIX_SLOTS_KWARG, None)  # AttentionBlocks of a shared-prompt layout
+    if blocks is not None and query.shape[2] == key.shape[2]:
+        return block_attention(module, query, key, value, blocks, dropout=dropout,
+                               scaling=scaling, is_causal=is_causal, **kwargs), None
     batch, q_heads, q_len, _, _ = _grouped(query, key)
     plain = (query.device.type == "cpu" and q_heads % key.shape[1] == 0 and kwargs.get("softcap") is None
              and kwargs.get("position_bias") is None and kwargs.get("sliding_window") is None

@@ -2,39 +2,46 @@
 is encoded once, and all of its responses attend to that one copy.
 
 GRPO, RLOO and their relatives sample ``n`` responses per prompt, so the plain forward encodes
-every prompt ``n`` times. Here the rows of a micro-batch that share a prompt (same tokens, mask and
-positions) become one sequence::
+every prompt ``n`` times; and the prompts of a batch often begin alike (a system prompt, a chat
+template, a worked example), which the plain forward encodes once per row. Two layouts remove the
+copies; both keep each token's own position, so every hidden state that predicts a response token
+is the plain forward's, up to float rounding (the same math on fewer tokens).
 
-    [ prompt | response 0 | response 1 | ... ]      one row per distinct prompt
+With posttrain's CPU attention active (``posttrain.models.attention``, an ``sdpa`` model on CPU),
+:func:`build_tree_layout` puts the micro-batch in one row without padding::
 
-Each response fills a slot as long as its valid tokens (its right padding is not copied); prompts
-with fewer responses, or shorter ones, are padded at the end of their row. A ``[G, 1, L, L]``
-boolean mask lets prompt tokens attend causally to the prompt and a response token to the whole
-prompt and causally to its own slot, never to a sibling's. Positions are the rows' own (each
-response continues its prompt's positions), so every hidden state that predicts a response token
-is the plain forward's, up to float rounding: the same math on fewer tokens (``P + sum of response
-lengths`` per prompt instead of ``k * (P + R)``).
+    [ shared beginning | own prompt 0 | response | response | ... | own prompt 1 | response | ... ]
 
-Attention: with posttrain's CPU attention active (``posttrain.models.attention``, an ``sdpa`` model
-on CPU) the backbone is told where the slots are and attends by segments: the prompt causally to
-itself, then every slot as a row of queries against ``[prompt | own slot]`` keys (``P^2 + k R'
-(P + R')`` query-key pairs per prompt, ``R'`` the longest response). Other kernels get the dense
-``[L, L]`` mask and pay ``L^2`` pairs. Either way :func:`build_layout` compares the grouped forward's
-cost with the plain one and returns None (the caller runs the plain forward) where grouping would
-cost more.
+and attends by blocks (:class:`~posttrain.models.attention.AttentionBlocks`): the beginning every
+prompt shares causally to itself; each prompt's own tokens to the beginning and causally to
+themselves; each response to the beginning, its prompt's own tokens and causally to itself, never
+to a sibling's. The built-in run's 8 prompts share 63 of their ~76 tokens, so a micro-batch of 4
+prompts x 4 responses encodes ``63 + 4 (13 + 4 R)`` tokens instead of ``16 (76 + R)``.
+
+Other kernels (eager) get :func:`build_layout`: one row per distinct prompt,
+``[ prompt | response 0 | response 1 | ... ]`` (responses packed to their valid tokens, rows padded
+at the end), and a dense ``[G, 1, L, L]`` boolean mask (``L^2`` pairs per row).
+
+Either builder compares its forward's cost with the plain one and returns None (the caller runs the
+plain forward) where it would cost more.
 
 Measured (SmolLM2-135M shape, bf16 autocast, 8 prompts of 75 tokens x 4 responses of 32, one
-forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s shared (dense mask, slots padded).
+forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s one row per prompt (dense mask).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-__all__ = ["SharedPrefixLayout", "build_layout", "prompt_groups", "prompt_key", "shared_prefix_hidden_states"]
+if TYPE_CHECKING:
+    from posttrain.models.attention import AttentionBlocks
+
+__all__ = ["SharedPrefixLayout", "TreeLayout", "build_layout", "build_tree_layout", "prompt_groups", "prompt_key",
+           "shared_prefix_hidden_states"]
 
 _FLOP_PER_PAIR_OVER_HIDDEN = 6
 """Cost model of one forward, in units of one attention pair: a token through the linear layers is
@@ -44,13 +51,11 @@ _FLOP_PER_PAIR_OVER_HIDDEN = 6
 
 @dataclass
 class SharedPrefixLayout:
-    """The grouped forward of one micro-batch of ``B`` rows with ``G`` distinct prompts.
+    """The one-row-per-prompt forward of ``B`` rows with ``G`` distinct prompts (dense mask).
 
     input_ids, position_ids: ``[G, L]``; mask: ``[G, 1, L, L]`` bool (True = attend).
     group: ``[B]`` the layout row of each input row. predict_cols: ``[B, take]`` the layout columns
-    whose hidden states predict response tokens ``0..take-1`` of each input row. prompt_len: ``P``;
-    slot_start, slot_len: ``[G, k]`` first column and length of each response slot (0: no response),
-    what segmented attention needs.
+    whose hidden states predict response tokens ``0..take-1`` of each input row.
     """
 
     input_ids: torch.Tensor
@@ -58,9 +63,19 @@ class SharedPrefixLayout:
     mask: torch.Tensor
     group: torch.Tensor
     predict_cols: torch.Tensor
-    prompt_len: int
-    slot_start: torch.Tensor
-    slot_len: torch.Tensor
+
+
+@dataclass
+class TreeLayout:
+    """The one-row forward of a micro-batch (module docstring): input_ids, position_ids ``[1, W]``;
+    predict_cols ``[B, take]`` the columns whose hidden states predict response tokens ``0..take-1``
+    of each input row; blocks: how attention reads the row; shared_len: the shared beginning's tokens."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    predict_cols: torch.Tensor
+    blocks: AttentionBlocks
+    shared_len: int
 
 
 def prompt_key(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -93,11 +108,17 @@ def _slots(group: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Te
     return slot, order[start]
 
 
+def _response_lengths(attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+    """``[B]``: each row's response up to its last valid token (its right padding dropped)."""
+    steps = torch.arange(response_length, device=attention_mask.device)
+    return torch.where(attention_mask[:, -response_length:].bool(), steps + 1, 0).amax(1)
+
+
 def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 response_length: int, hidden_size: int, segmented: bool = False) -> SharedPrefixLayout | None:
-    """The grouped layout of ``[B, P + R]`` rows (prompt left-padded, response right-padded), or None
-    when it would not be cheaper than the plain ``[B, P + R]`` forward (see the module docstring).
-    ``segmented``: attention will run by segments (prompt, then each slot) instead of over the dense mask."""
+                 response_length: int, hidden_size: int) -> SharedPrefixLayout | None:
+    """The one-row-per-prompt layout of ``[B, P + R]`` rows (prompt left-padded, response
+    right-padded) with its dense mask, or None when it would not be cheaper than the plain
+    ``[B, P + R]`` forward (see the module docstring)."""
     rows, seq_len = input_ids.shape
     prompt_len = seq_len - response_length
     group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, response_length)
@@ -108,14 +129,12 @@ def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     device = input_ids.device
     steps = torch.arange(response_length, device=device)
     resp_valid = attention_mask[:, prompt_len:].bool()
-    length = torch.where(resp_valid, steps + 1, 0).amax(1)  # [B]: up to the last valid token (no right padding)
+    length = _response_lengths(attention_mask, response_length)
     slot_len = torch.zeros(num_groups, per_group, dtype=torch.long, device=device)
     slot_len[group, slot] = length
     slot_start = prompt_len + slot_len.cumsum(1) - slot_len  # [G, k]
     width = prompt_len + int(slot_len.sum(1).max())
-    longest = max(1, int(length.max()))
-    pairs = (prompt_len ** 2 + per_group * longest * (prompt_len + longest)) if segmented else width ** 2
-    shared = num_groups * (width * _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + pairs)
+    shared = num_groups * width * (width + _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size)
     plain = rows * seq_len * (_FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len)
     if shared >= plain:
         return None
@@ -136,8 +155,7 @@ def build_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
     segment[at] = slot[:, None].expand_as(resp_cols)[copied]
     # states past a row's last valid token are never scored (callers keep valid tokens only): any column will do
     predict = torch.cat([torch.full((rows, 1), prompt_len - 1, device=device), resp_cols[:, :-1]], dim=1)
-    return SharedPrefixLayout(ids, pos, _layout_mask(valid, segment), group, predict.clamp(max=width - 1),
-                              prompt_len, slot_start, slot_len)
+    return SharedPrefixLayout(ids, pos, _layout_mask(valid, segment), group, predict.clamp(max=width - 1))
 
 
 def _layout_mask(valid: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
@@ -154,6 +172,94 @@ def _layout_mask(valid: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
     return mask[:, None]
 
 
+def _shared_beginning(tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> int:
+    """How many first tokens (and their positions) every prompt has in common, ``[G, P]`` valid tokens
+    first; at most the shortest prompt's length minus one, so every prompt keeps a token of its own
+    (the one that predicts its first response token)."""
+    most = int(lengths.min()) - 1
+    if tokens.shape[0] < 2 or most <= 0:
+        return 0
+    same = ((tokens[:, :most] == tokens[:1, :most]) & (positions[:, :most] == positions[:1, :most])).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
+def build_tree_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      response_length: int, hidden_size: int) -> TreeLayout | None:
+    """The one-row layout of ``[B, P + R]`` rows (prompt left-padded, response right-padded) and the
+    attention blocks that read it (module docstring), or None when nothing is shared or it would not
+    be cheaper than the plain ``[B, P + R]`` forward."""
+    from posttrain.models.attention import AttentionBlocks, QueryBlock
+
+    rows, seq_len = input_ids.shape
+    prompt_len, device = seq_len - response_length, input_ids.device
+    group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, response_length)
+    slot, first = _slots(group, num_groups)
+    valid = attention_mask[first, :prompt_len].bool()  # [G, P]
+    lengths = valid.sum(1)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each prompt's valid columns first
+    tokens = input_ids[first, :prompt_len].gather(1, order)
+    positions = position_ids[first, :prompt_len].gather(1, order)
+    shared = _shared_beginning(tokens, positions, lengths)
+    if num_groups == rows and shared == 0:
+        return None  # every prompt once already and no beginning in common: nothing to share
+    own = lengths - shared  # [G]: each prompt's tokens after the shared beginning (>= 1)
+    length = _response_lengths(attention_mask, response_length)  # [B]
+    per_group = int(slot.max()) + 1
+    slot_len = torch.zeros(num_groups, per_group, dtype=torch.long, device=device)
+    slot_len[group, slot] = length
+    size = own + slot_len.sum(1)  # [G]: each prompt's columns (own tokens, then its responses)
+    group_start = shared + size.cumsum(0) - size
+    width, own_max, longest = shared + int(size.sum()), int(own.max()), max(1, int(length.max()))
+    pairs = shared ** 2 + num_groups * own_max * (shared + own_max) + rows * longest * (shared + own_max + longest)
+    if width * _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + pairs >= rows * seq_len * (
+            _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len):
+        return None
+    # columns: each prompt's own tokens (padded to the longest, clamped to its last) and each row's response
+    steps_own = torch.arange(own_max, device=device)
+    own_ok = steps_own < own[:, None]  # [G, own_max]
+    own_cols = group_start[:, None] + torch.minimum(steps_own, own[:, None] - 1)
+    row_start = group_start[group] + own[group] + (slot_len.cumsum(1) - slot_len)[group, slot]  # [B]
+    steps = torch.arange(longest, device=device)
+    filled = steps < length[:, None]  # [B, R']
+    resp_cols = row_start[:, None] + torch.minimum(steps, (length[:, None] - 1).clamp(min=0))
+    resp_cols = torch.where(length[:, None] > 0, resp_cols, row_start[:, None] - 1)  # no response: any real column
+    # the row: token ids and positions
+    ids = input_ids.new_zeros(width)
+    pos = position_ids.new_zeros(width)
+    ids[:shared], pos[:shared] = tokens[0, :shared], positions[0, :shared]
+    from_prompt = (shared + steps_own).clamp(max=prompt_len - 1).expand(num_groups, own_max)
+    ids[own_cols[own_ok]] = tokens.gather(1, from_prompt)[own_ok]
+    pos[own_cols[own_ok]] = positions.gather(1, from_prompt)[own_ok]
+    ids[resp_cols[filled]] = input_ids[:, prompt_len:prompt_len + longest][filled]
+    pos[resp_cols[filled]] = position_ids[:, prompt_len:prompt_len + longest][filled]
+    # attention blocks, and where each column's output comes from
+    beginning = torch.arange(shared, device=device)
+    blocks, source = [], torch.empty(width, dtype=torch.long, device=device)
+    if shared:
+        blocks.append(QueryBlock(beginning[None], beginning[None],
+                                 torch.ones(shared, shared, dtype=torch.bool, device=device).tril()[None, None]))
+        source[:shared] = beginning
+    causal_own = steps_own[:, None] >= steps_own[None, :]
+    own_keys = torch.cat([beginning.expand(num_groups, shared), own_cols], dim=1)  # [G, S + own_max]
+    own_mask = torch.cat([torch.ones(num_groups, own_max, shared, dtype=torch.bool, device=device),
+                          causal_own & own_ok[:, None, :]], dim=2)
+    blocks.append(QueryBlock(own_cols, own_keys, own_mask[:, None]))
+    source[own_cols[own_ok]] = (shared + torch.arange(num_groups * own_max, device=device).view(
+        num_groups, own_max))[own_ok]
+    causal = (steps[:, None] >= steps[None, :]) | torch.eye(longest, dtype=torch.bool, device=device)
+    resp_keys = torch.cat([own_keys[group], resp_cols], dim=1)  # [B, S + own_max + R']
+    resp_mask = torch.cat([own_mask[group][:, -1:].expand(rows, longest, shared + own_max),  # the whole prompt
+                           causal & (filled[:, None, :] | torch.eye(longest, dtype=torch.bool, device=device))], dim=2)
+    blocks.append(QueryBlock(resp_cols, resp_keys, resp_mask[:, None]))
+    offset = shared + num_groups * own_max
+    source[resp_cols[filled]] = (offset + torch.arange(rows * longest, device=device).view(rows, longest))[filled]
+    # hidden states past a row's last valid token are never scored (callers keep valid tokens only)
+    last_own = (group_start + own - 1)[group]
+    predict = torch.cat([last_own[:, None], row_start[:, None] + torch.arange(response_length - 1, device=device)],
+                        dim=1).clamp(max=width - 1)
+    return TreeLayout(ids[None], pos[None], predict, AttentionBlocks(tuple(blocks), source), shared)
+
+
 def _mask_form(backbone: nn.Module) -> str | None:
     """How the backbone's attention takes a dense mask: ``bool`` for sdpa (and posttrain's CPU sdpa),
     ``additive`` for eager (which adds the mask to the scores, so a boolean one would count as 0/1);
@@ -167,27 +273,30 @@ def _mask_form(backbone: nn.Module) -> str | None:
 def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 position_ids: torch.Tensor, response_length: int) -> torch.Tensor | None:
     """Hidden states ``[B, R, H]`` that predict the ``R`` response tokens of ``[B, P + R]`` rows
-    (``[:, j]`` predicts response token ``j``), computed on the grouped layout; None when the plain
+    (``[:, j]`` predicts response token ``j``), computed on a shared layout; None when the plain
     forward is cheaper or the attention kernel takes no dense mask. Callers pass the column window
     they would run (no all-padding columns)."""
-    from posttrain.models.attention import ATTN_NAME, PREFIX_SLOTS_KWARG, slot_segments
+    from posttrain.models.attention import ATTN_NAME, PREFIX_SLOTS_KWARG
 
+    hidden_size = int(getattr(backbone.config, "hidden_size", 0) or 0)
+    if getattr(backbone.config, "_attn_implementation", None) == ATTN_NAME:
+        tree = build_tree_layout(input_ids, attention_mask, position_ids, response_length, hidden_size)
+        if tree is None:
+            return None
+        # posttrain's attention reads the blocks from a keyword the backbone passes through to it; the
+        # mask transformers builds from the positions is not read
+        out = backbone(input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=None,
+                       use_cache=False, **{PREFIX_SLOTS_KWARG: tree.blocks})
+        return out.last_hidden_state[0][tree.predict_cols]
     form = _mask_form(backbone)  # checked first: no layout is built for a kernel that cannot take it
     if form is None:
         return None
-    # posttrain's attention reads the layout's segments from a keyword the backbone passes through to it
-    segmented = getattr(backbone.config, "_attn_implementation", None) == ATTN_NAME
-    layout = build_layout(input_ids, attention_mask, position_ids, response_length,
-                          int(getattr(backbone.config, "hidden_size", 0) or 0), segmented)
+    layout = build_layout(input_ids, attention_mask, position_ids, response_length, hidden_size)
     if layout is None:
         return None
     mask = layout.mask
     if form == "additive":
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
             ~mask, torch.finfo(torch.float32).min)
-    # segments read the layout (mask, slots), not the layer: built once here rather than in every layer
-    extra = {PREFIX_SLOTS_KWARG: slot_segments(layout.mask, layout.prompt_len, layout.slot_start, layout.slot_len)
-             } if segmented else {}
-    out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False,
-                   **extra)
+    out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False)
     return out.last_hidden_state[layout.group[:, None], layout.predict_cols]

@@ -139,4 +139,5 @@ def test_start_up_line_is_exact_when_the_last_mini_batch_is_uneven():
     one_sample = derive_sizes(load_config(base=base, overrides=["actor_rollout_ref.rollout.n=1",
                                                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
                                                                 "algorithm.adv_estimator=reinforce_plus_plus"]))
-    assert not one_sample.prompts_shared and "encoded once" not in describe_sizes(one_sample)
+    assert one_sample.prompts_shared and "each distinct prompt" not in describe_sizes(one_sample)
+    assert "the beginning the prompts of a micro-batch share encoded once" in describe_sizes(one_sample)

@@ -63,17 +63,36 @@ def _run(model, batch, shared):
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _spy(monkeypatch) -> list:
-    """Record what `build_layout` returned (a layout, or None when the plain forward ran)."""
-    seen, real = [], sp.build_layout
-    monkeypatch.setattr(sp, "build_layout", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+def _spy(monkeypatch, builder: str = "build_tree_layout") -> list:
+    """Record what ``builder`` returned (a layout, or None when the plain forward ran)."""
+    seen, real = [], getattr(sp, builder)
+    monkeypatch.setattr(sp, builder, lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     return seen
+
+
+def _common_beginning(batch, length: int, seed: int = 1):
+    """The same batch with every prompt's first ``length`` valid tokens made equal (a system prompt)."""
+    ids, mask, pos, resp = (x.clone() for x in batch)
+    prompt_len = ids.shape[1] - resp.shape[1]
+    beginning = torch.randint(6, 40, (length,), generator=torch.Generator().manual_seed(seed))
+    for row in range(ids.shape[0]):
+        start = int((mask[row, :prompt_len] == 0).sum())
+        ids[row, start:start + length] = beginning
+    return ids, mask, pos, ids[:, prompt_len:]
+
+
+def _assert_same_run(got, want, tol):
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, **tol, msg=name)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prefix_equals_plain_forward(tok, monkeypatch, float64_norm, attention):
-    """sdpa takes the layout's boolean mask, in float64; eager an additive one, in float32 (its softmax
-    runs in float32, and in a float64 model transformers' own padded eager forward gives NaN)."""
+    """sdpa (posttrain's CPU attention) takes the one-row layout's blocks, in float64; eager the
+    one-row-per-prompt layout's additive mask, in float32 (its softmax runs in float32, and in a
+    float64 model transformers' own padded eager forward gives NaN)."""
     model = tiny_llama(tok, attn_implementation=attention)
     if attention == "sdpa":
         model, tol = model.double(), dict(rtol=1e-12, atol=1e-12)
@@ -81,18 +100,57 @@ def test_shared_prefix_equals_plain_forward(tok, monkeypatch, float64_norm, atte
         tol = dict(rtol=1e-4, atol=1e-5)
     batch = _grouped_batch()
     want = _run(model, batch, shared=False)
+    seen = _spy(monkeypatch, "build_tree_layout" if attention == "sdpa" else "build_layout")
+    got = _run(model, batch, shared=True)
+    assert len(seen) == 1 and seen[0] is not None
+    if attention == "sdpa":  # 3 prompts (12, 10 and 8 tokens after their padding) once, then the responses
+        assert seen[0].input_ids.shape[1] == 12 + 10 + 8 + int(batch[1][:, 12:].sum())
+    else:
+        assert seen[0].input_ids.shape[0] == 3
+    _assert_same_run(got, want, tol)
+
+
+@pytest.mark.parametrize("sizes", [(4, 3, 1), (1, 1, 1)])
+def test_a_beginning_every_prompt_shares_is_encoded_once(tok, monkeypatch, float64_norm, sizes):
+    """Prompts that begin alike (5 tokens, at the same positions after different left padding): the
+    beginning is one block of the row, also when every prompt is asked once; float64 log-probs,
+    entropies and every gradient equal the plain forward's. Negative control: a layout that shares
+    one token more than the prompts have in common (the sixth differs) does not."""
+    model = tiny_llama(tok).double()
+    batch = _common_beginning(_grouped_batch(sizes=sizes), 5)
+    want = _run(model, batch, shared=False)
     seen = _spy(monkeypatch)
     got = _run(model, batch, shared=True)
-    assert len(seen) == 1 and seen[0] is not None and seen[0].input_ids.shape[0] == 3  # 3 prompts, encoded once
-    torch.testing.assert_close(got[0], want[0], **tol)
-    torch.testing.assert_close(got[1], want[1], **tol)
-    for name, grad in want[2].items():
-        torch.testing.assert_close(got[2][name], grad, **tol, msg=name)
+    assert seen[0] is not None and seen[0].shared_len == 5
+    _assert_same_run(got, want, dict(rtol=1e-12, atol=1e-12))
+    monkeypatch.setattr(sp, "_shared_beginning", lambda *a: 6)
+    wrong = _run(model, batch, shared=True)
+    assert (wrong[0] - want[0]).abs().max() > 1e-3
+
+
+def test_each_response_reads_exactly_its_own_row():
+    """The one-row layout read back: the keys a response's last token attends to are its own row's
+    valid tokens, in order, at their positions (the shared beginning, its prompt's own tokens, its
+    response), for every row; and every column's output comes from exactly one block row."""
+    ids, mask, pos, resp = _common_beginning(_grouped_batch(), 4)
+    tree = sp.build_tree_layout(ids, mask, pos, resp.shape[1], hidden_size=64)
+    assert tree is not None and tree.shared_len == 4
+    responses = tree.blocks.blocks[-1]
+    flat_ids, flat_pos = tree.input_ids[0], tree.position_ids[0]
+    for row in range(ids.shape[0]):
+        last = int(mask[row, 12:].sum()) - 1  # the response's last valid token
+        seen = responses.key_cols[row][responses.mask[row, 0, last]]
+        valid = mask[row].bool()
+        assert flat_ids[seen].tolist() == ids[row][valid].tolist()
+        assert flat_pos[seen].tolist() == pos[row][valid].tolist()
+    outputs = sum(block.query_cols.numel() for block in tree.blocks.blocks)
+    assert sorted(set(tree.blocks.source_rows.tolist())) == sorted(tree.blocks.source_rows.tolist())
+    assert int(tree.blocks.source_rows.max()) < outputs
 
 
 def test_shared_prefix_under_bf16_autocast_uses_the_cpu_attention(tok, monkeypatch):
     """bf16 autocast on CPU attends with posttrain's matmul attention, which must honour the 4D mask: by
-    segments, the prompt's ``[G, 1, P, P]`` and the slots' ``[G * k, 1, R, P + R]``."""
+    blocks, the prompts' own tokens ``[G, 1, P', P']`` and the responses' ``[B, 1, R, P' + R]``."""
     from posttrain.models import attention as attn
 
     calls, real = [], attn.matmul_attention
@@ -106,7 +164,7 @@ def test_shared_prefix_under_bf16_autocast_uses_the_cpu_attention(tok, monkeypat
             calls.clear()
             got = response_logprobs(model, *batch, shared_prefix=True)[0]
     layers = len(model.model.layers)
-    assert calls == [(3, 1, 12, 12), (3 * 4, 1, 5, 12 + 5)] * layers  # 3 prompts, 4 slots of 5 after 12 tokens
+    assert calls == [(3, 1, 12, 12), (8, 1, 5, 12 + 5)] * layers  # 3 prompts (<= 12 tokens), 8 responses (<= 5)
     # as close to the float32 result as the plain bf16 forward is
     assert (got - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3
 
@@ -133,29 +191,39 @@ def test_responses_never_see_their_siblings(tok, float64_norm):
     assert (kept - leaked)[valid].abs().max() > 1e-3
 
 
-def test_plain_forward_when_grouping_costs_more(tok, monkeypatch, float64_norm):
-    """All prompts distinct, or one prompt with two long answers beside four prompts with one each (every
-    layout row is as wide as the first prompt's two answers): grouping would compute more, so the plain
-    forward runs (and gives the same numbers)."""
-    model = tiny_llama(tok).double()
-    seen = _spy(monkeypatch)
-    distinct = _grouped_batch(sizes=(1, 1, 1))
-    uneven = _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 1, 1, 1, 1))
-    for batch in (distinct, uneven):
+def test_plain_forward_when_nothing_is_shared_or_grouping_costs_more(tok, monkeypatch, float64_norm):
+    """All prompts distinct with no common beginning: the one-row layout has nothing to share. One prompt
+    with two long answers beside four prompts with one each: every row of the one-row-per-prompt
+    layout (eager) is as wide as the first prompt's two answers, so it would compute more. Both run
+    the plain forward (and give the same numbers; eager in float32, see the equality test)."""
+    for attention, builder, batch in (
+            ("sdpa", "build_tree_layout", _grouped_batch(sizes=(1, 1, 1))),
+            ("eager", "build_layout", _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 1, 1, 1, 1)))):
+        model = tiny_llama(tok, attn_implementation=attention)
+        model = model.double() if attention == "sdpa" else model
+        seen = _spy(monkeypatch, builder)
         with torch.no_grad():
             want = response_logprobs(model, *batch, shared_prefix=False)[0]
             got = response_logprobs(model, *batch, shared_prefix=True)[0]
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert seen == [None, None]
+        assert seen == [None], attention
 
 
-def test_the_dense_mask_costs_more_than_segments_with_long_answers():
+def test_the_dense_mask_costs_more_than_blocks_with_long_answers():
     """Two prompts of 3 tokens with two 40-token answers each: over a dense mask the [L, L] pairs cost
-    more than the prompt copies save; by segments (each answer attends to its prompt and itself) they do not."""
+    more than the prompt copies save; by blocks (each answer attends to its prompt and itself) they do not."""
     ids, mask, pos, resp = _grouped_batch(prompt_len=3, resp_len=40, sizes=(2, 2))
     mask[:, 3:] = 1  # every answer its full 40 tokens
     assert sp.build_layout(ids, mask, pos, resp.shape[1], hidden_size=16) is None
-    assert sp.build_layout(ids, mask, pos, resp.shape[1], hidden_size=16, segmented=True) is not None
+    assert sp.build_tree_layout(ids, mask, pos, resp.shape[1], hidden_size=16) is not None
+
+
+def test_a_shared_beginning_needs_the_same_positions():
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9]])
+    lengths = torch.tensor([4, 4])
+    assert sp._shared_beginning(tokens, torch.arange(4).expand(2, 4), lengths) == 2
+    assert sp._shared_beginning(tokens, torch.tensor([[0, 1, 2, 3], [0, 2, 3, 4]]), lengths) == 1
+    assert sp._shared_beginning(tokens[:, :2], torch.arange(2).expand(2, 2), torch.tensor([2, 2])) == 1  # one token kept
 
 
 def test_same_tokens_at_other_positions_are_not_shared():
@@ -197,34 +265,41 @@ def test_tiny_grpo_run_with_prefix_grouper_equals_plain_run(tmp_path, monkeypatc
     assert max(row["training/rollout_actor_probs_diff_max"] for row in got) < 1e-4
 
 
-def _random_layout_attention(seed=0):
-    """q/k/v of a layout with 2 prompts of 6 tokens (left padding on one) and 3 slots of 4 (one
-    response ending early), grouped-query heads, float64; the layout's own boolean mask."""
+def _random_tree_attention(seed=0):
+    """q/k/v of a one-row layout: 3 prompts (one left-padded) beginning with the same 3 tokens, 2
+    responses each (one ending early), grouped-query heads, float64."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(6, 40, (6, 10), generator=g)
-    ids[3:, :6] = ids[3, :6]  # rows 3-5 share a prompt
-    ids[:3, :6] = ids[0, :6]
+    for first in (0, 2, 4):  # rows first, first + 1 share a prompt
+        ids[first + 1, :6] = ids[first, :6]
     mask = torch.ones_like(ids)
-    mask[3:, :2] = 0
+    mask[4:, :1] = 0
+    ids[:4, :3] = ids[4:, 1:4][0]  # the same 3 first tokens in every prompt
+    ids[5, 1:4] = ids[4, 1:4]
     mask[1, 8:] = 0
     pos = torch.clamp(mask.cumsum(-1) - 1, min=0)
-    layout = sp.build_layout(ids, mask, pos, 4, hidden_size=64, segmented=True)
-    width = layout.input_ids.shape[1]
-    q = torch.randn(2, 4, width, 8, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, width, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    return layout, q, k, v
+    tree = sp.build_tree_layout(ids, mask, pos, 4, hidden_size=64)
+    assert tree is not None and tree.shared_len == 3
+    width = tree.input_ids.shape[1]
+    q = torch.randn(1, 4, width, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, width, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    return tree.blocks, q, k, v
 
 
-def _real_columns(layout) -> torch.Tensor:
-    """``[G, L]``: the columns that hold a prompt or response token (not the padding after a short row)."""
-    ends = layout.prompt_len + layout.slot_len.sum(1, keepdim=True)
-    return torch.arange(layout.input_ids.shape[1]) < ends
-
-
-def _segments(layout, mask=None):
-    from posttrain.models.attention import slot_segments
-
-    return slot_segments(layout.mask if mask is None else mask, layout.prompt_len, layout.slot_start, layout.slot_len)
+def _dense_mask(blocks) -> torch.Tensor:
+    """``[1, 1, W, W]``: for each column, the mask row of the block row its output is taken from."""
+    width = blocks.source_rows.shape[0]
+    dense = torch.zeros(width, width, dtype=torch.bool)
+    offset = 0
+    for block in blocks.blocks:
+        rows, per_row = block.query_cols.shape
+        for n in range(rows):
+            for i in range(per_row):
+                col = int(block.query_cols[n, i])
+                if int(blocks.source_rows[col]) == offset + n * per_row + i:
+                    dense[col, block.key_cols[n][block.mask[n, 0, i]]] = True
+        offset += rows * per_row
+    return dense[None, None]
 
 
 def _attention_module() -> torch.nn.Module:
@@ -238,50 +313,51 @@ def _dense_attention(q, k, v, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
-def test_segmented_attention_equals_the_dense_mask():
-    """By segments (prompt, then each slot against [prompt | itself]) equals attention over the
-    layout's dense [L, L] mask, in float64, output and the gradients of q, k and v."""
-    from posttrain.models.attention import prefix_slot_attention
+def test_block_attention_equals_the_dense_mask():
+    """By blocks (the shared beginning, each prompt's own tokens, each response) equals attention over
+    the dense [W, W] mask the blocks describe, in float64: the output and the gradients of q, k and v
+    (a shared key's gradient summed over every block that reads it)."""
+    from posttrain.models.attention import block_attention
 
-    layout, q, k, v = _random_layout_attention()
-    module = _attention_module()
-    real = _real_columns(layout)[:, :, None, None]
+    blocks, q, k, v = _random_tree_attention()
+    module, dense = _attention_module(), _dense_mask(blocks)
+    assert dense[0, 0].sum(1).min() >= 1 and not dense[0, 0].triu(1).any()  # every column attends, never ahead
     outs = []
-    for fn in (lambda *t: _dense_attention(*t, layout.mask),
-               lambda *t: prefix_slot_attention(module, *t, _segments(layout))):
+    for fn in (lambda *t: _dense_attention(*t, dense), lambda *t: block_attention(module, *t, blocks)):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = fn(*leaves) * real
+        out = fn(*leaves)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
         outs.append([out.detach()] + [x.grad for x in leaves])
     for want, got in zip(*outs):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_segmented_attention_reads_the_mask_inside_a_slot():
-    """Negative control: a query that the mask lets see a later token of its own slot sees it by
-    segments too (the slot's causal rule comes from the mask, not from an assumption), and the
-    output moves with it."""
-    from posttrain.models.attention import prefix_slot_attention
+def test_block_attention_reads_the_mask_inside_a_response():
+    """Negative control: a query that its block's mask lets see a later token of its own response sees
+    it by blocks too (the causal rule comes from the mask, not from an assumption), and the output moves."""
+    from posttrain.models.attention import AttentionBlocks, QueryBlock, block_attention
 
-    layout, q, k, v = _random_layout_attention()
-    leaky = layout.mask.clone()
-    g = int((layout.slot_len[:, 1] >= 3).nonzero()[0])  # a prompt whose second answer has 3 tokens or more
-    first = int(layout.slot_start[g, 1])  # that answer's first query
-    leaky[g, :, first, first + 2] = True
-    got = prefix_slot_attention(_attention_module(), q, k, v, _segments(layout, leaky))
-    real = _real_columns(layout)
-    torch.testing.assert_close(got[real], _dense_attention(q, k, v, leaky)[real], rtol=1e-12, atol=1e-12)
-    kept = prefix_slot_attention(_attention_module(), q, k, v, _segments(layout))
-    assert (got - kept)[g, first].abs().max() > 1e-3
+    blocks, q, k, v = _random_tree_attention()
+    responses = blocks.blocks[-1]
+    leaky_mask = responses.mask.clone()
+    offset = responses.key_cols.shape[1] - responses.query_cols.shape[1]
+    leaky_mask[0, 0, 0, offset + 2] = True  # row 0's first response token sees its third
+    leaky = AttentionBlocks(blocks.blocks[:-1] + (QueryBlock(responses.query_cols, responses.key_cols, leaky_mask),),
+                            blocks.source_rows)
+    got = block_attention(_attention_module(), q, k, v, leaky)
+    torch.testing.assert_close(got, _dense_attention(q, k, v, _dense_mask(leaky)), rtol=1e-12, atol=1e-12)
+    kept = block_attention(_attention_module(), q, k, v, blocks)
+    first = int(responses.query_cols[0, 0])
+    assert (got - kept)[0, first].abs().max() > 1e-3
 
 
-def test_segmented_attention_runs_under_the_cpu_attention_only(tok, monkeypatch):
-    """sdpa (switched to posttrain's CPU attention) attends by segments; eager gets the dense mask."""
+def test_block_attention_runs_under_the_cpu_attention_only(tok, monkeypatch):
+    """sdpa (switched to posttrain's CPU attention) attends by blocks; eager gets the dense mask."""
     from posttrain.models import attention as attn
 
-    calls, real = [], attn.prefix_slot_attention
-    monkeypatch.setattr(attn, "prefix_slot_attention", lambda *a, **k: calls.append(a[4].prompt_len) or real(*a, **k))
-    for implementation, want in (("sdpa", [12]), ("eager", [])):
+    calls, real = [], attn.block_attention
+    monkeypatch.setattr(attn, "block_attention", lambda *a, **k: calls.append(len(a[4].blocks)) or real(*a, **k))
+    for implementation, want in (("sdpa", [2]), ("eager", [])):
         calls.clear()
         with torch.no_grad():
             response_logprobs(tiny_llama(tok, attn_implementation=implementation), *_grouped_batch(), shared_prefix=True)
