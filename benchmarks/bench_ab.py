@@ -3,6 +3,7 @@ by up to 2x within minutes, so runs one after the other cannot attribute a 1.3x 
 
     python benchmarks/bench_ab.py                          # compile_layers, 11 steps of bench_step.py's work, bf16
     python benchmarks/bench_ab.py --lever prefix           # actor.use_prefix_grouper (prompts encoded once)
+    python benchmarks/bench_ab.py --lever beginning --precision fp32 --steps 9   # and their shared beginning once
     python benchmarks/bench_ab.py --lever prefix --with compile --steps 9 --off-first
     python benchmarks/bench_ab.py --steps 15 --off-first --precision fp32
     python benchmarks/bench_ab.py --lever lean --precision fp32   # the hf engine's lean decoder
@@ -10,7 +11,8 @@ by up to 2x within minutes, so runs one after the other cannot attribute a 1.3x 
 
 Levers: ``compile`` (``actor_rollout_ref.model.compile_layers``: the first step compiles and is
 reported, not counted), ``prefix`` (``actor_rollout_ref.actor.use_prefix_grouper``, the
-reference following), ``lean`` (the ``hf`` engine's lean decoder, off as with
+reference following), ``beginning`` (with the grouper on throughout: the beginning all prompts of a
+micro-batch share encoded once, on, or once per prompt, off), ``lean`` (the ``hf`` engine's lean decoder, off as with
 ``actor_rollout_ref.rollout.lean_decode=False``), ``offload`` (the reference's ``param_offload`` and the
 actor's ``optimizer_offload``: paged to a file between uses on a CPU run, the rollout's and update's
 large buffers in mappings of their own; off, the same file-backed memory stays resident, is stepped
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PHASES = ("gen", "ref", "update_actor", "step")
 LEVERS = {"compile": ["actor_rollout_ref.model.compile_layers=True"],
           "prefix": ["actor_rollout_ref.actor.use_prefix_grouper=True"],
+          "beginning": ["actor_rollout_ref.actor.use_prefix_grouper=True"],
           "lean": ["actor_rollout_ref.rollout.lean_decode=True"],
           "offload": ["actor_rollout_ref.ref.fsdp_config.param_offload=True",
                       "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True"],
@@ -43,12 +46,21 @@ MICRO_OFF, MICRO_ON = 16, {"micro8": 8, "micro32": 32}
 """``micro8``/``micro32``: the actor's update in micro-batches of 8 / 32 responses (on) instead of 16 (off)."""
 
 
+_kept: dict = {}
+
+
 def _switch(trainer, lever: str, on: bool) -> None:
     """Turn ``lever`` on or off in a running trainer's actor and reference."""
     from posttrain.models.compile import disable_layer_compile, enable_layer_compile
 
     if lever == "lean":
         trainer.workers.actor.rollout.lean_decode = on
+        return
+    if lever == "beginning":
+        from posttrain.models import shared_prefix
+
+        rule = _kept.setdefault("shared_beginning", shared_prefix._shared_beginning)  # the layout's own rule
+        shared_prefix._shared_beginning = rule if on else (lambda *args: 0)
         return
     if lever in MICRO_ON:
         trainer.workers.actor.config.ppo_micro_batch_size_per_gpu = MICRO_ON[lever] if on else MICRO_OFF
