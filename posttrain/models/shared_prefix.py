@@ -32,7 +32,7 @@ forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s one row per prompt (dens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -183,81 +183,108 @@ def _shared_beginning(tokens: torch.Tensor, positions: torch.Tensor, lengths: to
     return int(same.long().cumprod(0).sum())
 
 
+class _Placement(NamedTuple):
+    """Where a micro-batch's tokens sit in the one-row layout: ``S`` shared columns first, then per
+    prompt ``g`` its own tokens (``own_cols[g, :own[g]]``; the rest of the row of ``own_cols`` repeats
+    its last, ``own_ok`` False) and each input row's response (``resp_cols[b, :length[b]]``, likewise
+    padded, ``filled`` False)."""
+
+    shared: int
+    width: int
+    group: torch.Tensor  # [B]: each input row's prompt
+    own_cols: torch.Tensor  # [G, own_max]
+    own_ok: torch.Tensor  # [G, own_max]
+    resp_cols: torch.Tensor  # [B, R']
+    filled: torch.Tensor  # [B, R']
+
+
 def build_tree_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                       response_length: int, hidden_size: int) -> TreeLayout | None:
     """The one-row layout of ``[B, P + R]`` rows (prompt left-padded, response right-padded) and the
     attention blocks that read it (module docstring), or None when nothing is shared or it would not
     be cheaper than the plain ``[B, P + R]`` forward."""
-    from posttrain.models.attention import AttentionBlocks, QueryBlock
-
     rows, seq_len = input_ids.shape
-    prompt_len, device = seq_len - response_length, input_ids.device
+    prompt_len = seq_len - response_length
     group, num_groups = prompt_groups(input_ids, attention_mask, position_ids, response_length)
     slot, first = _slots(group, num_groups)
     valid = attention_mask[first, :prompt_len].bool()  # [G, P]
-    lengths = valid.sum(1)
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each prompt's valid columns first
     tokens = input_ids[first, :prompt_len].gather(1, order)
     positions = position_ids[first, :prompt_len].gather(1, order)
-    shared = _shared_beginning(tokens, positions, lengths)
+    shared = _shared_beginning(tokens, positions, valid.sum(1))
     if num_groups == rows and shared == 0:
         return None  # every prompt once already and no beginning in common: nothing to share
-    own = lengths - shared  # [G]: each prompt's tokens after the shared beginning (>= 1)
-    length = _response_lengths(attention_mask, response_length)  # [B]
-    per_group = int(slot.max()) + 1
-    slot_len = torch.zeros(num_groups, per_group, dtype=torch.long, device=device)
+    place = _place(group, slot, valid.sum(1) - shared, _response_lengths(attention_mask, response_length), shared)
+    own_max, longest = place.own_cols.shape[1], place.resp_cols.shape[1]
+    pairs = shared ** 2 + num_groups * own_max * (shared + own_max) + rows * longest * (shared + own_max + longest)
+    if place.width * _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + pairs >= rows * seq_len * (
+            _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len):
+        return None
+    # the row's token ids and positions: the shared beginning, each prompt's own tokens, the responses
+    ids, pos = input_ids.new_zeros(place.width), position_ids.new_zeros(place.width)
+    ids[:shared], pos[:shared] = tokens[0, :shared], positions[0, :shared]
+    from_prompt = (shared + torch.arange(own_max, device=ids.device)).clamp(max=prompt_len - 1).expand(num_groups, -1)
+    at, ok = place.own_cols[place.own_ok], place.own_ok
+    ids[at], pos[at] = tokens.gather(1, from_prompt)[ok], positions.gather(1, from_prompt)[ok]
+    at, ok = place.resp_cols[place.filled], place.filled
+    ids[at] = input_ids[:, prompt_len:prompt_len + longest][ok]
+    pos[at] = position_ids[:, prompt_len:prompt_len + longest][ok]
+    # hidden states past a row's last valid token are never scored (callers keep valid tokens only)
+    predict = torch.cat([place.own_cols[group, -1:], place.resp_cols[:, :1] + torch.arange(
+        response_length - 1, device=ids.device)], dim=1).clamp(max=place.width - 1)
+    return TreeLayout(ids[None], pos[None], predict, _attention_blocks(place), shared)
+
+
+def _place(group: torch.Tensor, slot: torch.Tensor, own: torch.Tensor, length: torch.Tensor, shared: int) -> _Placement:
+    """The columns of the one-row layout: prompt ``g`` has ``own[g]`` tokens after the shared ``S``;
+    input row ``b`` is response ``slot[b]`` of prompt ``group[b]``, ``length[b]`` tokens long."""
+    device = group.device
+    slot_len = torch.zeros(own.shape[0], int(slot.max()) + 1, dtype=torch.long, device=device)
     slot_len[group, slot] = length
     size = own + slot_len.sum(1)  # [G]: each prompt's columns (own tokens, then its responses)
     group_start = shared + size.cumsum(0) - size
-    width, own_max, longest = shared + int(size.sum()), int(own.max()), max(1, int(length.max()))
-    pairs = shared ** 2 + num_groups * own_max * (shared + own_max) + rows * longest * (shared + own_max + longest)
-    if width * _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + pairs >= rows * seq_len * (
-            _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + seq_len):
-        return None
-    # columns: each prompt's own tokens (padded to the longest, clamped to its last) and each row's response
-    steps_own = torch.arange(own_max, device=device)
-    own_ok = steps_own < own[:, None]  # [G, own_max]
+    steps_own = torch.arange(int(own.max()), device=device)
     own_cols = group_start[:, None] + torch.minimum(steps_own, own[:, None] - 1)
     row_start = group_start[group] + own[group] + (slot_len.cumsum(1) - slot_len)[group, slot]  # [B]
-    steps = torch.arange(longest, device=device)
-    filled = steps < length[:, None]  # [B, R']
+    steps = torch.arange(max(1, int(length.max())), device=device)
     resp_cols = row_start[:, None] + torch.minimum(steps, (length[:, None] - 1).clamp(min=0))
     resp_cols = torch.where(length[:, None] > 0, resp_cols, row_start[:, None] - 1)  # no response: any real column
-    # the row: token ids and positions
-    ids = input_ids.new_zeros(width)
-    pos = position_ids.new_zeros(width)
-    ids[:shared], pos[:shared] = tokens[0, :shared], positions[0, :shared]
-    from_prompt = (shared + steps_own).clamp(max=prompt_len - 1).expand(num_groups, own_max)
-    ids[own_cols[own_ok]] = tokens.gather(1, from_prompt)[own_ok]
-    pos[own_cols[own_ok]] = positions.gather(1, from_prompt)[own_ok]
-    ids[resp_cols[filled]] = input_ids[:, prompt_len:prompt_len + longest][filled]
-    pos[resp_cols[filled]] = position_ids[:, prompt_len:prompt_len + longest][filled]
-    # attention blocks, and where each column's output comes from
+    return _Placement(shared, shared + int(size.sum()), group, own_cols, steps_own < own[:, None], resp_cols,
+                      steps < length[:, None])
+
+
+def _attention_blocks(place: _Placement) -> AttentionBlocks:
+    """The blocks that read the one-row layout (module docstring) and the block row each column's
+    output comes from."""
+    from posttrain.models.attention import AttentionBlocks, QueryBlock
+
+    shared, device = place.shared, place.own_cols.device
+    (groups, own_max), (rows, longest) = place.own_cols.shape, place.resp_cols.shape
     beginning = torch.arange(shared, device=device)
-    blocks, source = [], torch.empty(width, dtype=torch.long, device=device)
-    if shared:
-        blocks.append(QueryBlock(beginning[None], beginning[None],
-                                 torch.ones(shared, shared, dtype=torch.bool, device=device).tril()[None, None]))
+    blocks, source = [], torch.empty(place.width, dtype=torch.long, device=device)
+    if shared:  # the beginning, causally to itself
+        causal = torch.ones(shared, shared, dtype=torch.bool, device=device).tril()
+        blocks.append(QueryBlock(beginning[None], beginning[None], causal[None, None]))
         source[:shared] = beginning
-    causal_own = steps_own[:, None] >= steps_own[None, :]
-    own_keys = torch.cat([beginning.expand(num_groups, shared), own_cols], dim=1)  # [G, S + own_max]
-    own_mask = torch.cat([torch.ones(num_groups, own_max, shared, dtype=torch.bool, device=device),
-                          causal_own & own_ok[:, None, :]], dim=2)
-    blocks.append(QueryBlock(own_cols, own_keys, own_mask[:, None]))
-    source[own_cols[own_ok]] = (shared + torch.arange(num_groups * own_max, device=device).view(
-        num_groups, own_max))[own_ok]
-    causal = (steps[:, None] >= steps[None, :]) | torch.eye(longest, dtype=torch.bool, device=device)
-    resp_keys = torch.cat([own_keys[group], resp_cols], dim=1)  # [B, S + own_max + R']
-    resp_mask = torch.cat([own_mask[group][:, -1:].expand(rows, longest, shared + own_max),  # the whole prompt
-                           causal & (filled[:, None, :] | torch.eye(longest, dtype=torch.bool, device=device))], dim=2)
-    blocks.append(QueryBlock(resp_cols, resp_keys, resp_mask[:, None]))
-    offset = shared + num_groups * own_max
-    source[resp_cols[filled]] = (offset + torch.arange(rows * longest, device=device).view(rows, longest))[filled]
-    # hidden states past a row's last valid token are never scored (callers keep valid tokens only)
-    last_own = (group_start + own - 1)[group]
-    predict = torch.cat([last_own[:, None], row_start[:, None] + torch.arange(response_length - 1, device=device)],
-                        dim=1).clamp(max=width - 1)
-    return TreeLayout(ids[None], pos[None], predict, AttentionBlocks(tuple(blocks), source), shared)
+    # each prompt's own tokens: to the beginning, causally to themselves
+    own_keys = torch.cat([beginning.expand(groups, shared), place.own_cols], dim=1)  # [G, S + own_max]
+    causal = torch.ones(own_max, own_max, dtype=torch.bool, device=device).tril()
+    own_mask = torch.cat([torch.ones(groups, own_max, shared, dtype=torch.bool, device=device),
+                          causal & place.own_ok[:, None, :]], dim=2)
+    blocks.append(QueryBlock(place.own_cols, own_keys, own_mask[:, None]))
+    source[place.own_cols[place.own_ok]] = (shared + torch.arange(groups * own_max, device=device))[
+        place.own_ok.flatten()]
+    # each response: to its whole prompt, causally to itself (a padding query sees itself: no empty row)
+    resp_keys = torch.cat([own_keys[place.group], place.resp_cols], dim=1)  # [B, S + own_max + R']
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    itself = torch.eye(longest, dtype=torch.bool, device=device)
+    resp_mask = torch.cat([own_mask[place.group][:, -1:].expand(rows, longest, shared + own_max),
+                           causal & (place.filled[:, None, :] | itself)], dim=2)
+    blocks.append(QueryBlock(place.resp_cols, resp_keys, resp_mask[:, None]))
+    offset = shared + groups * own_max
+    source[place.resp_cols[place.filled]] = (offset + torch.arange(rows * longest, device=device))[
+        place.filled.flatten()]
+    return AttentionBlocks(tuple(blocks), source)
 
 
 def _mask_form(backbone: nn.Module) -> str | None:
