@@ -249,8 +249,8 @@ def describe_sizes(sizes: DerivedSizes) -> str:
     if sizes.prompts_shared:
         each = "each distinct prompt of a micro-batch encoded once for its responses, and " if (
             sizes.samples_per_prompt > 1) else ""
-        lines.append(f"actor and reference forwards: {each}the beginning the prompts of a micro-batch share encoded "
-                     "once (actor.use_prefix_grouper; the plain forward where that costs less)")
+        lines.append(f"actor and reference forwards: {each}(on CPU with sdpa attention) the beginning the prompts of "
+                     "a micro-batch share encoded once (actor.use_prefix_grouper; the plain forward where that costs less)")
     if sizes.critic is not None:
         c = sizes.critic
         lines.append(f"critic: {_mini_batches(c, '')}")
