@@ -59,8 +59,8 @@ def _switch(trainer, lever: str, on: bool) -> None:
     if lever == "beginning":
         from posttrain.models import shared_prefix
 
-        rule = _kept.setdefault("shared_beginning", shared_prefix._shared_beginning)  # the layout's own rule
-        shared_prefix._shared_beginning = rule if on else (lambda *args: 0)
+        rule = _kept.setdefault("shared_beginning", shared_prefix.shared_beginning)  # the layout's own rule
+        shared_prefix.shared_beginning = rule if on else (lambda *args: 0)
         return
     if lever in MICRO_ON:
         trainer.workers.actor.config.ppo_micro_batch_size_per_gpu = MICRO_ON[lever] if on else MICRO_OFF

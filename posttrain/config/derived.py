@@ -59,8 +59,6 @@ class DerivedSizes:
     prompts_shared: bool = False
     """actor.use_prefix_grouper: the actor and reference forwards encode each distinct prompt once for
     its responses (rollout.n > 1) and the beginning the prompts of a micro-batch share once."""
-    samples_per_prompt: int = 1
-    """rollout.n."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -186,7 +184,7 @@ def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
                                     ref.log_prob_micro_batch_size_per_gpu, dp, ref.log_prob_use_dynamic_bsz, True)
     return DerivedSizes(world, dp, tbs, responses, per_rank, actor_sizes, critic_sizes, rollout_micro, ref_micro,
                         old_log_probs_source(config, actor_sizes),
-                        bool(config.actor_rollout_ref.actor.use_prefix_grouper), n)
+                        bool(config.actor_rollout_ref.actor.use_prefix_grouper))
 
 
 def old_log_probs_source(config: PostTrainConfig, actor_sizes: RoleSizes) -> str:
@@ -248,7 +246,7 @@ def describe_sizes(sizes: DerivedSizes) -> str:
         lines.append(f"reference: micro-batches of {sizes.ref_log_prob_micro_batch} responses per rank")
     if sizes.prompts_shared:
         each = "each distinct prompt of a micro-batch encoded once for its responses, and " if (
-            sizes.samples_per_prompt > 1) else ""
+            sizes.responses_per_step > sizes.prompts_per_step) else ""
         lines.append(f"actor and reference forwards: {each}(on CPU with sdpa attention) the beginning the prompts of "
                      "a micro-batch share encoded once (actor.use_prefix_grouper; the plain forward where that costs less)")
     if sizes.critic is not None:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from posttrain.models.attention import AttentionBlocks
 
 __all__ = ["SharedPrefixLayout", "TreeLayout", "build_layout", "build_tree_layout", "prompt_groups", "prompt_key",
-           "shared_prefix_hidden_states"]
+           "shared_beginning", "shared_prefix_hidden_states"]
 
 _FLOP_PER_PAIR_OVER_HIDDEN = 6
 """Cost model of one forward, in units of one attention pair: a token through the linear layers is
@@ -172,10 +172,11 @@ def _layout_mask(valid: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
     return mask[:, None]
 
 
-def _shared_beginning(tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> int:
+def shared_beginning(tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> int:
     """How many first tokens (and their positions) every prompt has in common, ``[G, P]`` valid tokens
     first; at most the shortest prompt's length minus one, so every prompt keeps a token of its own
-    (the one that predicts its first response token)."""
+    (the one that predicts its first response token). The ``hf`` engine's prefill shares the same
+    beginning (`posttrain.rollout.hf._shared_prefix_length`)."""
     most = int(lengths.min()) - 1
     if tokens.shape[0] < 2 or most <= 0:
         return 0
@@ -211,10 +212,11 @@ def build_tree_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pos
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each prompt's valid columns first
     tokens = input_ids[first, :prompt_len].gather(1, order)
     positions = position_ids[first, :prompt_len].gather(1, order)
-    shared = _shared_beginning(tokens, positions, valid.sum(1))
+    lengths = valid.sum(1)
+    shared = shared_beginning(tokens, positions, lengths)
     if num_groups == rows and shared == 0:
         return None  # every prompt once already and no beginning in common: nothing to share
-    place = _place(group, slot, valid.sum(1) - shared, _response_lengths(attention_mask, response_length), shared)
+    place = _place(group, slot, lengths - shared, _response_lengths(attention_mask, response_length), shared)
     own_max, longest = place.own_cols.shape[1], place.resp_cols.shape[1]
     pairs = shared ** 2 + num_groups * own_max * (shared + own_max) + rows * longest * (shared + own_max + longest)
     if place.width * _FLOP_PER_PAIR_OVER_HIDDEN * hidden_size + pairs >= rows * seq_len * (

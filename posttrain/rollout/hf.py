@@ -30,6 +30,7 @@ from torch import nn
 
 from posttrain.batch import Batch
 from posttrain.models.attention import fast_cpu_attention
+from posttrain.models.shared_prefix import shared_beginning
 from posttrain.rollout.lean_decoder import LeanDecoder, lean_decoder_for
 from posttrain.rollout.base import SamplingParams, assemble_rollout_batch, prompt_positions, with_uids
 
@@ -227,9 +228,7 @@ def _shared_prefix_length(ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tens
     if most < 1:
         return 0
     at = starts[:, None] + columns[None, :most]
-    tokens, positions = ids.gather(1, at), pos.gather(1, at)
-    same = ((tokens == tokens[:1]) & (positions == positions[:1])).all(0)
-    return most if bool(same.all()) else int((~same).nonzero()[0])
+    return shared_beginning(ids.gather(1, at), pos.gather(1, at), lengths)
 
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams, want_log_probs: bool):

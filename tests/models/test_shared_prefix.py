@@ -123,7 +123,7 @@ def test_a_beginning_every_prompt_shares_is_encoded_once(tok, monkeypatch, float
     got = _run(model, batch, shared=True)
     assert seen[0] is not None and seen[0].shared_len == 5
     _assert_same_run(got, want, dict(rtol=1e-12, atol=1e-12))
-    monkeypatch.setattr(sp, "_shared_beginning", lambda *a: 6)
+    monkeypatch.setattr(sp, "shared_beginning", lambda *a: 6)
     wrong = _run(model, batch, shared=True)
     assert (wrong[0] - want[0]).abs().max() > 1e-3
 
@@ -221,9 +221,9 @@ def test_the_dense_mask_costs_more_than_blocks_with_long_answers():
 def test_a_shared_beginning_needs_the_same_positions():
     tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 9, 9]])
     lengths = torch.tensor([4, 4])
-    assert sp._shared_beginning(tokens, torch.arange(4).expand(2, 4), lengths) == 2
-    assert sp._shared_beginning(tokens, torch.tensor([[0, 1, 2, 3], [0, 2, 3, 4]]), lengths) == 1
-    assert sp._shared_beginning(tokens[:, :2], torch.arange(2).expand(2, 2), torch.tensor([2, 2])) == 1  # one token kept
+    assert sp.shared_beginning(tokens, torch.arange(4).expand(2, 4), lengths) == 2
+    assert sp.shared_beginning(tokens, torch.tensor([[0, 1, 2, 3], [0, 2, 3, 4]]), lengths) == 1
+    assert sp.shared_beginning(tokens[:, :2], torch.arange(2).expand(2, 2), torch.tensor([2, 2])) == 1  # one token kept
 
 
 def test_same_tokens_at_other_positions_are_not_shared():
