@@ -30,9 +30,11 @@ import statistics
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench_step.py and the posttrain CLI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+choose_wait_policy()  # as bench_step.py and the posttrain CLI, before torch loads
 
 PHASES = ("gen", "ref", "update_actor", "step")
 LEVERS = {"compile": ["actor_rollout_ref.model.compile_layers=True"],

@@ -17,7 +17,9 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the posttrain CLI runs (posttrain/threads.py)
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+choose_wait_policy()  # as the posttrain CLI, before torch loads (posttrain/threads.py)
 
 import torch  # noqa: E402
 

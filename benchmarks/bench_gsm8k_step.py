@@ -37,12 +37,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-if "--omp-wait-policy" not in " ".join(sys.argv):  # as bench_step.py: sleeping OpenMP threads on a shared CPU
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+if "--omp-wait-policy" not in " ".join(sys.argv):  # as bench_step.py: posttrain's choice, both frameworks
+    choose_wait_policy()
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "gsm8k"
 PREPARED = Path("/tmp/posttrain_bench/gsm8k")
@@ -195,7 +196,8 @@ def format_table(res: dict[str, Any], a: argparse.Namespace) -> str:
     runs = {name: r for name, r in (("posttrain", res.get("posttrain")), ("TRL", res.get("trl"))) if r}
     lines = [f"GSM8K-shaped GRPO step: {a.prompts} prompts x {N_SAMPLES}, <= {a.max_response} new tokens, KL loss "
              f"{KL_COEF}, {a.precision}, {a.steps} steps ({'first = warm-up' if a.steps > 1 else 'no warm-up'}), "
-             f"torch threads {res['torch_threads']}, load avg before/after {res['load_before']} / {res['load_after']}",
+             f"torch threads {res['torch_threads']}, OMP_WAIT_POLICY={res.get('omp_wait_policy') or 'unset'}, "
+             f"load avg before/after {res['load_before']} / {res['load_after']}",
              f"{'':28}" + "".join(f"{name:>14}" for name in runs)]
     for key, label in (("gen", "generation s"), ("ref", "reference s"), ("update", "update s"), ("step", "step s"),
                        ("response_tokens", "response tokens")):
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-no-gradient-checkpointing", action="store_true", help="TRL without gradient checkpointing")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the core count)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
-                   help="OpenMP wait policy (default passive; re-executes the script to apply it)")
+                   help="OpenMP wait policy (default: posttrain's choice; re-executes the script to apply it)")
     p.add_argument("--json", metavar="FILE", help="also write all numbers as JSON")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for posttrain")
     a = p.parse_args(argv)
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     data = prepared_gsm8k(a.data)
-    res: dict[str, Any] = {"load_before": _load(), "torch_threads": torch.get_num_threads(), "args": vars(a) | {
+    res: dict[str, Any] = {"load_before": _load(), "torch_threads": torch.get_num_threads(),
+                           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "args": vars(a) | {
         "data": str(a.data)}}
     print(f"posttrain: {a.steps} steps", flush=True)
     res["posttrain"] = run_posttrain(data, a)

@@ -30,11 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py: spinning OpenMP waits hurt on 2 cores
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+choose_wait_policy()  # as bench_step.py and the posttrain CLI, before torch loads
 RETRY_YAML = ROOT / "examples" / "addition_retry.yaml"
 
 

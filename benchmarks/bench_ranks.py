@@ -24,7 +24,9 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py: spinning threads on a busy machine
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+choose_wait_policy()  # as the posttrain CLI, before torch loads (Ray ranks inherit it)
 
 QUIET = ["trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[file]",
          "trainer.resume_mode=disable", "trainer.device=cpu", "trainer.start_over=True",

@@ -40,16 +40,16 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-# OpenMP threads sleep at barriers instead of spinning (set before torch loads). On a 2-core machine
-# shared with other jobs, spinning threads wait on descheduled peers: measured 15x slower generation
-# (55 s vs 3.8 s for the same rollout). Both posttrain and TRL run in this process with the same
-# setting. `--omp-wait-policy active` (or an OMP_WAIT_POLICY already set) changes it.
-if "--omp-wait-policy" not in " ".join(sys.argv):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+# OpenMP's wait policy as `posttrain train` chooses it before torch loads (posttrain.threads: spinning
+# waits when the cores are idle, sleeping ones when other processes use them). Both posttrain and TRL
+# run in this process with the same setting. `--omp-wait-policy` (or an OMP_WAIT_POLICY set) changes it.
+if "--omp-wait-policy" not in " ".join(sys.argv):
+    choose_wait_policy()
 
 BUILTIN_YAML = ROOT / "posttrain" / "config" / "builtin.yaml"  # read without importing posttrain
 
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run TRL without gradient checkpointing (faster on this model; TRL's default is on)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the core count)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
-                   help="OpenMP wait policy (default passive; re-executes the script to apply it)")
+                   help="OpenMP wait policy (default: posttrain's choice; re-executes the script to apply it)")
     p.add_argument("--json", metavar="FILE", help="also write all numbers as JSON ('-' for stdout)")
     p.add_argument("--lora", type=int, metavar="RANK", default=0,
                    help="posttrain trains LoRA adapters of this rank (alpha = rank, all-linear; the reference is the "

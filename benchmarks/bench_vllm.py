@@ -35,11 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-if "--omp-wait-policy" not in " ".join(sys.argv):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_step.py: spinning OpenMP waits hurt on 2 cores
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+
+if "--omp-wait-policy" not in " ".join(sys.argv):
+    choose_wait_policy()  # as bench_step.py and the posttrain CLI, before torch loads
 BUILTIN_YAML = ROOT / "posttrain" / "config" / "builtin.yaml"  # read without importing posttrain
 BUILTIN_STEPS = 15
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--compile", action="store_true", help="leave enforce_eager off (CPU: ~50 s of compilation)")
     p.add_argument("--skip-step", action="store_true", help="generation only")
     p.add_argument("--tiny", action="store_true", help="smoke test: 2 prompts x 2, 4 tokens, 1 repeat, 2 steps")
-    p.add_argument("--omp-wait-policy", default=None, help="OMP_WAIT_POLICY (default PASSIVE)")
+    p.add_argument("--omp-wait-policy", default=None, help="OMP_WAIT_POLICY (default: posttrain's choice)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.tiny:

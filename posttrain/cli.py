@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """Console-script entry: exit quietly when the reader of our output goes away (`| head`)."""
     from posttrain.allocator import keep_freed_memory
-    from posttrain.threads import prefer_sleeping_threads
+    from posttrain.threads import choose_wait_policy
 
-    prefer_sleeping_threads()  # before torch loads (posttrain.threads says why)
+    choose_wait_policy()  # before torch loads (posttrain.threads says why)
     keep_freed_memory()  # posttrain.allocator says why
     try:
         code = main()

@@ -1,22 +1,144 @@
-"""OpenMP threads that sleep while they wait, chosen by the command line before torch starts.
+"""OpenMP's wait policy chosen before torch starts, from whether other processes are using the cores.
 
-torch's CPU kernels run on an OpenMP pool; by default (libgomp) a thread that reaches a barrier
-first spins for a while before sleeping. On a machine whose cores are shared with other processes
-a spinning thread burns the core its descheduled peer needs, and every one of the thousands of
-small ops in a decoding step pays for it. Measured on 2 cores (`benchmarks/bench_threads.py`,
-SmolLM2-shaped model, bf16: 16 decode steps x 32 rows + one forward/backward): beside one busy
-process the default took 2.65x its quiet time, ``OMP_WAIT_POLICY=PASSIVE`` 1.07-1.44x, for
-10% more time on a quiet machine. So `posttrain` sets PASSIVE unless the user set a policy.
+torch's CPU kernels run on an OpenMP pool (libgomp). By default a thread that reaches the end of a
+parallel op spins for a while before it sleeps, so the next op finds it awake; with
+``OMP_WAIT_POLICY=PASSIVE`` it sleeps at once and every parallel op pays a wake-up. A decoding step
+is thousands of small ops, so the choice is large, and it goes both ways (2 cores, GSM8K-length
+generation of SmolLM2-135M, 20 rows, fp32):
+
+- on a quiet machine spinning is faster: 10.9 s against 18.2 s sleeping (a small ``bmm`` 26 against
+  95 us, an advanced-indexing gather 8 against 93 us);
+- beside one busy process it is slower: 36.5 s against 17.1 s, because a spinning thread burns the
+  core its descheduled peer needs. One thread is 15.9 s quiet and 15.8 s beside the busy process.
+
+So :func:`choose_wait_policy` looks before torch loads: when the cores this process may use were
+idle for a moment (other processes used less than half a core), OpenMP keeps its default (spin,
+then sleep); otherwise, and in each of several processes ``torchrun`` started on one node, it sets
+``PASSIVE``. A process that chose to spin then checks before each
+phase of a run (:class:`FreeCoreThreads`): while other processes use the cores, torch runs as many
+threads as they leave free, so no thread spins for a peer that is not running. A policy the user
+set (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is kept as it is, with the thread count.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
-__all__ = ["prefer_sleeping_threads"]
+__all__ = ["BUSY_CORES", "FreeCoreThreads", "choose_wait_policy", "others_busy_cores", "wait_policy_choice"]
+
+BUSY_CORES = 0.5
+"""Other processes using at least this many of our cores (averaged over the sample) make the machine busy."""
+
+USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+_choice: dict[str, object] = {"spinning": False, "why": "not chosen (posttrain.threads.choose_wait_policy not called)"}
 
 
-def prefer_sleeping_threads() -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` unless set (read once, when the OpenMP runtime starts: call this
-    before anything imports torch). Ray ranks started by this process inherit it."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def _our_cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # off Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy clock ticks of ``cpus`` since boot, this process's own CPU ticks), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and not line.startswith("cpu ")]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    busy = 0
+    for fields in lines:
+        if int(fields[0][3:]) in cpus:  # user nice system idle iowait irq softirq steal: all but idle/iowait
+            busy += sum(int(v) for v in fields[1:4]) + sum(int(v) for v in fields[6:9])
+    return busy, int(own[11]) + int(own[12])  # utime + stime of every thread of this process
+
+
+def others_busy_cores(seconds: float = 0.1, cpus: set[int] | None = None) -> float | None:
+    """Cores of ``cpus`` (default: those this process may run on) that other processes used, on
+    average, over the next ``seconds``; None where ``/proc`` cannot say (not Linux)."""
+    cpus = cpus or _our_cpus()
+    first = _cpu_ticks(cpus)
+    start = time.monotonic()
+    time.sleep(seconds)
+    second = _cpu_ticks(cpus)
+    if first is None or second is None:
+        return None
+    ticks = (second[0] - first[0]) - (second[1] - first[1])
+    return max(ticks, 0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - start)
+
+
+def choose_wait_policy(sample_seconds: float = 0.1) -> str:
+    """Spin (OpenMP's default) when the cores were idle for ``sample_seconds``, else set
+    ``OMP_WAIT_POLICY=PASSIVE``; a policy the user set is kept. Must run before torch is imported
+    (the runtime reads the variable once, when it loads); child processes (Ray ranks) inherit it.
+    Returns the reason, also kept for :func:`wait_policy_choice`."""
+    user = {name: os.environ[name] for name in USER_SETTINGS if os.environ.get(name)}
+    siblings = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # torchrun's processes on this node
+    if user:
+        _remember(False, "as set: " + ", ".join(f"{k}={v}" for k, v in user.items()))
+    elif siblings > 1:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        _remember(False, f"sleeping waits (OMP_WAIT_POLICY=PASSIVE): {siblings} launched processes share this node")
+    else:
+        busy = others_busy_cores(sample_seconds)
+        if busy is None:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+            _remember(False, "sleeping waits (OMP_WAIT_POLICY=PASSIVE): /proc cannot say whether the cores are shared")
+        elif busy >= BUSY_CORES:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+            _remember(False, f"sleeping waits (OMP_WAIT_POLICY=PASSIVE): other processes were using {busy:.1f} "
+                             "of this process's cores")
+        else:
+            _remember(True, "spinning waits (OpenMP's default): the cores were idle; fewer threads while other "
+                            "processes use them")
+    return str(_choice["why"])
+
+
+def _remember(spinning: bool, why: str) -> None:
+    _choice.update(spinning=spinning, why=why)
+
+
+def wait_policy_choice() -> tuple[bool, str]:
+    """(whether this process chose to spin, why) from :func:`choose_wait_policy`."""
+    return bool(_choice["spinning"]), str(_choice["why"])
+
+
+class FreeCoreThreads:
+    """While other processes use this process's cores, torch threads only on the cores they leave free.
+
+    For a process whose OpenMP threads spin (:func:`choose_wait_policy` found the cores idle):
+    :meth:`adjust`, called before each phase, measures what other processes used since the last
+    call and sets ``torch.set_num_threads`` to the cores left (at least 1), or back to the starting
+    count once they stop. Does nothing when ``enabled`` is false.
+    """
+
+    def __init__(self, enabled: bool, log=print):
+        import torch
+
+        self.enabled, self.log = enabled, log
+        self.cpus = _our_cpus()
+        self.full = torch.get_num_threads()
+        self._last = (_cpu_ticks(self.cpus), time.monotonic())
+
+    def adjust(self) -> int:
+        """Set and return the thread count for the next phase."""
+        import torch
+
+        if not self.enabled:
+            return torch.get_num_threads()
+        ticks, now = _cpu_ticks(self.cpus), time.monotonic()
+        (before, then), self._last = self._last, (ticks, now)
+        if ticks is None or before is None or now - then < 0.05:
+            return torch.get_num_threads()
+        others = max((ticks[0] - before[0]) - (ticks[1] - before[1]), 0) / os.sysconf("SC_CLK_TCK") / (now - then)
+        want = self.full if others < BUSY_CORES else max(1, min(self.full, round(len(self.cpus) - others)))
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+            self.log(f"threads: {want} of {self.full} (other processes used {others:.1f} of {len(self.cpus)} cores "
+                     "since the last phase)", flush=True)
+        return want

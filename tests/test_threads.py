@@ -1,32 +1,124 @@
-"""The command line asks OpenMP for sleeping waits before torch starts (posttrain/threads.py)."""
+"""OpenMP's wait policy chosen before torch starts, and fewer threads while other processes use the
+cores (posttrain/threads.py)."""
 
+import os
 import subprocess
 import sys
+import threading
+import time
 
-from posttrain.threads import prefer_sleeping_threads
+import pytest
+import torch
+
+from posttrain import threads
+from posttrain.threads import FreeCoreThreads, choose_wait_policy, others_busy_cores
+
+linux_only = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc")
 
 
-def test_passive_unless_the_user_chose(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    prefer_sleeping_threads()
-    import os
+@pytest.fixture
+def no_policy(monkeypatch):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
 
+
+def test_spins_on_idle_cores_sleeps_on_busy_ones(no_policy, monkeypatch):
+    monkeypatch.setattr(threads, "others_busy_cores", lambda seconds=0.1: 0.1)
+    choose_wait_policy()
+    assert "OMP_WAIT_POLICY" not in os.environ and threads.wait_policy_choice()[0]
+    monkeypatch.setattr(threads, "others_busy_cores", lambda seconds=0.1: 0.9)
+    why = choose_wait_policy()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and not threads.wait_policy_choice()[0]
+    assert "0.9" in why
+
+
+def test_several_launched_processes_sleep(no_policy, monkeypatch):
+    monkeypatch.setattr(threads, "others_busy_cores", lambda seconds=0.1: 0.0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    choose_wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_the_users_policy_is_kept(no_policy, monkeypatch):
+    monkeypatch.setattr(threads, "others_busy_cores", lambda seconds=0.1: 2.0)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert "GOMP_SPINCOUNT=10000" in choose_wait_policy()
+    assert "OMP_WAIT_POLICY" not in os.environ and not threads.wait_policy_choice()[0]
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    prefer_sleeping_threads()
+    choose_wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_entry_points_set_it_before_torch_loads():
+def _busy_process():
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+@linux_only
+def test_counts_other_processes_not_this_one():
+    """A busy child counts; this process's own busy thread does not (negative control for the
+    subtraction: without it the same sample would read about one core)."""
+    hog = _busy_process()
+    try:
+        time.sleep(0.3)
+        assert others_busy_cores(0.5) > 0.6
+    finally:
+        hog.kill()
+        hog.wait()
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            sum(range(1000))
+
+    burner = threading.Thread(target=burn)
+    burner.start()
+    try:
+        time.sleep(0.1)
+        assert others_busy_cores(0.5) < 0.5
+    finally:
+        stop.set()
+        burner.join()
+
+
+@linux_only
+def test_fewer_threads_while_another_process_runs():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    full = 2
+    torch.set_num_threads(full)  # the suite runs on one (conftest); restored by its fixture
+    lines = []
+    guard = FreeCoreThreads(enabled=True, log=lambda *a, **k: lines.append(a[0]))
+    try:
+        hog = _busy_process()
+        try:
+            time.sleep(0.6)
+            assert guard.adjust() < full and torch.get_num_threads() < full
+        finally:
+            hog.kill()
+            hog.wait()
+        guard.adjust()  # the interval that just ended still held the busy process
+        time.sleep(0.6)
+        assert guard.adjust() == full == torch.get_num_threads()
+        assert "other processes used" in lines[0]
+    finally:
+        torch.set_num_threads(full)
+    assert FreeCoreThreads(enabled=False).adjust() == full
+
+
+def test_entry_points_choose_before_torch_loads():
     """The policy is read once, when torch's OpenMP runtime starts: the entry modules must not import
-    torch before `prefer_sleeping_threads` runs; the child sees the policy the CLI set."""
-    code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None); "
-            "import posttrain.cli, posttrain.trainer.main_ppo; assert 'torch' not in sys.modules; "
-            "sys.argv = ['posttrain', 'config', '--keys']; "
+    torch before `choose_wait_policy` runs."""
+    code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None); os.environ.pop('GOMP_SPINCOUNT', None); "
+            "import posttrain.cli, posttrain.trainer.main_ppo, posttrain.trainer.fsdp_sft_trainer; "
+            "assert 'torch' not in sys.modules; import posttrain.threads as t\n"
+            "calls = []; real = t.choose_wait_policy\n"
+            "def spy(*a, **k):\n"
+            "    calls.append('torch' in sys.modules); return real(*a, **k)\n"
+            "t.choose_wait_policy = spy; sys.argv = ['posttrain', 'config', '--keys']\n"
             "import contextlib, io\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    try: posttrain.cli.entry()\n"
             "    except SystemExit: pass\n"
-            "print(os.environ['OMP_WAIT_POLICY'])")
+            "print(calls)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "PASSIVE"
+    assert out.stdout.strip().splitlines()[-1] == "[False]"

@@ -386,7 +386,7 @@ class LeanDecoder:
         kv_heads, m = y.shape[1], y.shape[-1]
         y = y.view(self.prompts, kv_heads, self.samples, -1, m).transpose(1, 2).reshape(
             self.prompts * self.samples, kv_heads, -1, m)
-        return y if self.slot.shape[0] == y.shape[0] else y[self.slot]
+        return y if self.slot.shape[0] == y.shape[0] else y.index_select(0, self.slot)  # 1/2-1/10 of y[slot]'s time
 
 
 def lean_decoder_for(model: nn.Module, cache: Any) -> LeanDecoder | None:

@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from posttrain.allocator import keep_freed_memory
-    from posttrain.threads import prefer_sleeping_threads
+    from posttrain.threads import choose_wait_policy
 
-    prefer_sleeping_threads()  # torch is not loaded yet (posttrain.threads says why)
+    choose_wait_policy()  # torch is not loaded yet (posttrain.threads says why)
     keep_freed_memory()
     sys.exit(main())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -19,14 +19,18 @@ from posttrain.resident import PhasePeaks
 
 class StageTimer:
     """`with timer("gen"): ...` records `timing_s/gen`, and with ``memory`` (the run's `PhasePeaks`)
-    this process's peak resident memory in the stage, `memory/resident_gb/gen`."""
+    this process's peak resident memory in the stage, `memory/resident_gb/gen`. ``before_stage``
+    runs as each stage starts (the trainer's thread count, `posttrain.threads.FreeCoreThreads`)."""
 
-    def __init__(self, memory: PhasePeaks | None = None):
+    def __init__(self, memory: PhasePeaks | None = None, before_stage: Callable[[], Any] | None = None):
         self.seconds: dict[str, float] = {}
         self.memory = memory
+        self.before_stage = before_stage
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if self.before_stage is not None and name != "step":  # "step" encloses the others
+            self.before_stage()
         start = time.perf_counter()
         try:
             with self.memory(name) if self.memory is not None else nullcontext():

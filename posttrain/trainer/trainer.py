@@ -42,6 +42,7 @@ from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupte
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
 from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
+from posttrain.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -120,6 +121,9 @@ class RLTrainer:
         self._phase = "start-up"
         self._nonfinite_streak = 0
         self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.resident)
+        # spinning OpenMP threads on cores other processes use wait for descheduled peers: fewer threads
+        # then (posttrain.threads); Ray ranks keep the thread count they were given
+        self.threads = FreeCoreThreads(enabled=wait_policy_choice()[0] and self.sizes.world_size == 1)
 
     # ------------------------------------------------------------------ reward function (Python API)
     @property
@@ -164,7 +168,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
-        cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory), {}
+        cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory, self.threads.adjust), {}
         correction = cfg.algorithm.rollout_correction
         with timer("step"):
             batch = self._rollout(prompts, timer, metrics)
@@ -290,6 +294,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         start = time.perf_counter()
+        self.threads.adjust()
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         batches = [b for b in _iterate_once(self.data.val_loader)]
         skipped = validation_skip_reason(self.config.reward_model.enable, batches)  # verl: rule-scored rows only
@@ -314,6 +319,7 @@ class RLTrainer:
 
         cfg = self.config.trainer
         print(describe_sizes(self.sizes), flush=True)
+        print(f"threads: {torch.get_num_threads()}, {wait_policy_choice()[1]} (posttrain.threads)", flush=True)
         tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
                            _config_dict(self.config), self.total_steps)
         try:
