@@ -68,8 +68,14 @@ def others_busy_cores(seconds: float = 0.1, cpus: set[int] | None = None) -> flo
     second = _cpu_ticks(cpus)
     if first is None or second is None:
         return None
-    ticks = (second[0] - first[0]) - (second[1] - first[1])
-    return max(ticks, 0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - start)
+    return _others_cores(first, second, time.monotonic() - start)
+
+
+def _others_cores(before: tuple[int, int], after: tuple[int, int], seconds: float) -> float:
+    """Cores other processes used on average between two `_cpu_ticks` samples ``seconds`` apart:
+    the cores' busy ticks less this process's own."""
+    ticks = (after[0] - before[0]) - (after[1] - before[1])
+    return max(ticks, 0) / os.sysconf("SC_CLK_TCK") / seconds
 
 
 def choose_wait_policy(sample_seconds: float = 0.1) -> str:
@@ -135,7 +141,7 @@ class FreeCoreThreads:
         (before, then), self._last = self._last, (ticks, now)
         if ticks is None or before is None or now - then < 0.05:
             return torch.get_num_threads()
-        others = max((ticks[0] - before[0]) - (ticks[1] - before[1]), 0) / os.sysconf("SC_CLK_TCK") / (now - then)
+        others = _others_cores(before, ticks, now - then)
         want = self.full if others < BUSY_CORES else max(1, min(self.full, round(len(self.cpus) - others)))
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
