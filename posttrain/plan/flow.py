@@ -130,7 +130,7 @@ def dataset_size(config: PostTrainConfig, given: Optional[int] = None) -> tuple[
         return given, "given by --train-size"
     files = config.data.train_files
     if files is None:
-        return None, "built-in arithmetic task; pass --train-size to count steps"
+        return config.data.arithmetic.n_train, "the built-in arithmetic task's questions (data.arithmetic.n_train)"
     files = [files] if isinstance(files, str) else list(files)
     total, missing = 0, []
     for name in files:

