@@ -197,11 +197,16 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
 
 
 def _dequantized_copy(model: PreTrainedModel, trust_remote_code: bool) -> PreTrainedModel:
-    """Rebuild a GGUF-loaded model from its config minus ``quantization_config``; same weights."""
+    """Rebuild a GGUF-loaded model from its config minus ``quantization_config``; same weights.
+
+    The rebuild's random initialisation (overwritten at once) draws from a forked RNG: the trainer has
+    seeded the global one before loading, and a draw here made a run that converts the GGUF (the first)
+    sample differently from every later run with the same seed."""
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=model.dtype)
+    with torch.random.fork_rng(devices=[]):
+        fresh = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=model.dtype)
     missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
     tied = {k for k in missing if "lm_head" in k} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

@@ -112,7 +112,8 @@ def fp32_matmul_backend(groups: list[list[nn.Linear]]) -> str:
 
 
 def _time_fp32_backends(weights: list[torch.Tensor]) -> str:
-    inputs = [torch.randn(MEASURE_ROWS, w.shape[1]) for w in weights]
+    generator = torch.Generator().manual_seed(0)  # not the global RNG: that one draws the samples
+    inputs = [torch.randn(MEASURE_ROWS, w.shape[1], generator=generator) for w in weights]
     products: dict[str, Any] = {"plain": [functools.partial(F.linear, weight=w) for w in weights]}
     with mapped_allocations():
         if onednn_fp32_packing_available():
