@@ -1,8 +1,9 @@
 """`posttrain plan`: explain a run before it starts, without loading a model.
 
 For a config (YAML, launch script, overrides; overrides alone apply to the built-in run, as for
-`posttrain train`, and `posttrain plan defaults` plans verl's defaults) it prints the batch flow of one training step, the
-models that will be loaded and why, a per-GPU memory estimate, and every problem the config has.
+`posttrain train`, and `posttrain plan defaults` plans verl's defaults) it prints the batch flow of
+one training step, the models that will be loaded and why, a per-GPU memory estimate, and every
+problem the config has.
 `--json` prints the same as JSON.
 """
 

@@ -144,7 +144,7 @@ def find_model_config(model_path: str) -> Optional[Path]:
         where = ResolvedModel(str(gguf.parent), gguf.name)
         converted = gguf_cache_folder(where) / "config.json"
         return converted if converted.is_file() else None
-    if model_path.count("/") != 1 or model_path.startswith((".", "/", "~")):
+    if local.suffix.lower() == ".gguf" or model_path.count("/") != 1 or model_path.startswith((".", "/", "~")):
         return None
     try:
         from huggingface_hub import try_to_load_from_cache
