@@ -19,10 +19,8 @@ On CUDA ``auto`` is bf16.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from posttrain.cache import cache_root
+from posttrain.cache import cache_root, machine_key, read_answers, write_answer
 from posttrain.models.precision import autocast_context
 
 __all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "resolve_param_dtype",
@@ -102,7 +100,7 @@ def choose_param_dtype(module: nn.Module, device: torch.device, cache_dir: str |
         return "fp32", flags
     path = _cache_file(cache_dir)
     key = _machine_key(module)
-    cached = _read_cache(path).get(key)
+    cached = read_answers(path).get(key)
     cached_choice = cached.get("choice") if isinstance(cached, dict) else cached  # first form: the bare answer
     if cached_choice in CHOICES:
         return cached_choice, f"measured before on this machine and model, cached in {path}"
@@ -110,7 +108,7 @@ def choose_param_dtype(module: nn.Module, device: torch.device, cache_dir: str |
         f"at most {BUDGET_S:.0f} s, once per machine and model)")
     choice, seconds, share = _measure(module, torch.device(device), timer or time_train_step)
     busy = share is not None and share < BUSY_SHARE
-    _write_cache(path, key, {"choice": choice, "seconds": seconds, "cpu_share": share, "busy": busy,
+    write_answer(path, key, {"choice": choice, "seconds": seconds, "cpu_share": share, "busy": busy,
                              "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
     timed = (f"one training forward + backward took {_fmt(seconds['bf16'])} in bf16 and "
              f"{_fmt(seconds['fp32'])} in fp32 on {PROBE_ROWS}x{PROBE_TOKENS} tokens")
@@ -198,39 +196,9 @@ def _machine_key(module: nn.Module) -> str:
                                                    "intermediate_size", "vocab_size")}
     # what trains matters too: LoRA (a few trainable adapters) and full fine-tuning backpropagate differently
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    parts = [_cpu_name(), torch.__version__, str(torch.get_num_threads()), json.dumps(shape, sort_keys=True),
-             str(trainable)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line  # the first of the two: a model name, or on some CPUs only the flags
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return machine_key(torch.__version__, str(torch.get_num_threads()), json.dumps(shape, sort_keys=True),
+                       str(trainable))
 
 
 def _cache_file(cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir or cache_root()) / "precision.json"
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # no cache yet, or a damaged one: measure again
-
-
-def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**_read_cache(path), key: entry}
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the next run measures again

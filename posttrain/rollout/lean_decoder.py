@@ -16,7 +16,7 @@ is kept once for all of them. Under bf16 autocast the weights are cast to bf16 o
 fp32 weights are packed once per generation into the layout a GEMM kernel wants, because for a few
 rows a plain fp32 GEMM spends much of each call re-packing the whole weight into its panels. Two
 packings exist in x86 builds of torch, and which is faster depends on the CPU, so the first decoder
-of a process times both on its first layer's weights (:func:`fp32_matmul_backend`, ~0.1 s, cached):
+of a machine times both on its first layer's weights (:func:`fp32_matmul_backend`, ~0.1 s, cached):
 
 - oneDNN's blocked layout (``_reorder_linear_weight``): one packing serves every row count. On 2
   cores of an AMD EPYC (Zen 3, AVX2) all of SmolLM2-135M's weights at 32 rows took 81 ms against
@@ -47,6 +47,7 @@ the noise in another; at the built-in run's <= 32 tokens 2.57 s against 2.53 s (
 from __future__ import annotations
 
 import functools
+import json
 import time
 from typing import Any
 
@@ -57,6 +58,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import rotate_half  # mistral's and qwen2's are the same
 
 from posttrain.allocator import mapped_allocations
+from posttrain.cache import cache_root, machine_key, read_answers, write_answer
 from posttrain.models.attention import single_query_probs
 
 __all__ = [
@@ -100,15 +102,27 @@ _FP32_BACKENDS: dict[tuple, str] = {}
 def fp32_matmul_backend(groups: list[list[nn.Linear]]) -> str:
     """``"onednn"``, ``"mkl"`` or ``"plain"``: the fastest fp32 product for these projections (a
     layer's, each group fused into one weight as the step multiplies them) at :data:`MEASURE_ROWS`
-    rows, timed once per process for their shapes and thread count (each available packing and the
+    rows, timed once per machine for their shapes and thread count (each available packing and the
     plain GEMM, 5 alternating rounds, best of each; oneDNN's single packing wins ties within 5%,
-    since it needs no re-packing as rows leave). Later calls only look the answer up."""
-    key = (tuple((sum(lin.out_features for lin in group), group[0].in_features) for group in groups),
-           torch.get_num_threads())
+    since it needs no re-packing as rows leave) and cached in ``fp32_matmul.json`` in posttrain's
+    cache: the kernels round differently, so a run that timed them anew could pick another and
+    sample differently from a run with the same seed. Later calls only look the answer up."""
+    shapes = tuple((sum(lin.out_features for lin in group), group[0].in_features) for group in groups)
+    key = (shapes, torch.get_num_threads())
     if key not in _FP32_BACKENDS:
-        _FP32_BACKENDS[key] = _time_fp32_backends([torch.cat([lin.weight.detach() for lin in group])
-                                                   for group in groups])
+        path = cache_root() / "fp32_matmul.json"
+        machine = machine_key(torch.__version__, str(torch.get_num_threads()), json.dumps(shapes))
+        cached = read_answers(path).get(machine)
+        if cached not in _available_fp32_backends():
+            cached = _time_fp32_backends([torch.cat([lin.weight.detach() for lin in group]) for group in groups])
+            write_answer(path, machine, cached)
+        _FP32_BACKENDS[key] = cached
     return _FP32_BACKENDS[key]
+
+
+def _available_fp32_backends() -> set[str]:
+    return {"plain"} | ({"onednn"} if onednn_fp32_packing_available() else set()) | (
+        {"mkl"} if mkl_packing_available() else set())
 
 
 def _time_fp32_backends(weights: list[torch.Tensor]) -> str:

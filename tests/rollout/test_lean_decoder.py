@@ -5,6 +5,7 @@ autocast), the architectures it declines, and rollout.lean_decode=False turning 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -346,9 +347,10 @@ def test_onednn_packed_fp32_weight_equals_linear_at_every_row_count():
     assert (packed(x) - want).abs().max().item() > 5e-4
 
 
-def test_fp32_backend_is_timed_once_per_shape_and_thread_count(monkeypatch):
-    """The first decoder of a process times the packings; later ones with the same shapes and threads
+def test_fp32_backend_is_timed_once_per_shape_and_thread_count(monkeypatch, tmp_path):
+    """The first decoder on a machine times the packings; later ones with the same shapes and threads
     reuse the answer, which is one of the backends this build has."""
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
     calls = []
     real = lean_decoder._time_fp32_backends
     monkeypatch.setattr(lean_decoder, "_FP32_BACKENDS", {})
@@ -360,6 +362,27 @@ def test_fp32_backend_is_timed_once_per_shape_and_thread_count(monkeypatch):
     assert lean_decoder.fp32_matmul_backend(same_shapes) == first and len(calls) == 1
     lean_decoder.fp32_matmul_backend([[torch.nn.Linear(64, 32)]])
     assert len(calls) == 2
+
+
+def test_fp32_backend_answer_is_kept_for_later_processes(monkeypatch, tmp_path):
+    """A later process (an empty in-process table) reads the machine's cached answer instead of timing,
+    so every run on a machine rounds the same way; an answer this build cannot run is timed again."""
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = lean_decoder._time_fp32_backends
+    monkeypatch.setattr(lean_decoder, "_time_fp32_backends", lambda weights: calls.append(1) or real(weights))
+    groups = [[torch.nn.Linear(48, 80)]]
+    monkeypatch.setattr(lean_decoder, "_FP32_BACKENDS", {})
+    first = lean_decoder.fp32_matmul_backend(groups)
+    path = tmp_path / "fp32_matmul.json"
+    (key, cached), = json.loads(path.read_text()).items()
+    assert cached == first and len(calls) == 1
+    path.write_text(json.dumps({key: "plain"}))  # a machine whose timing chose the plain GEMM
+    monkeypatch.setattr(lean_decoder, "_FP32_BACKENDS", {})
+    assert lean_decoder.fp32_matmul_backend(groups) == "plain" and len(calls) == 1  # read, not timed
+    path.write_text(json.dumps({key: "no-such-kernel"}))
+    monkeypatch.setattr(lean_decoder, "_FP32_BACKENDS", {})
+    assert lean_decoder.fp32_matmul_backend(groups) in FP32_BACKENDS and len(calls) == 2
 
 
 def test_fp32_backend_prefers_onednn_within_five_percent():
