@@ -1,5 +1,6 @@
 """Python functions as tools (the ``trainer.tools = [fn, ...]`` API, as in TRL): the schema comes from
-the function's type hints and its Google-style docstring.
+the function's type hints and its Google-style docstring, through ``transformers.utils.get_json_schema``
+(the converter TRL uses).
 
     def multiply(a: int, b: int) -> int:
         \"\"\"Multiply two integers.
@@ -20,17 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import re
 import typing
 from typing import Any, Callable
+
+from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
 from posttrain.errors import ConfigError
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 __all__ = ["FunctionTool", "function_schema"]
-
-_PY_TO_JSON = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
 def function_schema(fn: Callable) -> dict:
@@ -39,66 +40,52 @@ def function_schema(fn: Callable) -> dict:
     name = getattr(fn, "__name__", None)
     if not name or name == "<lambda>":
         raise ConfigError(f"trainer.tools: {fn!r} needs a name (a def, not a lambda)")
-    doc = inspect.getdoc(fn)
-    if not doc:
+    if not inspect.getdoc(fn):
         raise ConfigError(f"trainer.tools: function {name} has no docstring (its first line describes the tool)")
-    summary, arg_docs = _parse_docstring(doc)
+    _check_parameters(fn, name)
+    try:
+        schema = get_json_schema(fn)
+    except DocstringParsingException as err:
+        raise ConfigError(f"trainer.tools: {err} (describe each parameter in the docstring's Args: section)") from err
+    except TypeHintParsingException as err:
+        raise ConfigError(f"trainer.tools: parameter {_unconvertible_parameter(fn)!r} of {name}: {err}") from err
+    function = schema["function"]
+    function.pop("return", None)  # the model never writes a return value; keep the schema to what it sends
+    # The first paragraph describes the tool; the rest of the docstring is for human readers.
+    function["description"] = function["description"].split("\n\n", 1)[0].replace("\n", " ")
+    function["parameters"].setdefault("required", [])
+    return schema
+
+
+def _check_parameters(fn: Callable, name: str) -> None:
+    """Refusals get_json_schema does not make (``*args``) or words less plainly (a missing hint)."""
     hints = typing.get_type_hints(fn)
-    props, required = {}, []
     for pname, param in inspect.signature(fn).parameters.items():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigError(f"trainer.tools: function {name} takes *{pname}; tools take named arguments only")
         if pname not in hints:
             raise ConfigError(f"trainer.tools: parameter {pname!r} of {name} has no type hint")
-        spec = _json_type(hints[pname], f"parameter {pname!r} of {name}")
-        if pname not in arg_docs:
-            raise ConfigError(f"trainer.tools: parameter {pname!r} of {name} is not described in the docstring's "
-                              "Args: section")
-        props[pname] = {**spec, "description": arg_docs[pname]}
-        if param.default is param.empty:
-            required.append(pname)
-    return {"type": "function", "function": {"name": name, "description": summary,
-                                             "parameters": {"type": "object", "properties": props, "required": required}}}
 
 
-def _json_type(hint: Any, what: str) -> dict:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        non_null = [a for a in args if a is not type(None)]
-        if len(non_null) == 1:
-            return _json_type(non_null[0], what)
-    if origin is typing.Literal:
-        return {"type": _PY_TO_JSON.get(type(args[0]), "string"), "enum": list(args)}
-    base = origin if origin is not None else hint
-    if base in _PY_TO_JSON:
-        spec = {"type": _PY_TO_JSON[base]}
-        if base is list and args:
-            spec["items"] = _json_type(args[0], what)
-        return spec
-    raise ConfigError(f"trainer.tools: {what} has type {hint!r}, which has no JSON Schema type "
-                      f"(use {', '.join(t.__name__ for t in _PY_TO_JSON)}, Optional or Literal)")
+def _unconvertible_parameter(fn: Callable) -> str | None:
+    """The first parameter whose type hint alone get_json_schema refuses (its error names the type only)."""
 
+    def probe(value):
+        """One parameter at a time.
 
-def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
-    """(summary paragraph, {argument: description}) of a Google-style docstring."""
-    summary = doc.split("\n\n", 1)[0].strip().replace("\n", " ")
-    args: dict[str, str] = {}
-    block = re.search(r"^(?:Args|Arguments|Parameters):\s*\n(.*?)(?:\n\s*\n|\n\S|\Z)", doc, re.S | re.M)
-    if block:
-        current = None
-        for line in block.group(1).splitlines():
-            m = re.match(r"^\s+(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
-            if m and (current is None or len(line) - len(line.lstrip()) <= _indent(block.group(1))):
-                current = m.group(1)
-                args[current] = m.group(2).strip()
-            elif current is not None and line.strip():
-                args[current] += " " + line.strip()
-    return summary, args
+        Args:
+            value: the parameter under test.
+        """
 
-
-def _indent(text: str) -> int:
-    first = next((line for line in text.splitlines() if line.strip()), "")
-    return len(first) - len(first.lstrip())
+    for pname, hint in typing.get_type_hints(fn).items():
+        if pname == "return":
+            continue
+        probe.__annotations__ = {"value": hint}
+        try:
+            get_json_schema(probe)
+        except TypeHintParsingException:
+            return pname
+    return None
 
 
 class FunctionTool(BaseTool):

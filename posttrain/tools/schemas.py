@@ -2,9 +2,9 @@
 
 A tool schema is ``{"type": "function", "function": {"name", "description", "parameters"}}`` where
 ``parameters`` is a JSON Schema of an object (``properties``, ``required``). :func:`check_tool_schema`
-refuses a malformed one at start-up (with the installed ``jsonschema`` package, when there is one,
-also checking ``parameters`` against the JSON Schema meta-schema); :func:`argument_problem` checks a
-call's arguments against the schema at run time, so a wrong call becomes a message to the model.
+refuses a malformed one at start-up (a shape check with messages in OpenAI's terms, then ``jsonschema``'s
+check of ``parameters`` against the JSON Schema meta-schema); :func:`argument_problem` validates a call's
+arguments with ``jsonschema`` at run time, so a wrong call becomes a one-line message to the model.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
 from posttrain.errors import ConfigError
 
 __all__ = ["OpenAIFunctionToolSchema", "ToolResponse", "check_tool_schema", "argument_problem"]
 
-_JSON_TYPES = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "array": (list,), "object": (dict,), "null": (type(None),),
-}
+_JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
 
 
 @dataclass
@@ -117,38 +116,59 @@ def _parameters_problem(params: dict) -> str | None:
 
 
 def _meta_schema_problem(params: dict) -> str | None:
-    """The installed ``jsonschema``'s verdict on ``params`` as a JSON Schema (None when not installed)."""
+    """``jsonschema``'s verdict on ``params`` as a JSON Schema (of the draft it declares, else 2020-12)."""
     try:
-        import jsonschema
-    except ImportError:
-        return None
-    try:
-        jsonschema.Draft202012Validator.check_schema(params)
+        _validator_class(params).check_schema(params)
     except jsonschema.SchemaError as err:
         path = ".".join(str(p) for p in err.absolute_path)
         return f"function.parameters is not a valid JSON Schema{' at ' + path if path else ''}: {err.message}"
     return None
 
 
+def _validator_class(params: dict) -> type:
+    draft = jsonschema.validators.validator_for(params, default=jsonschema.Draft202012Validator)
+    # JSON Schema counts 1.0 as an integer; a Python tool hinted ``int`` must get an int.
+    strict_int = draft.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(draft, type_checker=strict_int)
+
+
+# Missing and unknown arguments are reported before a wrong value: the model has the call's shape wrong.
+_REPORT_FIRST = ("required", "additionalProperties")
+
+
 def argument_problem(schema: OpenAIFunctionToolSchema, arguments: Any) -> str | None:
-    """Why ``arguments`` do not fit the tool's parameters (missing, unknown, wrong JSON type), or None."""
+    """Why ``arguments`` do not fit the tool's parameters (missing, unknown, wrong type or value), as one
+    line for the model, or None."""
     fn = schema.function
     if not isinstance(arguments, dict):
         return f"arguments must be a JSON object, got {type(arguments).__name__}"
-    props = fn.parameters.get("properties", {})
-    missing = [r for r in fn.parameters.get("required", []) if r not in arguments]
-    if missing:
-        return f"missing required argument(s) {missing} for {fn.name}"
+    # Unknown arguments are refused unless the schema allows them (tools are called with keywords).
+    params = {"additionalProperties": False, **fn.parameters}
+    errors = list(_validator_class(params)(params).iter_errors(arguments))
+    if not errors:
+        return None
+    first = min(errors, key=lambda e: _REPORT_FIRST.index(e.validator) if e.validator in _REPORT_FIRST else 2)
+    return _describe(first, fn.name, arguments, params.get("properties", {}))
+
+
+def _describe(err: jsonschema.ValidationError, tool: str, arguments: dict, props: dict) -> str:
+    if err.path:
+        return _describe_argument(err, tool)
+    if err.validator == "required":
+        missing = [r for r in err.validator_value if r not in arguments]
+        return f"missing required argument(s) {missing} for {tool}"
     unknown = [a for a in arguments if a not in props]
-    if unknown and fn.parameters.get("additionalProperties", False) is False:
-        return f"unknown argument(s) {unknown} for {fn.name}; it takes {sorted(props)}"
-    for name, value in arguments.items():
-        expected = props.get(name, {}).get("type")
-        if expected is None:
-            continue
-        names = expected if isinstance(expected, list) else [expected]
-        ok = any(isinstance(value, _JSON_TYPES.get(t, object)) and not (t in ("integer", "number") and isinstance(value, bool))
-                 for t in names)
-        if not ok:
-            return f"argument {name!r} of {fn.name} must be {' or '.join(names)}, got {type(value).__name__} {value!r}"
-    return None
+    if err.validator == "additionalProperties" and unknown:
+        return f"unknown argument(s) {unknown} for {tool}; it takes {sorted(props)}"
+    return f"the arguments of {tool}: {err.message}"
+
+
+def _describe_argument(err: jsonschema.ValidationError, tool: str) -> str:
+    name, *inside = err.path
+    where = repr(str(name) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in inside))
+    if err.validator == "type":
+        expected = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        return (f"argument {where} of {tool} must be {' or '.join(expected)}, "
+                f"got {type(err.instance).__name__} {err.instance!r}")
+    return f"argument {where} of {tool}: {err.message}"
