@@ -13,7 +13,7 @@ from posttrain.config import BUILTIN_CONFIG
 
 def _config_cmd(argv: list[str]) -> int:
     from posttrain.config import ConfigError, derive_sizes, describe_sizes, load_config, to_yaml
-    from posttrain.config.docs import keys_table, markdown_reference
+    from posttrain.config.reference import keys_table, markdown_reference
 
     parser = argparse.ArgumentParser(prog="posttrain config", description="Print the resolved config as YAML.")
     parser.add_argument("--config", help="YAML file layered over the defaults")

@@ -130,7 +130,7 @@ def _parse(parse_value, key: str, text: str, keys: dict) -> Any:
 
 def ranks(config: SFTConfig) -> int:
     """Data-parallel ranks: torchrun's WORLD_SIZE, else trainer.nnodes x trainer.n_gpus_per_node."""
-    from posttrain.distributed.torchrun import launched_by_torchrun, torchrun_world_size
+    from posttrain.launch import launched_by_torchrun, torchrun_world_size
 
     return torchrun_world_size() if launched_by_torchrun() else config.trainer.nnodes * config.trainer.n_gpus_per_node
 

@@ -14,7 +14,6 @@ agree on stopping after each step, so a signal that reaches one rank first stops
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,9 @@ import torch.distributed as dist
 
 from posttrain.batch import Batch
 from posttrain.distributed.split import combine_metrics, gather_from_ranks, split_for_ranks
+from posttrain.launch import launched_by_torchrun, torchrun_world_size  # re-exported: their home is the ground floor
 
 __all__ = ["TorchrunGroup", "launched_by_torchrun", "torchrun_world_size"]
-
-
-def launched_by_torchrun() -> bool:
-    """True in a process that torchrun (torch.distributed.run) started as one of several ranks."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def torchrun_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def device_type_for(device: str) -> str:

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.config.docs import iter_keys, markdown_reference
+from posttrain.config.docs import iter_keys
+from posttrain.config.reference import markdown_reference
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
