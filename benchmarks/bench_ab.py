@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+from posttrain.host.threads import choose_wait_policy  # noqa: E402  (imports no torch)
 
 choose_wait_policy()  # as bench_step.py and the posttrain CLI, before torch loads
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     import bench_step
-    from posttrain.allocator import keep_freed_memory
+    from posttrain.host.allocator import keep_freed_memory
     from posttrain.trainer.trainer import RLTrainer
 
     keep_freed_memory()

@@ -17,9 +17,9 @@ import argparse
 import os
 import time
 
-from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+from posttrain.host.threads import choose_wait_policy  # noqa: E402  (imports no torch)
 
-choose_wait_policy()  # as the posttrain CLI, before torch loads (posttrain/threads.py)
+choose_wait_policy()  # as the posttrain CLI, before torch loads (posttrain/host/threads.py)
 
 import torch  # noqa: E402
 

@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+from posttrain.host.threads import choose_wait_policy  # noqa: E402  (imports no torch)
 
 if "--omp-wait-policy" not in " ".join(sys.argv):  # as bench_step.py: posttrain's choice, both frameworks
     choose_wait_policy()
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from posttrain.allocator import keep_freed_memory
+    from posttrain.host.allocator import keep_freed_memory
 
     keep_freed_memory()  # as `posttrain train`; TRL runs in this process with the same setting
     if a.threads:

@@ -8,7 +8,7 @@ The work: the built-in run (``posttrain/config/builtin.yaml``: SmolLM2-135M-Inst
 ``smollm2`` extra, 8 arithmetic prompts x 4 samples, <= 24 new tokens, KL loss against the frozen
 reference, one optimizer step per batch) at fp32 (``actor_rollout_ref.actor.fsdp_config.mixed_precision.
 param_dtype=fp32`` and the ``ref`` one, the choice ``auto`` makes on a CPU without bf16 instructions),
-with the process set up as ``posttrain train`` sets it (`posttrain.allocator`, `posttrain.threads`).
+with the process set up as ``posttrain train`` sets it (`posttrain.host.allocator`, `posttrain.host.threads`).
 Memory is not timing: the figures do not depend on other load on the machine.
 
 Printed: this process's resident memory before anything loads (interpreter and libraries), its peak
@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="extra key=value overrides")
     a = p.parse_args(argv)
 
-    from posttrain.allocator import keep_freed_memory
-    from posttrain.threads import prefer_sleeping_threads
+    from posttrain.host.allocator import keep_freed_memory
+    from posttrain.host.threads import prefer_sleeping_threads
 
     prefer_sleeping_threads()  # as `posttrain train` sets the process up
     keep_freed = keep_freed_memory()
-    from posttrain.resident import GB, current_resident_bytes, peak_resident_bytes
+    from posttrain.host.resident import GB, current_resident_bytes, peak_resident_bytes
 
     start_gb = current_resident_bytes() / GB  # the interpreter alone, before torch
     import torch

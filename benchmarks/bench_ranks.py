@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+from posttrain.host.threads import choose_wait_policy  # noqa: E402  (imports no torch)
 
 choose_wait_policy()  # as the posttrain CLI, before torch loads (Ray ranks inherit it)
 

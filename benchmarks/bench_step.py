@@ -43,9 +43,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+from posttrain.host.threads import choose_wait_policy  # noqa: E402  (imports no torch)
 
-# OpenMP's wait policy as `posttrain train` chooses it before torch loads (posttrain.threads: spinning
+# OpenMP's wait policy as `posttrain train` chooses it before torch loads (posttrain.host.threads: spinning
 # waits when the cores are idle, sleeping ones when other processes use them). Both posttrain and TRL
 # run in this process with the same setting. `--omp-wait-policy` (or an OMP_WAIT_POLICY set) changes it.
 if "--omp-wait-policy" not in " ".join(sys.argv):
@@ -330,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from posttrain.allocator import keep_freed_memory
+    from posttrain.host.allocator import keep_freed_memory
 
-    # as the posttrain CLI runs (posttrain/allocator.py); TRL runs in this process with the same setting
+    # as the posttrain CLI runs (posttrain/host/allocator.py); TRL runs in this process with the same setting
     keep_freed = keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)

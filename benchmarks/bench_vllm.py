@@ -37,7 +37,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from posttrain.threads import choose_wait_policy  # noqa: E402  (imports no torch)
+from posttrain.host.threads import choose_wait_policy  # noqa: E402  (imports no torch)
 
 if "--omp-wait-policy" not in " ".join(sys.argv):
     choose_wait_policy()  # as bench_step.py and the posttrain CLI, before torch loads

@@ -108,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """Console-script entry: exit quietly when the reader of our output goes away (`| head`)."""
-    from posttrain.allocator import keep_freed_memory
-    from posttrain.threads import choose_wait_policy
+    from posttrain.host.allocator import keep_freed_memory
+    from posttrain.host.threads import choose_wait_policy
 
-    choose_wait_policy()  # before torch loads (posttrain.threads says why)
-    keep_freed_memory()  # posttrain.allocator says why
+    choose_wait_policy()  # before torch loads (posttrain.host.threads says why)
+    keep_freed_memory()  # posttrain.host.allocator says why
     try:
         code = main()
         sys.stdout.flush()

@@ -7,7 +7,7 @@ its Python traceback. ``--debug`` (any sub-command) or ``POSTTRAIN_DEBUG=1`` als
 traceback of a user error.
 
 Exit codes: 0 done; 1 a user error found while running (data; reward, a reward function calling
-``sys.exit`` included; checkpoint; a failed write such as a full disk, `posttrain.disk`; dynamic
+``sys.exit`` included; checkpoint; a failed write such as a full disk, `posttrain.host.disk`; dynamic
 sampling that cannot fill its batch, `posttrain.trainer.dynamic_sampling`);
 2 a config or command-line error found before the run starts; 3 the run stopped on non-finite
 losses; 130 / 143 stopped by SIGINT / SIGTERM (after saving a checkpoint when ``trainer.save_freq``

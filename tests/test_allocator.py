@@ -1,18 +1,18 @@
-"""Freed memory stays in the heap for reuse (posttrain/allocator.py), measured with glibc's mallinfo2."""
+"""Freed memory stays in the heap for reuse (posttrain/host/allocator.py), measured with glibc's mallinfo2."""
 
 import subprocess
 import sys
 
 import pytest
 
-from posttrain.allocator import _glibc
+from posttrain.host.allocator import _glibc
 
 # Allocates and frees 256 MiB through malloc, then prints the heap's free bytes (mallinfo2().fordblks):
 # kept for reuse, they are all there; served by mmap (glibc's default for large blocks), none are.
 PROBE = """
 import ctypes, sys
 if sys.argv[1] == 'keep':
-    from posttrain.allocator import keep_freed_memory
+    from posttrain.host.allocator import keep_freed_memory
     print(keep_freed_memory())
 else:
     print(False)
@@ -64,8 +64,8 @@ def test_a_users_allocator_setting_is_left_alone():
 # after release_freed_memory (or after nothing, the negative control).
 RELEASE_PROBE = """
 import ctypes, sys
-from posttrain.allocator import keep_freed_memory, release_freed_memory
-from posttrain.resident import current_resident_bytes
+from posttrain.host.allocator import keep_freed_memory, release_freed_memory
+from posttrain.host.resident import current_resident_bytes
 assert keep_freed_memory()
 libc = ctypes.CDLL('libc.so.6')
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -1,11 +1,11 @@
-"""`posttrain.disk`: the system's error behind a failed write is found wherever a library put it, and
+"""`posttrain.host.disk`: the system's error behind a failed write is found wherever a library put it, and
 becomes one message naming the path, the errno's meaning and what to do (issue 24)."""
 
 import errno
 
 import pytest
 
-from posttrain.disk import DiskWriteError, folder_problem, os_error_of, write_failure_message, writing
+from posttrain.host.disk import DiskWriteError, folder_problem, os_error_of, write_failure_message, writing
 
 
 def _chained(outer: BaseException, inner: BaseException) -> BaseException:
@@ -73,7 +73,7 @@ def test_folder_problem(tmp_path):
 
 
 def test_naming_puts_the_file_on_a_library_error(tmp_path):
-    from posttrain.disk import naming
+    from posttrain.host.disk import naming
 
     with pytest.raises(OSError) as err:
         with naming(tmp_path / "model.safetensors"):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.paging import IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, page_module, paging_directory
-from posttrain.resident import current_resident_bytes
+from posttrain.host.paging import IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, page_module, paging_directory
+from posttrain.host.resident import current_resident_bytes
 from posttrain.workers.optim import PagedAdamW
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 from helpers.tokenizer import build_tiny_tokenizer

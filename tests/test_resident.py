@@ -1,4 +1,4 @@
-"""posttrain.resident: resident memory now, at its peak, and per phase, against allocations of known size."""
+"""posttrain.host.resident: resident memory now, at its peak, and per phase, against allocations of known size."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from posttrain.resident import GB, PhasePeaks, current_resident_bytes, peak_resident_bytes, reset_peak
+from posttrain.host.resident import GB, PhasePeaks, current_resident_bytes, peak_resident_bytes, reset_peak
 from posttrain.trainer.metrics import StageTimer
 from posttrain.trainer.report import memory_line
 
@@ -19,7 +19,7 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /
 
 def touched_mapping(size: int) -> mmap.mmap:
     """``size`` bytes of anonymous memory, every page written (resident), outside malloc: freeing it
-    returns it to the kernel whatever the allocator keeps (posttrain.allocator keeps freed blocks)."""
+    returns it to the kernel whatever the allocator keeps (posttrain.host.allocator keeps freed blocks)."""
     block = mmap.mmap(-1, size)
     ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(block)), 1, size)
     return block

@@ -1,5 +1,5 @@
 """OpenMP's wait policy chosen before torch starts, and fewer threads while other processes use the
-cores (posttrain/threads.py)."""
+cores (posttrain/host/threads.py)."""
 
 import os
 import subprocess
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from posttrain import threads
-from posttrain.threads import FreeCoreThreads, choose_wait_policy, others_busy_cores
+from posttrain.host import threads
+from posttrain.host.threads import FreeCoreThreads, choose_wait_policy, others_busy_cores
 
 linux_only = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc")
 
@@ -110,7 +110,7 @@ def test_entry_points_choose_before_torch_loads():
     torch before `choose_wait_policy` runs."""
     code = ("import os, sys; os.environ.pop('OMP_WAIT_POLICY', None); os.environ.pop('GOMP_SPINCOUNT', None); "
             "import posttrain.cli, posttrain.trainer.main_ppo, posttrain.trainer.fsdp_sft_trainer; "
-            "assert 'torch' not in sys.modules; import posttrain.threads as t\n"
+            "assert 'torch' not in sys.modules; import posttrain.host.threads as t\n"
             "calls = []; real = t.choose_wait_policy\n"
             "def spy(*a, **k):\n"
             "    calls.append('torch' in sys.modules); return real(*a, **k)\n"

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from posttrain.disk import DiskWriteError, naming, save_torch, writing
+from posttrain.host.disk import DiskWriteError, naming, save_torch, writing
 from posttrain.errors import PosttrainError
 
 __all__ = [
@@ -94,7 +94,7 @@ class CheckpointWriteError(CheckpointError, DiskWriteError):
 
 
 def write_failed_advice(root: str | os.PathLike) -> str:
-    """What to do when a save into ``root`` fails (the end of `posttrain.disk.write_failure_message`)."""
+    """What to do when a save into ``root`` fails (the end of `posttrain.host.disk.write_failure_message`)."""
     return (f"set trainer.default_local_dir to a folder on another disk; the previous checkpoint in {root} is "
             "intact (a save is written aside and renamed into place only when complete)")
 

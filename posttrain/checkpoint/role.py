@@ -34,7 +34,7 @@ from posttrain.checkpoint.layout import (GENERATOR_FILE, HF_DIR, MODEL_FILE, SCH
                                          CheckpointWriteError, RoleState, check_weights_fit, load_role, safe_torch_load,
                                          write_failed_advice, write_role)
 from posttrain.checkpoint.ranks import is_sharded, process_rank
-from posttrain.disk import save_torch, writing
+from posttrain.host.disk import save_torch, writing
 
 __all__ = ["DCP_DIR", "load_role_into", "load_role_state", "read_full_weights", "save_role", "save_role_state"]
 

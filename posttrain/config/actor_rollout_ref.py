@@ -40,7 +40,7 @@ class FSDPConfig:
     param_offload: bool = False
     """Keep parameters in CPU memory between uses (saves GPU memory, costs transfers). On a one-process CPU run the actor's weights are in use in every phase: no effect."""
     optimizer_offload: bool = False
-    """Keep optimizer state in CPU memory. On a one-process CPU run: AdamW's moments paged to a file in TMPDIR (on a disk) between optimizer steps, one parameter's in memory at a time; the actor also returns its rollout's and update's large buffers to the kernel when freed: memory over speed (posttrain.paging; README: Memory)."""
+    """Keep optimizer state in CPU memory. On a one-process CPU run: AdamW's moments paged to a file in TMPDIR (on a disk) between optimizer steps, one parameter's in memory at a time; the actor also returns its rollout's and update's large buffers to the kernel when freed: memory over speed (posttrain.host.paging; README: Memory)."""
     offload_policy: bool = False
     """FSDP2 CPUOffloadPolicy for parameters, gradients and optimizer state."""
     reshard_after_forward: bool = True
@@ -172,7 +172,7 @@ class RefFSDPConfig:
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
     """FSDP wrapping policy."""
     param_offload: bool = False
-    """Keep reference parameters in CPU memory between uses. On a one-process CPU run: paged to a file in TMPDIR (on a disk) after each pass of the model (reference or reward model; posttrain.paging)."""
+    """Keep reference parameters in CPU memory between uses. On a one-process CPU run: paged to a file in TMPDIR (on a disk) after each pass of the model (reference or reward model; posttrain.host.paging)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward."""
     forward_prefetch: bool = False

@@ -21,7 +21,7 @@ from posttrain.cli_args import non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.latex import last_boxed_answer
 from posttrain.data.schema import DataError, read_rows, write_rows
-from posttrain.disk import folder_problem
+from posttrain.host.disk import folder_problem
 
 __all__ = ["main", "gsm8k_rows", "math_rows", "GSM8K_INSTRUCTION", "MATH_INSTRUCTION"]
 

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from posttrain.disk import folder_problem, writing
+from posttrain.host.disk import folder_problem, writing
 from posttrain.errors import PosttrainError, read_utf8
 
 __all__ = ["DataError", "SUPPORTED_SUFFIXES", "read_rows", "write_rows", "validate_row"]

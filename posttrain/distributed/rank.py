@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.batch import Batch
-from posttrain.resident import PhasePeaks
+from posttrain.host.resident import PhasePeaks
 
 __all__ = ["RankPlacement", "RankWorker"]
 
@@ -58,11 +58,11 @@ class RankWorker:
     ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
 
     def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
-        from posttrain.allocator import keep_freed_memory, release_freed_memory
+        from posttrain.host.allocator import keep_freed_memory, release_freed_memory
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
         from posttrain.workers.build import build_roles
 
-        keep_freed_memory()  # a rank is a process of its own (posttrain.allocator says why)
+        keep_freed_memory()  # a rank is a process of its own (posttrain.host.allocator says why)
 
         # FSDP2 warns whenever a unit returns a view (the critic's value head does), because an in-place
         # op on it would skip a hook; posttrain's value and log-prob code never writes into those outputs.
@@ -75,7 +75,7 @@ class RankWorker:
         mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
         self.roles = build_roles(config, RankPlacement(mesh, self.device, self.rank, world), seed, tokenizer=tokenizer)
         self.actor, self.ref, self.critic, self.rm = self.roles.actor, self.roles.ref, self.roles.critic, self.roles.rm
-        release_freed_memory()  # loading's transient copies back to the kernel (posttrain.allocator)
+        release_freed_memory()  # loading's transient copies back to the kernel (posttrain.host.allocator)
         self.memory = PhasePeaks()  # this rank's own resident memory, per phase (memory_metrics)
 
     # ------------------------------------------------------------------ the group's calls

@@ -32,7 +32,7 @@ BUSY_CORES = 0.5
 
 USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
-_choice: dict[str, object] = {"spinning": False, "why": "not chosen (posttrain.threads.choose_wait_policy not called)"}
+_choice: dict[str, object] = {"spinning": False, "why": "not chosen (posttrain.host.threads.choose_wait_policy not called)"}
 
 
 def _our_cpus() -> set[int]:

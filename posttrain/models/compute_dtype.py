@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from posttrain.cache import cache_root, machine_key, read_answers, write_answer
+from posttrain.host.cache import cache_root, machine_key, read_answers, write_answer
 from posttrain.models.precision import autocast_context
 
 __all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "resolve_param_dtype",

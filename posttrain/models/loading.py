@@ -12,7 +12,7 @@ A GGUF-loaded model is rebuilt from its config without ``quantization_config`` s
 and ``save_pretrained``-s like any other model (transformers refuses to save a GGUF-quantised one).
 
 A GGUF is converted once into a plain folder (float32 safetensors, config, tokenizer) in posttrain's
-cache (``<cache>/gguf/<name>-<size>-<mtime>``, see :mod:`posttrain.cache`), and every later load
+cache (``<cache>/gguf/<name>-<size>-<mtime>``, see :mod:`posttrain.host.cache`), and every later load
 reads that folder: transformers parses a GGUF's metadata in Python (the tokenizer's 49,152 strings,
 tensor-name tables), which took 15-20 s a load on 2 cores of a Zen 3 EPYC, and a run loads its model
 four or five times (tokenizer, config, actor, reference). The folder holds the same float32 values

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.cache import cache_root
+from posttrain.host.cache import cache_root
 
 __all__ = ["SMOLLM2_ALIAS", "ResolvedModel", "gguf_cache_folder", "gguf_hf_config", "resolve_model_path", "smollm2_gguf"]
 

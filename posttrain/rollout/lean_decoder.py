@@ -57,8 +57,8 @@ from torch.nn import functional as F
 
 from transformers.models.llama.modeling_llama import rotate_half  # mistral's and qwen2's are the same
 
-from posttrain.allocator import mapped_allocations
-from posttrain.cache import cache_root, machine_key, read_answers, write_answer
+from posttrain.host.allocator import mapped_allocations
+from posttrain.host.cache import cache_root, machine_key, read_answers, write_answer
 from posttrain.models.attention import single_query_probs
 
 __all__ = [

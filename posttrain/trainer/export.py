@@ -34,7 +34,7 @@ from posttrain.checkpoint import (
     CheckpointWriteError,
     verify_checkpoint,
 )
-from posttrain.disk import os_error_of, write_failure_message
+from posttrain.host.disk import os_error_of, write_failure_message
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.checkpoint.role import DCP_DIR, read_full_weights
 

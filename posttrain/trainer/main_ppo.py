@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from posttrain.allocator import keep_freed_memory
-    from posttrain.threads import choose_wait_policy
+    from posttrain.host.allocator import keep_freed_memory
+    from posttrain.host.threads import choose_wait_policy
 
-    choose_wait_policy()  # torch is not loaded yet (posttrain.threads says why)
-    keep_freed_memory()  # posttrain.allocator says why
+    choose_wait_policy()  # torch is not loaded yet (posttrain.host.threads says why)
+    keep_freed_memory()  # posttrain.host.allocator says why
     sys.exit(main())

@@ -14,13 +14,13 @@ import torch
 
 from posttrain.algorithms import masked_mean
 from posttrain.batch import Batch
-from posttrain.resident import PhasePeaks
+from posttrain.host.resident import PhasePeaks
 
 
 class StageTimer:
     """`with timer("gen"): ...` records `timing_s/gen`, and with ``memory`` (the run's `PhasePeaks`)
     this process's peak resident memory in the stage, `memory/resident_gb/gen`. ``before_stage``
-    runs as each stage starts (the trainer's thread count, `posttrain.threads.FreeCoreThreads`)."""
+    runs as each stage starts (the trainer's thread count, `posttrain.host.threads.FreeCoreThreads`)."""
 
     def __init__(self, memory: PhasePeaks | None = None, before_stage: Callable[[], Any] | None = None):
         self.seconds: dict[str, float] = {}

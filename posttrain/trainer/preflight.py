@@ -24,7 +24,7 @@ from typing import Any
 from posttrain.config import PostTrainConfig, uses_critic
 from posttrain.errors import ConfigError
 from posttrain.checkpoint import CheckpointManager
-from posttrain.disk import folder_problem
+from posttrain.host.disk import folder_problem
 
 __all__ = ["check_data_files", "check_lora_config", "check_model_paths", "check_reward_model", "check_run_dir",
            "claim_checkpoint_folder", "model_path_problem", "preflight"]

@@ -30,19 +30,19 @@ import torch
 
 from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
                                   kl_penalty, masked_mean)
-from posttrain.allocator import release_freed_memory
+from posttrain.host.allocator import release_freed_memory
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError, SignalStop
-from posttrain.resident import PhasePeaks
+from posttrain.host.resident import PhasePeaks
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        place_on_last_token, scoring_in_progress)
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
 from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
-from posttrain.threads import FreeCoreThreads, wait_policy_choice
+from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -120,9 +120,9 @@ class RLTrainer:
         """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
         self._phase = "start-up"
         self._nonfinite_streak = 0
-        self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.resident)
+        self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.host.resident)
         # spinning OpenMP threads on cores other processes use wait for descheduled peers: fewer threads
-        # then (posttrain.threads); Ray ranks keep the thread count they were given
+        # then (posttrain.host.threads); Ray ranks keep the thread count they were given
         self.threads = FreeCoreThreads(enabled=wait_policy_choice()[0] and self.sizes.world_size == 1)
 
     # ------------------------------------------------------------------ reward function (Python API)
@@ -319,7 +319,7 @@ class RLTrainer:
 
         cfg = self.config.trainer
         print(describe_sizes(self.sizes), flush=True)
-        print(f"threads: {torch.get_num_threads()}, {wait_policy_choice()[1]} (posttrain.threads)", flush=True)
+        print(f"threads: {torch.get_num_threads()}, {wait_policy_choice()[1]} (posttrain.host.threads)", flush=True)
         tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
                            _config_dict(self.config), self.total_steps)
         try:

@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from posttrain.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
-from posttrain.allocator import mapped_allocations, release_freed_memory
+from posttrain.host.allocator import mapped_allocations, release_freed_memory
 from posttrain.checkpoint.ranks import process_rank
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import autocast_context, compute_response_logprobs, default_device, load_tokenizer, parse_dtype
 from posttrain.models import response_logprobs
 from posttrain.models.compile import enable_layer_compile
 from posttrain.models.lora import LoraAdapter, merged_for_generation
-from posttrain.paging import offload_directory, one_pass, page_module
+from posttrain.host.paging import offload_directory, one_pass, page_module
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
 from posttrain.workers.optim import PagedAdamW, build_lr_scheduler, build_optimizer, trainable_parameters
@@ -129,9 +129,9 @@ class ActorWorker:
 
     @contextlib.contextmanager
     def _memory_first(self):
-        """With ``optimizer_offload`` on a CPU run (memory chosen over speed, `posttrain.paging`) the phase's
+        """With ``optimizer_offload`` on a CPU run (memory chosen over speed, `posttrain.host.paging`) the phase's
         large buffers get mappings of their own, unmapped when freed, and what the heap freed goes back to
-        the kernel after it (`posttrain.allocator`): otherwise freed memory stays for the next phase to
+        the kernel after it (`posttrain.host.allocator`): otherwise freed memory stays for the next phase to
         reuse, and the holes between longer-lived tensors grow the heap from step to step. The built-in
         run at fp32 (bench_memory.py, micro-batches of 16) peaked at 4.1-4.2 GB without this and 3.1-3.2 GB
         with it (2.5-2.7 GB with micro-batches of 8); it costs ~x0.93 a step (fresh pages zero-filled)."""
@@ -317,7 +317,7 @@ class RefWorker:
         self.param_dtype = param_dtype or decide_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
                                                              module, self.device)
         self.module = module.eval().requires_grad_(False)
-        # param_offload on a CPU run: the weights in a file, paged out after each pass (posttrain.paging)
+        # param_offload on a CPU run: the weights in a file, paged out after each pass (posttrain.host.paging)
         directory = offload_directory(ref_config.fsdp_config, "param_offload", "actor_rollout_ref.ref", module,
                                       self.device)
         self.paged = page_module(self.module, directory) if directory is not None else None

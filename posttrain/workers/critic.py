@@ -20,7 +20,7 @@ from posttrain.models import split_for_padding
 from posttrain.models.compile import compiled_layers, enable_layer_compile
 from posttrain.models.lora import LoraAdapter
 from posttrain.models.microbatch import equal_micro_batch_count
-from posttrain.paging import offload_directory
+from posttrain.host.paging import offload_directory
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
 from posttrain.workers.prepare import InProcess, prepare

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from posttrain.paging import PagedTensors
+from posttrain.host.paging import PagedTensors
 
 __all__ = [
     "PagedAdamW",
@@ -53,7 +53,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
 
 
 class PagedAdamW(torch.optim.AdamW):
-    """AdamW whose moments live in a file paged out of memory between uses (`posttrain.paging`).
+    """AdamW whose moments live in a file paged out of memory between uses (`posttrain.host.paging`).
 
     `step` updates one parameter at a time, with torch's own AdamW step on a group holding that one
     parameter, then pages its moments out: at most one parameter's moments are in memory at once,

@@ -30,7 +30,7 @@ from posttrain.models.logprobs import forget_forward_record  # the reference's f
 from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices
 from posttrain.models.precision import autocast_context
 from posttrain.models.reward_model import import_external_lib, last_token_scores
-from posttrain.paging import offload_directory, one_pass, page_module
+from posttrain.host.paging import offload_directory, one_pass, page_module
 from posttrain.rewards.manager import place_on_last_token, response_mask_of
 
 __all__ = ["RewardModelWorker", "per_rank_micro_batch", "render_for_reward_model"]
@@ -79,7 +79,7 @@ class RewardModelWorker:
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device)
         self.module = module.to(self.device).eval().requires_grad_(False)
-        # param_offload on a CPU run: the weights in a file, paged out after each scoring (posttrain.paging)
+        # param_offload on a CPU run: the weights in a file, paged out after each scoring (posttrain.host.paging)
         directory = offload_directory(config.model.fsdp_config, "param_offload", "reward_model.model", self.module,
                                       self.device)
         self.paged = page_module(self.module, directory, "the reward model's weights") if directory else None

@@ -13,7 +13,7 @@ import torch
 from helpers.tiny_reward_model import build_rm_tokenizer, tiny_reward_model, tiny_reward_model_dir
 from helpers.tiny_run import tiny_config, tiny_model_dir
 from helpers.tokenizer import build_tiny_tokenizer
-from posttrain import paging
+from posttrain.host import paging
 from posttrain.batch import Batch, to_object_array
 from posttrain.config import ConfigError
 from posttrain.config.critic import RewardModelConfig
@@ -303,7 +303,7 @@ def test_bad_reward_model_settings_are_config_errors(tmp_path, setting, message)
 
 
 def test_param_offload_pages_the_weights_on_cpu(toks, tmp_path, monkeypatch):
-    """``reward_model.model.fsdp_config.param_offload`` on a CPU run: weights in a file (posttrain.paging),
+    """``reward_model.model.fsdp_config.param_offload`` on a CPU run: weights in a file (posttrain.host.paging),
     paged out after each scoring; the scores are the same."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     if paging._filesystem_type(str(tmp_path)) in paging.IN_MEMORY_FILESYSTEMS:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from helpers.tiny_run import tiny_trainer
-from posttrain.resident import current_resident_bytes
+from posttrain.host.resident import current_resident_bytes
 
 CORE_METRICS = [
     "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",

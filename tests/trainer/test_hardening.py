@@ -265,7 +265,7 @@ def _quota_json(path, data):
 def test_a_failed_checkpoint_write_names_the_path_and_keeps_the_previous_one(tmp_path, monkeypatch, target, replacement,
                                                                              meaning):
     from posttrain.checkpoint import CheckpointWriteError
-    from posttrain.disk import DiskWriteError
+    from posttrain.host.disk import DiskWriteError
 
     root = tmp_path / "ckpt"
     first = _fake_checkpoint(root, 1)

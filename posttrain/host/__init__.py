@@ -1,0 +1,15 @@
+"""The host room: levers on the process and the machine it runs on, not on the model's math.
+
+    threads.py    OpenMP threads that spin on idle cores and sleep on shared ones (set before torch loads)
+    allocator.py  glibc's malloc told to keep freed memory for reuse, and when to hand it back
+    paging.py     state paged to a file between uses (param_offload / optimizer_offload on a CPU run),
+                  `PagedAdamW` among it
+    resident.py   resident memory now, at its peak and per phase
+    cache.py      the per-user cache folder and per-machine answers (timings measured once)
+    disk.py       failed writes (full disk, quota, read-only) as one error naming the file
+
+They live apart so that the roles (`posttrain.workers`) read as the same code on a GPU and on a CPU:
+a role receives a placed module and its optimizer and never decides paging, the allocator or
+compiled layers (`posttrain.workers` never imports this package). This file imports nothing: the
+thread settings must be importable before torch loads.
+"""
