@@ -23,8 +23,8 @@ import sys
 import traceback
 from typing import Callable
 
-__all__ = ["ConfigError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "read_utf8", "run_cli",
-           "user_errors"]
+__all__ = ["ConfigError", "DataError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "read_utf8",
+           "run_cli", "user_errors"]
 
 DEBUG_ENV = "POSTTRAIN_DEBUG"
 _DEBUG = False  # set while a `run_cli` call with --debug runs
@@ -40,6 +40,11 @@ class ConfigError(PosttrainError, ValueError):
     """A config problem a user can fix; the message names the key and what would be valid."""
 
     exit_code = 2
+
+
+class DataError(PosttrainError, ValueError):
+    """A prompt file or one of its rows is unusable; the message names file, row and field. Here, not in
+    `posttrain.data`, because the rollout loops check rows too and may not import the data room."""
 
 
 class SignalStop(PosttrainError):

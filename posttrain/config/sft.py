@@ -19,6 +19,9 @@ __all__ = ["DPOConfig", "DPODataConfig", "DPOSection", "SFTConfig", "SFTDataConf
            "SFTMultiTurnConfig", "SFTOptimConfig", "SFTTrainerConfig"]
 
 TRUNCATION_MODES = ("error", "left", "right")
+ON_BAD_ROW = ("error", "skip")
+"""``data.on_bad_row``'s values: those `posttrain.data.preference.PreferenceDataset` takes (config may not
+import the data room, so the tuple is written here too; a test keeps the two equal)."""
 
 
 def _cfg(**kwargs):

@@ -225,7 +225,7 @@ def sft_problems(config: SFTConfig) -> list[str]:
 def _dpo_problems(config: DPOConfig) -> list[str]:
     """The `dpo.*` knobs (checked by the loss's own `check_dpo_options`) and DPO's data keys."""
     from posttrain.algorithms.dpo import check_dpo_options
-    from posttrain.data.preference import ON_BAD_ROW
+    from posttrain.config.sft import ON_BAD_ROW
 
     p, d, out = config.dpo, config.data, []
     try:

@@ -299,7 +299,7 @@ def _check_lora(config: PostTrainConfig) -> Iterable[str]:
             yield (f"{section}.{key}={value!r} must be all-linear, a list of module names such as [q_proj, v_proj], "
                    "or a regex on full module names")
         if path:
-            from posttrain.checkpoint.peft_folder import adapter_folder_problem
+            from posttrain.peft_folder import adapter_folder_problem
 
             problem = adapter_folder_problem(path)
             if problem:

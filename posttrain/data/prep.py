@@ -19,7 +19,7 @@ import sys
 
 from posttrain.cli_args import non_negative_int, positive_int
 from posttrain.data import arithmetic
-from posttrain.data.latex import last_boxed_answer
+from posttrain.rewards.latex import last_boxed_answer
 from posttrain.data.schema import DataError, read_rows, write_rows
 from posttrain.host.disk import folder_problem
 

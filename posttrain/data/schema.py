@@ -18,15 +18,11 @@ import os
 from typing import Any
 
 from posttrain.host.disk import folder_problem, writing
-from posttrain.errors import PosttrainError, read_utf8
+from posttrain.errors import DataError, read_utf8  # DataError re-exported: data's error, defined on the ground floor
 
 __all__ = ["DataError", "SUPPORTED_SUFFIXES", "read_rows", "write_rows", "validate_row"]
 
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl", ".json")
-
-
-class DataError(PosttrainError, ValueError):
-    """A prompt file or one of its rows is unusable; the message names file, row and field."""
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from posttrain.checkpoint.peft_folder import adapter_folder_problem  # re-exported
+from posttrain.peft_folder import adapter_folder_problem  # re-exported
 from posttrain.errors import ConfigError
 
 __all__ = [

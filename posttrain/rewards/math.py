@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 
-from posttrain.data.latex import last_boxed_answer
+from posttrain.rewards.latex import last_boxed_answer
 
 __all__ = ["compute_score", "is_equivalent"]
 

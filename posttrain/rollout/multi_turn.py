@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -38,8 +37,8 @@ import numpy as np
 import torch
 
 from posttrain.batch import Batch
-from posttrain.data.schema import DataError
-from posttrain.rollout.base import SamplingParams
+from posttrain.errors import DataError
+from posttrain.rollout.base import SamplingParams, with_uids
 from posttrain.rollout.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import ToolResponse
@@ -167,7 +166,7 @@ class MultiTurnRollout:
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """``N`` prompts -> ``N * sampling.n`` trajectories (keys of ``posttrain.rollout.base`` plus
         the per-row ``multi_turn/*`` columns)."""
-        prompts = _with_uids(prompts)
+        prompts = with_uids(prompts)  # the n trajectories of a prompt share its uid, as the engines' outputs do
         rows = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
         trajs = [self._start(rows, i) for i in range(len(rows))]
         loop = asyncio.new_event_loop()
@@ -365,16 +364,6 @@ def multi_turn_rewards(batch: Batch) -> torch.Tensor | None:
         return None
     return torch.as_tensor(np.asarray(cols[REWARD_COLUMNS[0]], dtype=np.float64)
                            + np.asarray(cols[REWARD_COLUMNS[1]], dtype=np.float64), dtype=torch.float32)
-
-
-def _with_uids(prompts: Batch) -> Batch:
-    """The prompts with a ``uid`` per row (kept when present, fresh uuid4 strings otherwise), so the
-    ``n`` trajectories of a prompt share one, as the engines' outputs do."""
-    if "uid" in prompts.non_tensor_batch:
-        return prompts
-    out = Batch(prompts.batch, dict(prompts.non_tensor_batch), dict(prompts.meta_info))
-    out.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-    return out
 
 
 def _row_field(rows: Batch, key: str, i: int) -> Any:

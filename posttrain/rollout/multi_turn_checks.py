@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from posttrain.data.schema import DataError
+from posttrain.errors import DataError
 
 __all__ = ["check_multi_turn_setup", "check_rows", "AGENT_LOOPS"]
 

@@ -181,6 +181,15 @@ def test_no_usable_pairs_and_bad_options_are_errors(tmp_path, tok):
         PreferenceDataset(str(tmp_path / "missing.jsonl"), tok)
 
 
+def test_the_config_checks_accept_the_values_the_dataset_takes():
+    """config may not import the data room, so DPO's config keeps its own copy of these tuples."""
+    from posttrain.config import sft
+    from posttrain.data import preference
+
+    assert sft.ON_BAD_ROW == preference.ON_BAD_ROW
+    assert sft.TRUNCATION_MODES == preference.PAIR_TRUNCATION_MODES
+
+
 def test_custom_column_names_and_parquet_messages(tmp_path, tok):
     rows = [{"question": [USER], "good": [_assistant("4")], "bad": [_assistant("5")]}]
     path = _write(tmp_path, rows, "pairs.parquet")

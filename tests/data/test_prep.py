@@ -6,7 +6,6 @@ import os
 import pytest
 
 from posttrain.data import read_rows
-from posttrain.data.latex import last_boxed, last_boxed_answer
 from posttrain.data.prep import main
 
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")
@@ -38,15 +37,6 @@ def test_gsm8k_real_files(tmp_path):
 def test_gsm8k_missing_input(tmp_path, capsys):
     assert main(["gsm8k", "--input", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
     assert "train.jsonl: file not found" in capsys.readouterr().err
-
-
-def test_last_boxed():
-    assert last_boxed_answer("so \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
-    assert last_boxed_answer("answer: \\boxed 5$ done") == "5"
-    assert last_boxed_answer("\\fbox{x^{2}}") == "x^{2}"
-    assert last_boxed_answer("\\boxed{unclosed {") is None
-    assert last_boxed_answer("no box") is None
-    assert last_boxed("a \\boxed{\\{1,2\\}} b") == "\\boxed{\\{1,2\\}}"
 
 
 def test_math_prep(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """A peft LoRA adapter folder on disk (``adapter_config.json`` + ``adapter_model.safetensors``): what
 makes one valid. Checked when the config is validated (``lora_adapter_path``), before any model
-loads, and again by `posttrain.models.lora` when it loads one; here, on the ground floor, so that
-the config checks import no model code.
+loads, and again by `posttrain.models.lora` when it loads one; here, on the ground floor (it imports
+nothing from posttrain), so that the config checks import neither model nor checkpoint code.
 """
 
 from __future__ import annotations
