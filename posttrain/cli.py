@@ -59,7 +59,7 @@ COMMANDS = {
     "sft": ("posttrain.trainer.fsdp_sft_trainer", "supervised fine-tuning (no arguments: the built-in SFT run)"),
     "dpo": ("posttrain.trainer.fsdp_sft_trainer", "offline DPO on preference pairs (prompt, chosen, rejected)"),
     "config": (None, "print the resolved config, --keys for the key reference"),
-    "prep": ("posttrain.data.prep", "prepare datasets: gsm8k, math, arithmetic"),
+    "prep": ("posttrain.commands.prep", "prepare datasets: gsm8k, math, arithmetic"),
     "plan": ("posttrain.plan", "explain a run before it starts: batch flow, models, memory, problems"),
     "diff": ("posttrain.diff", "compare two launch scripts or configs key by key"),
     "eval": ("posttrain.trainer.evaluate", "greedy accuracy of a model or checkpoint on a dataset"),

@@ -4,7 +4,7 @@
     posttrain prep math --input math_train.jsonl --output ~/data/math
     posttrain prep arithmetic --output ~/data/arithmetic --digits 2 --ops + --n-train 2048
     posttrain prep pairs --input ~/data/arithmetic/train.parquet --model smollm2-135m-instruct \
-        --output ~/data/arithmetic/pairs.parquet      # DPO pairs from the model's samples (posttrain.data.pairs)
+        --output ~/data/arithmetic/pairs.parquet      # DPO pairs from the model's samples (posttrain.commands.pairs)
 
 GSM8K and MATH rows match verl's ``examples/data_preprocess`` scripts (same data_source, prompt
 text, ground truth and extra_info), so files made here and there are interchangeable.
@@ -16,12 +16,13 @@ import argparse
 import os
 import re
 import sys
+from typing import Any, Callable
 
 from posttrain.cli_args import non_negative_int, positive_int
 from posttrain.data import arithmetic
-from posttrain.rewards.latex import last_boxed_answer
 from posttrain.data.schema import DataError, read_rows, write_rows
 from posttrain.host.disk import folder_problem
+from posttrain.rewards.latex import last_boxed_answer
 
 __all__ = ["main", "gsm8k_rows", "math_rows", "GSM8K_INSTRUCTION", "MATH_INSTRUCTION"]
 
@@ -167,7 +168,9 @@ def _check_output(args: argparse.Namespace) -> None:
                         "give a file in a folder")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more: Callable[[Any], None]) -> argparse.ArgumentParser:
+    """The data room's preparations; each of ``more`` adds sub-commands that need rooms above data
+    (`posttrain.commands.prep` adds ``pairs``, which loads a model)."""
     ap = argparse.ArgumentParser(prog="posttrain prep", description="Write prompt parquet files in verl's RL schema.")
     sub = ap.add_subparsers(dest="dataset", required=True)
 
@@ -192,17 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))
     a.set_defaults(func=_prep_arithmetic, output_kind="folder")
 
-    from posttrain.data.pairs import add_pairs_parser  # preference pairs from a model's own samples
     from posttrain.data.prep_sft import add_parsers  # SFT rows (worked answers)
 
-    add_pairs_parser(sub)
-    add_parsers(sub)
+    for add in (*more, add_parsers):
+        add(sub)
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one preparation; returns 0, or 2 with the error printed for bad input."""
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Run one preparation (``parser``: `build_parser`'s by default); returns 0, or 2 with the error
+    printed for bad input."""
+    args = (parser or build_parser()).parse_args(argv)
     try:
         _check_output(args)
         return args.func(args)

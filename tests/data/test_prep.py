@@ -6,7 +6,7 @@ import os
 import pytest
 
 from posttrain.data import read_rows
-from posttrain.data.prep import main
+from posttrain.commands.prep import main  # `posttrain prep` as the command line runs it (pairs included)
 
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")
 

@@ -12,7 +12,7 @@ import torch
 
 from helpers.sft import tiny_common
 from helpers.tiny_run import tiny_model_dir
-from posttrain.data import prep
+from posttrain.commands import prep
 from posttrain.data.arithmetic import write_arithmetic_parquet
 from posttrain.data.schema import read_rows, write_rows
 

@@ -18,6 +18,8 @@ reply used once; replies that ended with EOS go first, empty ones never). Rows w
 
 which `posttrain.data.preference.PreferenceDataset` reads as conversational pairs. The counts
 (prompts, samples, pairs, prompts whose samples were all correct / all wrong) are printed.
+
+The model is loaded and its precision decided as a run's actor is (`posttrain.workers.prepare`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 
 __all__ = ["PairCounts", "Sample", "add_pairs_parser", "choose_pairs", "sample_pairs"]
 
@@ -103,7 +105,6 @@ def _check_output(output: str) -> None:
 def _check_scorers(rows: list[dict], reward_fn_key: str, custom: bool, where: str) -> None:
     """Every data_source has a built-in scorer (or a custom function scores them all): checked before
     the model loads, not after generating."""
-    from posttrain.data.schema import DataError
     from posttrain.rewards import KNOWN_DATA_SOURCES
 
     if custom:
@@ -126,16 +127,16 @@ def sample_pairs(model: str, data: str, *, n: int = 8, temperature: float = 1.0,
 
     from posttrain.config.schema import DataConfig
     from posttrain.models import autocast_context, default_device
-    from posttrain.models.compute_dtype import resolve_param_dtype
     from posttrain.rewards import RewardManager, load_custom_reward_fn
     from posttrain.rollout import SamplingParams, get_rollout_engine
+    from posttrain.workers.prepare import decide_param_dtype
 
     _check_args(n, temperature, top_p, max_new_tokens, batch_size, pairs_per_prompt, limit, max_prompt_length)
     config = DataConfig(max_prompt_length=max_prompt_length, return_raw_chat=True)
     compute_score = load_custom_reward_fn(reward_path, reward_name) if reward_path else None
     device = default_device()
     tok, dataset, module = _load(model, tokenizer, data, config, limit, compute_score is not None, device)
-    dtype = resolve_param_dtype(param_dtype, module, device)
+    dtype = decide_param_dtype(param_dtype, module, device)
     engine = get_rollout_engine("hf", model=module, tokenizer=tok, autocast=functools.partial(autocast_context, device,
                                                                                                dtype))
     sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, response_length=max_new_tokens,
@@ -158,10 +159,12 @@ def sample_pairs(model: str, data: str, *, n: int = 8, temperature: float = 1.0,
 def _load(model: str, tokenizer: str | None, data: str, config, limit: int | None, custom_reward: bool, device):
     """``(tokenizer, prompt dataset, model)``: the model path checked, then the prompts read and their
     scorers checked, then the weights loaded (so bad input fails before the slow part)."""
+    from posttrain.config.actor_rollout_ref import ActorModelConfig
     from posttrain.data.rl_dataset import RLHFDataset
-    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.models import load_tokenizer
     from posttrain.trainer.evaluate import resolve_model
     from posttrain.trainer.preflight import model_path_problem
+    from posttrain.workers.prepare import load_role_model
 
     with resolve_model(model) as path:
         problem = model_path_problem(path)
@@ -172,7 +175,8 @@ def _load(model: str, tokenizer: str | None, data: str, config, limit: int | Non
         if limit is not None:
             dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
         _check_scorers(dataset.rows, config.reward_fn_key, custom_reward, data)
-        return tok, dataset, load_causal_lm(path, device=device).eval()
+        module = load_role_model("policy", ActorModelConfig(path=path), model_dtype="fp32")  # as an actor loads
+        return tok, dataset, module.to(device).eval()
 
 
 def _scores(scorer, out, reward_key: str) -> list[float]:
@@ -229,7 +233,7 @@ def _pair_row(nt: dict, k: int, chosen: Sample, rejected: Sample) -> dict[str, A
 
 
 # ------------------------------------------------------------------------------------------------
-# command line (`posttrain prep pairs`, routed from posttrain.data.prep)
+# command line (`posttrain prep pairs`, added to posttrain.data.prep's parser by posttrain.commands.prep)
 
 
 def add_pairs_parser(sub) -> None:
@@ -265,7 +269,7 @@ def add_pairs_parser(sub) -> None:
 
 
 def _prep_pairs(args: argparse.Namespace) -> int:
-    from posttrain.data.schema import DataError, write_rows
+    from posttrain.data.schema import write_rows
 
     output = os.path.expanduser(args.output)
     _check_output(output)

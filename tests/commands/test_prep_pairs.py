@@ -7,9 +7,9 @@ import pytest
 
 from helpers.tiny_run import tiny_model_dir
 from helpers.tokenizer import build_tiny_tokenizer
-from posttrain.data import prep
+from posttrain.commands import prep
 from posttrain.data.arithmetic import write_arithmetic_parquet
-from posttrain.data.pairs import PairCounts, Sample, choose_pairs, sample_pairs
+from posttrain.commands.pairs import PairCounts, Sample, choose_pairs, sample_pairs
 from posttrain.data.preference import PreferenceDataset
 from posttrain.data.schema import DataError, read_rows, write_rows
 from posttrain.errors import ConfigError
@@ -71,7 +71,7 @@ def test_bad_arguments_are_one_clear_error(task, capsys, flag, value, match):
 
 def test_the_python_api_checks_the_same_values(task):
     from posttrain.config import ConfigError
-    from posttrain.data.pairs import sample_pairs
+    from posttrain.commands.pairs import sample_pairs
 
     with pytest.raises(ConfigError, match="--n 1: a pair needs at least 2 samples per prompt"):
         sample_pairs(task["model"], task["data"], n=1)
