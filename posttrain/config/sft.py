@@ -234,6 +234,15 @@ class DPOSection:
     precompute_ref_log_probs: bool = False
     """Compute the reference log-probs of every pair once before training (no reference model kept)."""
 
+    def objective(self) -> Any:
+        """The update objective these knobs ask for (`posttrain.algorithms.objectives`), checked:
+        ConfigError naming the ``dpo.*`` key and what is valid."""
+        from posttrain.algorithms.dpo import check_dpo_options
+        from posttrain.algorithms.objectives import DPO
+
+        check_dpo_options(beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing)
+        return DPO(beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing)
+
 
 @_cfg()
 class SFTConfig:

@@ -223,13 +223,12 @@ def sft_problems(config: SFTConfig) -> list[str]:
 
 
 def _dpo_problems(config: DPOConfig) -> list[str]:
-    """The `dpo.*` knobs (checked by the loss's own `check_dpo_options`) and DPO's data keys."""
-    from posttrain.algorithms.dpo import check_dpo_options
+    """The `dpo.*` knobs (checked where they become the update's objective) and DPO's data keys."""
     from posttrain.config.sft import ON_BAD_ROW
 
     p, d, out = config.dpo, config.data, []
     try:
-        check_dpo_options(beta=p.beta, loss_type=p.loss_type, label_smoothing=p.label_smoothing)
+        p.objective()
     except ConfigError as err:
         out.append(str(err))
     if d.on_bad_row not in ON_BAD_ROW:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.batch import Batch
+from posttrain.workers.group import Call, bind_calls
 from posttrain.host.resident import PhasePeaks
 
 __all__ = ["RankPlacement", "RankWorker"]
@@ -34,8 +35,9 @@ __all__ = ["RankPlacement", "RankWorker"]
 
 class RankPlacement:
     """How a rank places a role (`posttrain.workers.prepare.Placement`): FSDP2 shards over ``mesh``
-    (``fsdp_config`` says how), and ``auto`` precision decided on rank 0, on its unsharded model, for
-    every rank."""
+    (``fsdp_config`` says how, offload included: `RankWorker._resident` moves the state per phase),
+    ``auto`` precision decided on rank 0, on its unsharded model, for every rank, and plain AdamW
+    over each rank's shards."""
 
     def __init__(self, mesh: Any, device: torch.device, rank: int, world_size: int):
         self.mesh, self.device, self.rank, self.world_size = mesh, device, rank, world_size
@@ -46,13 +48,26 @@ class RankPlacement:
         return choice[0]
 
     def shard(self, module: torch.nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
-              gradient_checkpointing: bool = False) -> torch.nn.Module:
+              gradient_checkpointing: bool = False, compile_key: str | None = None,
+              fsdp_section: str = "") -> torch.nn.Module:
+        """FSDP2 shards; ``compile_key`` set is refused on sharded modules (`enable_layer_compile` says so)."""
         from posttrain.distributed.fsdp import shard_model
+        from posttrain.models.compile import enable_layer_compile
 
-        return shard_model(module, self.mesh, fsdp_config, param_dtype=param_dtype, forward_only=forward_only,
-                           gradient_checkpointing=gradient_checkpointing)
+        module = shard_model(module, self.mesh, fsdp_config, param_dtype=param_dtype, forward_only=forward_only,
+                             gradient_checkpointing=gradient_checkpointing)
+        if compile_key is not None:
+            enable_layer_compile(module, compile_key)
+        return module
+
+    @staticmethod
+    def optimizer(module: torch.nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
+        from posttrain.workers.optim import build_optimizer, trainable_parameters
+
+        return build_optimizer(trainable_parameters(module), optim_config)
 
 
+@bind_calls
 class RankWorker:
     """The roles of one rank. Args: the worker config (per-rank sizes), the seed, the tokenizer, and
     ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
@@ -89,49 +104,11 @@ class RankWorker:
         with self._resident(self.actor, phase="gen"), (contextlib.nullcontext() if own else gathered_for_generation(self.actor.module)):
             return self.actor.generate_sequences(prompts, validate=validate)
 
-    def compute_log_prob(self, batch: Batch):
-        with self._resident(self.actor, phase="old_log_prob"):
-            return self.actor.compute_log_prob(batch)
-
-    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.ref, phase="ref"):
-            return self.ref.compute_ref_log_prob(batch)
-
-    def compute_values(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.critic, phase="values"):
-            return self.critic.compute_values(batch)
-
-    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.rm, phase="reward"):
-            return self.rm.compute_rm_score(batch)
-
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        with self._resident(self.actor, with_optimizer=True, phase="update_actor"):
-            return self.actor.update_policy(batch)
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        with self._resident(self.critic, with_optimizer=True, phase="update_critic"):
-            return self.critic.update_critic(batch)
-
-    def update_sft(self, batch: Batch) -> dict[str, float]:
-        with self._resident(self.actor, with_optimizer=True):
-            return self.actor.update_sft(batch)
-
-    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.actor):
-            return self.actor.compute_sft_loss(batch)
-
-    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.actor):
-            return self.actor.compute_sequence_logps(batch)
-
-    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        with self._resident(self.ref):
-            return self.ref.compute_sequence_logps(batch)
-
-    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
-        with self._resident(self.actor, with_optimizer=True):
-            return self.actor.update_dpo(batch, beta, loss_type, label_smoothing)
+    def _dispatch(self, name: str, call: Call, batch: Batch, **options: Any) -> Any:
+        """Every other call of `CALLS`: the role's method with its state on the device for the call."""
+        worker = getattr(self.roles, call.role)
+        with self._resident(worker, with_optimizer=call.optimizer, phase=call.phase):
+            return getattr(worker, call.method)(batch, **options)
 
     def save_checkpoint(self, folder: str) -> list[str]:
         """Every rank writes its shards of each role into ``folder/<role>/`` (a collective), and its own

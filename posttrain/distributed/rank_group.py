@@ -18,11 +18,13 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.distributed.split import (balance_batch, combine_metrics, gather_from_ranks, inverse_permutation,
-                                            split_for_ranks)
+                                            split_for_ranks, split_update)
+from posttrain.workers.group import Call, bind_calls
 
 __all__ = ["RankWorkerGroup"]
 
 
+@bind_calls
 class RankWorkerGroup:
     """``trainer.nnodes x trainer.n_gpus_per_node`` ranks placed by Ray, each a `RankWorker`.
 
@@ -75,70 +77,32 @@ class RankWorkerGroup:
         if problem:
             raise ConfigError(problem)
 
-    # ------------------------------------------------------------------ data-parallel calls
-    def _per_row(self, method: str, batch: Batch, **kwargs: Any) -> Any:
-        """Rows over ranks, results back in ``batch``'s order (tensors, or tuples of tensors)."""
+    # ------------------------------------------------------------------ data-parallel calls (CALLS)
+    def _dispatch(self, name: str, call: Call, batch: Batch, **options: Any) -> Any:
+        if call.split == "prompts":
+            chunks, pad = split_for_ranks(batch, self.world_size)
+            outs = self._ranks.call_each(name, chunks, **options)
+            samples = len(outs[0]) // len(chunks[0])  # responses per prompt (n)
+            return gather_from_ranks(outs, pad * samples)
+        if call.split == "update":
+            return combine_metrics(self._ranks.call_each(name, self._update_chunks(batch, options), **options))
         batch, perm = self._balanced(batch)
         chunks, pad = split_for_ranks(batch, self.world_size)
-        out = gather_from_ranks(self._ranks.call_each(method, chunks, **kwargs), pad)
-        return _unpermute(out, perm)
+        return _unpermute(gather_from_ranks(self._ranks.call_each(name, chunks, **options), pad), perm)
 
-    def _update(self, method: str, batch: Batch) -> dict[str, float]:
-        batch, _ = self._balanced(batch)
-        chunks, _ = split_for_ranks(batch, self.world_size, inert_padding=True)
-        return combine_metrics(self._ranks.call_each(method, chunks))
+    def _update_chunks(self, batch: Batch, options: dict[str, Any]) -> list[Batch]:
+        """Rows balanced by tokens over the ranks; an objective's pairs stay whole and in order instead
+        (padded with zero-weight pairs to a multiple of 2 x ranks rows: no balancing, which would split them)."""
+        pairs = bool(getattr(options.get("objective"), "pairs", False))
+        if not pairs:
+            batch, _ = self._balanced(batch)
+        return split_update(batch, self.world_size, pairs)
 
     def _balanced(self, batch: Batch) -> tuple[Batch, np.ndarray | None]:
         if not self.balance or self.world_size == 1 or "attention_mask" not in batch:
             return batch, None
         batch = Batch.concat([batch])  # a copy: the caller's batch keeps its order
         return batch, balance_batch(batch, self.world_size)
-
-    # ------------------------------------------------------------------ WorkerGroup
-    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
-        chunks, pad = split_for_ranks(prompts, self.world_size)
-        outs = self._ranks.call_each("generate_sequences", chunks, validate=validate)
-        samples = len(outs[0]) // len(chunks[0])  # responses per prompt (n)
-        return gather_from_ranks(outs, pad * samples)
-
-    def compute_log_prob(self, batch: Batch):
-        return self._per_row("compute_log_prob", batch)
-
-    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_ref_log_prob", batch)
-
-    def compute_values(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_values", batch)
-
-    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_rm_score", batch)
-
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self._update("update_actor", batch)
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self._update("update_critic", batch)
-
-    def update_sft(self, batch: Batch) -> dict[str, float]:
-        return self._update("update_sft", batch)
-
-    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_sft_loss", batch)
-
-    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_sequence_logps", batch)
-
-    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_ref_sequence_logps", batch)
-
-    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
-        """Pairs stay whole and in order: the batch is padded with zero-weight pairs to a multiple of
-        2 x ranks rows and cut into contiguous chunks (no token balancing, which would split pairs)."""
-        from posttrain.workers.sft import pad_pairs
-
-        chunks = pad_pairs(batch, self.world_size).chunk(self.world_size)
-        return combine_metrics(self._ranks.call_each("update_dpo", chunks, beta=beta, loss_type=loss_type,
-                                                     label_smoothing=label_smoothing))
 
     def memory_metrics(self) -> dict[str, float]:
         """Each rank's peak resident memory: per phase since the last call, the largest over ranks

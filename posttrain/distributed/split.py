@@ -11,6 +11,8 @@ Shapes: ``N`` rows in the driver's batch, ``W`` ranks, ``c = ceil(N / W)`` rows 
   ranks return (a ``Batch``, tensors, tuples of them, ``None``) and drops the padding rows.
 - :func:`balance_batch` reorders rows before the split so that every chunk holds a similar number of
   tokens (verl's ``trainer.balance_batch``); the returned permutation undoes it.
+- :func:`pad_pairs` keeps (chosen, rejected) row pairs whole across ranks: it pads with zero-weight
+  pairs to a multiple of ``2 x W`` rows, so contiguous chunks split no pair.
 - :func:`combine_metrics` merges the per-rank metric dicts of ``update_policy``/``update_critic``;
   the rule for each metric follows from how ``posttrain/workers`` computes it (see ``METRIC_RULES``).
 """
@@ -32,6 +34,8 @@ __all__ = [
     "balance_batch",
     "balanced_partition",
     "combine_metrics",
+    "pad_pairs",
+    "split_update",
     "gather_from_ranks",
     "inverse_permutation",
     "rank_row_counts",
@@ -60,6 +64,27 @@ def split_for_ranks(data: Batch | torch.Tensor, world_size: int,
     if pad and inert_padding:
         _zero_response_mask(padded, len(data))
     return padded.chunk(world_size), pad
+
+
+def pad_pairs(batch: Batch, world_size: int) -> Batch:
+    """``batch`` (chosen/rejected row pairs with ``pair_weight``) with copies of its first pair, weight 0,
+    appended until the rows are a multiple of ``2 x world_size``, so contiguous chunks keep pairs whole."""
+    rows = len(batch)
+    missing_pairs = (-(rows // 2)) % world_size
+    if not missing_pairs:
+        return batch
+    filler = Batch.concat([batch.index_select(torch.tensor([0, 1]))] * missing_pairs)
+    filler["pair_weight"] = torch.zeros_like(filler["pair_weight"])
+    return Batch.concat([batch, filler])
+
+
+def split_update(batch: Batch, world_size: int, pairs: bool) -> list[Batch]:
+    """An update's batch over the ranks: whole pairs in contiguous chunks (``pairs``), else rows with
+    padding rows that train nothing (their response mask is zero)."""
+    if pairs:
+        return list(pad_pairs(batch, world_size).chunk(world_size))
+    chunks, _ = split_for_ranks(batch, world_size, inert_padding=True)
+    return chunks
 
 
 def _split_tensor(t: torch.Tensor, world_size: int) -> tuple[list[torch.Tensor], int]:

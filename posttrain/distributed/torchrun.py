@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from posttrain.batch import Batch
-from posttrain.distributed.split import combine_metrics, gather_from_ranks, split_for_ranks
+from posttrain.distributed.split import combine_metrics, gather_from_ranks, split_for_ranks, split_update
+from posttrain.workers.group import Call, bind_calls
 from posttrain.launch import launched_by_torchrun, torchrun_world_size  # re-exported: their home is the ground floor
 
 __all__ = ["TorchrunGroup", "launched_by_torchrun", "torchrun_world_size"]
@@ -40,6 +41,7 @@ def join(device: str, timeout_s: float) -> tuple[int, int]:
     return init_distributed(backend_for(device_type_for(device)), timeout_s=timeout_s)
 
 
+@bind_calls
 class TorchrunGroup:
     """The `WorkerGroup` SFT and DPO calls on torchrun ranks (module docstring).
 
@@ -59,9 +61,16 @@ class TorchrunGroup:
         dist.all_gather_object(out, value)
         return out
 
-    def _per_row(self, method: str, batch: Batch) -> Any:
+    def _dispatch(self, name: str, call: Call, batch: Batch, **options: Any) -> Any:
+        """A call of `CALLS` on this rank's share of ``batch``; every rank gets the whole result."""
+        if call.split == "update":
+            pairs = bool(getattr(options.get("objective"), "pairs", False))
+            chunk = split_update(batch, self.world_size, pairs)[self.rank]
+            return combine_metrics(self._gather(getattr(self.worker, name)(chunk, **options)))
         chunks, pad = split_for_ranks(batch, self.world_size)
-        return gather_from_ranks(self._gather(getattr(self.worker, method)(chunks[self.rank])), pad)
+        outs = self._gather(getattr(self.worker, name)(chunks[self.rank], **options))
+        samples = len(outs[0]) // len(chunks[0]) if call.split == "prompts" else 1  # responses per prompt
+        return gather_from_ranks(outs, pad * samples)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (the ranks agree on stopping)."""
@@ -76,25 +85,6 @@ class TorchrunGroup:
         return box[0]
 
     # ------------------------------------------------------------------ the calls
-    def update_sft(self, batch: Batch) -> dict[str, float]:
-        chunks, _ = split_for_ranks(batch, self.world_size, inert_padding=True)
-        return combine_metrics(self._gather(self.worker.update_sft(chunks[self.rank])))
-
-    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_sft_loss", batch)
-
-    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_sequence_logps", batch)
-
-    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self._per_row("compute_ref_sequence_logps", batch)
-
-    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
-        from posttrain.workers.sft import pad_pairs
-
-        chunk = pad_pairs(batch, self.world_size).chunk(self.world_size)[self.rank]
-        return combine_metrics(self._gather(self.worker.update_dpo(chunk, beta, loss_type, label_smoothing)))
-
     def save_checkpoint(self, folder: Path) -> list[str]:
         """On rank 0, from the checkpoint manager: every rank writes its shards into ``folder``."""
         self.first_rank_says(str(folder))

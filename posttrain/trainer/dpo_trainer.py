@@ -4,9 +4,10 @@ One step: the next ``data.train_batch_size`` preference pairs (read and checked 
 `posttrain.data.preference.PreferenceDataset`, the one reader of preference rows; chosen and
 rejected collated as adjacent rows sharing their prompt) -> the reference's summed log-probs of each
 response (``workers.compute_ref_sequence_logps``, or the values computed once before training with
-``dpo.precompute_ref_log_probs``) -> ``workers.update_dpo`` (one optimizer step of
-`posttrain.algorithms.dpo.dpo_loss` over all pairs of all ranks, given each response's token count,
-which ``ipo`` averages by) -> metrics under TRL's names (`posttrain.algorithms.dpo.dpo_metrics`).
+``dpo.precompute_ref_log_probs``) -> ``workers.update_actor(batch, objective)`` (one optimizer step of
+the objective `dpo.*` asks for, over all pairs of all ranks: `posttrain.algorithms.objectives.DPO`,
+given each response's token count, which ``ipo`` averages by) -> metrics under TRL's names
+(`posttrain.algorithms.dpo.dpo_metrics`).
 
 The reference is the starting policy: a frozen copy (full fine-tuning), the actor with its LoRA
 adapters disabled (no second model), or, with ``precompute_ref_log_probs``, no model at all: the
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from posttrain.algorithms.dpo import dpo_metrics
 from posttrain.batch import Batch
 from posttrain.config.sft import DPOConfig
 from posttrain.trainer.sft_trainer import SFTTrainer
@@ -33,6 +35,7 @@ class DPOTrainer(SFTTrainer):
     stage = "dpo"
 
     def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None):
+        self.objective = config.dpo.objective()  # checked before anything loads
         super().__init__(config, model=model, tokenizer=tokenizer)
         if config.dpo.precompute_ref_log_probs:
             for dataset in (self.train_data, self.val_data):
@@ -40,7 +43,7 @@ class DPOTrainer(SFTTrainer):
                     self._precompute(dataset)
 
     def _needs_reference(self) -> bool:
-        return not self.config.dpo.precompute_ref_log_probs
+        return self.objective.needs_reference and not self.config.dpo.precompute_ref_log_probs
 
     def _build_datasets(self) -> tuple[Any, Any]:
         if self.config.data.train_files is None:
@@ -61,7 +64,9 @@ class DPOTrainer(SFTTrainer):
         sums = [self.workers.compute_sequence_logps(batch)[:, 0] for batch in self._batches(dataset)]
         dataset.set_reference_logps(torch.cat(sums).reshape(len(dataset), 2))
 
-    def _reference_logps(self, batch: Batch) -> torch.Tensor:
+    def _reference_logps(self, batch: Batch) -> torch.Tensor | None:
+        if not self.objective.needs_reference:
+            return None
         if "ref_logps" in batch:
             return batch["ref_logps"]
         return self.workers.compute_ref_sequence_logps(batch)[:, 0].to(torch.float32)
@@ -71,30 +76,25 @@ class DPOTrainer(SFTTrainer):
         import time
 
         start = time.perf_counter()
-        batch["ref_logps"] = self._reference_logps(batch)
-        p = self.config.dpo
-        metrics = self.workers.update_dpo(batch, p.beta, p.loss_type, p.label_smoothing)
+        if self.objective.needs_reference:
+            batch["ref_logps"] = self._reference_logps(batch)
+        metrics = self.workers.update_actor(batch, self.objective)
         metrics["timing_s/step"] = time.perf_counter() - start
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """The DPO loss and TRL's metrics of the held-out pairs under the current policy (no update), in
-        float64: ``eval_loss``, ``eval_rewards/*``, ``eval_logps/*`` (means over all pairs)."""
-        from posttrain.algorithms.dpo import dpo_loss, dpo_metrics
-
+        """The objective's loss and TRL's metrics of the held-out pairs under the current policy (no
+        update), in float64: ``eval_loss``, ``eval_rewards/*``, ``eval_logps/*`` (means over all pairs)."""
         if self.val_data is None:
             return {}
-        p = self.config.dpo
         sums: dict[str, float] = {}
         for batch in self._batches(self.val_data):
-            ref = self._reference_logps(batch).to(torch.float64)
+            ref = self._reference_logps(batch)
             policy = self.workers.compute_sequence_logps(batch).to(torch.float64)  # [2B, 2]: sum, response tokens
-            logps, lengths = policy[:, 0], policy[:, 1]
-            losses, chosen, rejected = dpo_loss(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta=p.beta,
-                                                loss_type=p.loss_type, label_smoothing=p.label_smoothing,
-                                                chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])
+            losses, *stats = self.objective.pair_losses(policy[:, 0], policy[:, 1],
+                                                        None if ref is None else ref.to(torch.float64))
             pairs = len(losses)  # dpo_metrics are means over this batch's pairs: weigh them by its size
-            means = {"loss": losses.mean(), **dpo_metrics(chosen, rejected, logps[0::2], logps[1::2])}
+            means = {"loss": losses.mean(), **dpo_metrics(*stats)}
             for name, mean in means.items():
                 sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + float(mean) * pairs
         return {name: total / len(self.val_data) for name, total in sums.items()}

@@ -1,8 +1,8 @@
 """The supervised fine-tuning loop (verl's `fsdp_sft_trainer`), on the RL trainer's workers.
 
 One step reads top to bottom: the next ``data.train_batch_size`` rows (RL layout, `posttrain.data.sft`)
--> ``workers.update_sft`` (one optimizer step of token-mean NLL over the batch's trained tokens, split
-over the ranks) -> validation loss every ``trainer.test_freq`` -> checkpoint every
+-> ``workers.update_actor(batch, SFT())`` (one optimizer step of token-mean NLL over the batch's
+trained tokens, split over the ranks) -> validation loss every ``trainer.test_freq`` -> checkpoint every
 ``trainer.save_freq``. The workers are the RL actor's (`posttrain.workers.group` in one process,
 `posttrain.distributed.RankWorkerGroup` on Ray ranks), so checkpoints are RL checkpoints
 (``global_step_N/actor``, the tracker, the data loader's position): an exported SFT model starts an
@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from posttrain.algorithms.objectives import SFT
 from posttrain.batch import Batch
 from posttrain.checkpoint import CheckpointManager
 from posttrain.config.sft import SFTConfig
@@ -196,7 +197,7 @@ class SFTTrainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
-        metrics = self.workers.update_sft(batch)
+        metrics = self.workers.update_actor(batch, SFT())
         tokens = float(batch["response_mask"].sum())
         metrics.update({"train/trained_tokens": tokens, "timing_s/step": time.perf_counter() - start})
         return metrics
@@ -207,8 +208,8 @@ class SFTTrainer:
             return {}
         nll = tokens = 0.0
         for batch in self._batches(self.val_data):
-            sums = self.workers.compute_sft_loss(batch).to(torch.float64)
-            nll, tokens = nll + float(sums[:, 0].sum()), tokens + float(sums[:, 1].sum())
+            sums = self.workers.compute_sequence_logps(batch).to(torch.float64)  # [N, 2]: log-prob sum, tokens
+            nll, tokens = nll - float(sums[:, 0].sum()), tokens + float(sums[:, 1].sum())
         return {"val/loss": nll / max(tokens, 1.0)}
 
     def _batches(self, dataset: Any) -> Iterator[Batch]:

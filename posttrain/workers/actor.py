@@ -2,10 +2,9 @@
 
 Shapes: ``N`` responses in the batch, ``R`` response length, ``P + R`` full sequence length.
 
-``ActorWorker.update_policy`` is verl's ``DataParallelPPOActor.update_policy``:
-``ppo_epochs`` x mini-batches of ``ppo_mini_batch_size`` responses (one optimizer step each) x
-micro-batches of ``ppo_micro_batch_size_per_gpu`` (or ``ppo_max_token_len_per_gpu`` tokens with
-``use_dynamic_bsz``), with mini-batch-normalised gradient accumulation (see ``common.py``).
+``ActorWorker.train(batch, objective)`` is the one update of the actor for every objective (PPO,
+SFT, DPO, SimPO: `posttrain.algorithms.objectives`), run by the one update engine
+(`posttrain.workers.update.run_update`); ``update_policy`` is verl's name for ``train`` with PPO.
 Batch sizes arrive normalised (responses per rank), as in verl's workers.
 """
 
@@ -19,24 +18,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
-from posttrain.host.allocator import mapped_allocations, release_freed_memory
+from posttrain.algorithms import get_policy_loss_fn
+from posttrain.algorithms.objectives import LOGPROB_KEYS, PPO, Objective
 from posttrain.checkpoint.ranks import process_rank
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import autocast_context, compute_response_logprobs, default_device, load_tokenizer, parse_dtype
 from posttrain.models import response_logprobs
-from posttrain.models.compile import enable_layer_compile
 from posttrain.models.lora import LoraAdapter, merged_for_generation
-from posttrain.host.paging import offload_directory, one_pass, page_module
 from posttrain.rollout import SamplingParams, get_rollout_engine
-from posttrain.workers.common import ConfigWithBatchInfo, MetricMeter, response_mask_of
-from posttrain.workers.optim import PagedAdamW, build_lr_scheduler, build_optimizer, trainable_parameters
-from posttrain.workers.prepare import InProcess, decide_param_dtype, load_role_model, prepare
-from posttrain.workers.update import ppo_update
+from posttrain.workers.common import MetricMeter, response_mask_of
+from posttrain.workers.optim import build_lr_scheduler
+from posttrain.workers.prepare import OnDevice, Placement, decide_param_dtype, prepare
+from posttrain.workers.update import run_update
 
-__all__ = ["ActorWorker", "LoraReference", "RefWorker"]
+__all__ = ["ActorWorker", "LoraReference", "RefWorker", "sequence_logps"]
 
-_LOGPROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+def sequence_logps(module: nn.Module, batch: Any, *, micro_batch_size: int, autocast: Any,
+                   remove_padding: bool = False, shared_prefix: bool = False) -> torch.Tensor:
+    """``[N, 2]``: per row, the summed log-prob of its ``response_mask`` tokens under ``module`` and
+    their count; no grad (the policy, the frozen reference, or the LoRA policy with adapters off)."""
+    module.eval()
+    log_probs, _ = compute_response_logprobs(module, batch, micro_batch_size, 1.0, False, autocast=autocast,
+                                             remove_padding=remove_padding, shared_prefix=shared_prefix)
+    mask = batch["response_mask"].to(log_probs.device, log_probs.dtype)
+    return torch.stack([(log_probs * mask).sum(-1), mask.sum(-1)], dim=-1)
 
 
 def _temperature(batch: Any, rollout_config: Any) -> float:
@@ -65,32 +71,31 @@ class ActorWorker:
             in tests and notebooks) ``module`` is made ready here by the builder's own steps
             (`posttrain.workers.prepare.prepare` in this process): loaded when None, LoRA added
             when ``model_config`` asks (``lora_rank > 0`` or ``lora_adapter_path``) and ``lora``
-            is None, ``auto`` precision decided, moved to ``device``. With LoRA only the adapters
+            is None, ``auto`` precision decided, placed by ``placement``. With LoRA only the adapters
             train (the optimizer holds nothing else) and `compute_ref_log_prob` is the reference policy.
+        placement: where the module lives and how it runs (`posttrain.workers.prepare.Placement`); it
+            hands out the optimizer. Default: `OnDevice` (``device``, no machine levers).
     """
 
     def __init__(self, model_config: Any, actor_config: Any, rollout_config: Any = None, *,
                  device: str | torch.device | None = None, module: nn.Module | None = None,
                  tokenizer: Any = None, seed: int = 0, lora: LoraAdapter | None = None,
-                 param_dtype: str | None = None):
+                 param_dtype: str | None = None, placement: Placement | None = None):
         self.config, self.rollout_config = actor_config, rollout_config
         self.device = torch.device(device) if device is not None else default_device()
+        placement = OnDevice(self.device) if placement is None else placement
         if param_dtype is None:
-            ready = prepare("policy", model_config, actor_config.fsdp_config, InProcess(self.device),
+            ready = prepare("policy", model_config, actor_config.fsdp_config, placement,
                             section="actor_rollout_ref.model", module=module, lora=lora, seed=seed)
             module, lora, param_dtype = ready.module, ready.lora, ready.param_dtype
         self.lora, self.module, self.param_dtype = lora, module, param_dtype
-        if model_config is not None and model_config.compile_layers:
-            enable_layer_compile(self.module)
         if tokenizer is None and model_config is not None:
             tokenizer = load_tokenizer(model_config.path, trust_remote_code=model_config.trust_remote_code,
                                        custom_chat_template=model_config.custom_chat_template)
         self.tokenizer = tokenizer
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
-        # frozen parameters (a LoRA base) stay out of the optimizer: no state, no weight decay
-        paged = offload_directory(actor_config.fsdp_config, "optimizer_offload", "actor_rollout_ref.actor",
-                                  self.module, self.device)
-        self.optimizer = build_optimizer(trainable_parameters(self.module), actor_config.optim, paged)
+        self.optimizer = placement.optimizer(self.module, actor_config.optim, actor_config.fsdp_config,
+                                             "actor_rollout_ref.actor")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, actor_config.optim)
         self.policy_loss_fn = get_policy_loss_fn(actor_config.policy_loss.loss_mode)
         self.generator = torch.Generator().manual_seed(seed)
@@ -114,7 +119,7 @@ class ActorWorker:
             self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
         engine = self.multi_turn_rollout() if self.rollout_config.multi_turn.enable else self.rollout
-        with self._generation_weights(), self._memory_first():
+        with self._generation_weights():
             return engine.generate(prompts, sampling)
 
     def multi_turn_rollout(self) -> Any:
@@ -126,21 +131,6 @@ class ActorWorker:
             self._multi_turn = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.rollout_config,
                                                             getattr(self, "extra_tools", ()))
         return self._multi_turn
-
-    @contextlib.contextmanager
-    def _memory_first(self):
-        """With ``optimizer_offload`` on a CPU run (memory chosen over speed, `posttrain.host.paging`) the phase's
-        large buffers get mappings of their own, unmapped when freed, and what the heap freed goes back to
-        the kernel after it (`posttrain.host.allocator`): otherwise freed memory stays for the next phase to
-        reuse, and the holes between longer-lived tensors grow the heap from step to step. The built-in
-        run at fp32 (bench_memory.py, micro-batches of 16) peaked at 4.1-4.2 GB without this and 3.1-3.2 GB
-        with it (2.5-2.7 GB with micro-batches of 8); it costs ~x0.93 a step (fresh pages zero-filled)."""
-        if not isinstance(self.optimizer, PagedAdamW):
-            yield
-            return
-        with mapped_allocations():
-            yield
-        release_freed_memory()
 
     def _generation_weights(self) -> contextlib.AbstractContextManager:
         """LoRA with the ``hf`` engine (which decodes with the module itself): the adapters merged into
@@ -183,103 +173,58 @@ class ActorWorker:
                 shared_prefix=bool(ref_config.use_prefix_grouper))
         return log_probs
 
-    # ------------------------------------------------------------------ update
-    def _micro_step(self, mb: dict, info: dict, meter: MetricMeter, *, temperature: float) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns its (mini-batch-normalised) loss."""
+    # ------------------------------------------------------------------ training and scoring
+    def train(self, batch: Any, objective: Objective | None = None) -> dict[str, float]:
+        """One call of the update engine (`posttrain.workers.update.run_update`) on ``batch`` for
+        ``objective`` (default `PPO`: verl's actor update); returns its metrics. The objective names the
+        columns it reads, its loop sizes and its loss (`posttrain.algorithms.objectives`); this worker
+        runs the forward (per-token log-probs of ``responses``) and the backward."""
+        objective = PPO() if objective is None else objective
         cfg = self.config
-        mode, mask = cfg.loss_agg_mode, response_mask_of(mb)
-        with self.autocast():
-            log_prob, entropy = response_logprobs(
-                self.module, *(mb[k] for k in _LOGPROB_KEYS), temperature=temperature,
-                calculate_entropy=True, entropy_grad=cfg.entropy_coeff != 0,
-                remove_padding=bool(cfg.use_remove_padding), shared_prefix=bool(cfg.use_prefix_grouper))
-        pg_loss, pg_metrics = self.policy_loss_fn(
-            old_log_prob=mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob=log_prob, advantages=mb["advantages"],
-            response_mask=mask, loss_agg_mode=mode, config=ConfigWithBatchInfo(cfg, info),
-            rollout_is_weights=mb.get("rollout_is_weights"))
-        entropy_agg = agg_loss(entropy, mask, mode, **info)
-        loss = pg_loss - cfg.entropy_coeff * entropy_agg if cfg.entropy_coeff != 0 else pg_loss
-        if cfg.use_kl_loss:
-            kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], cfg.kl_loss_type), mask, mode, **info)
-            loss = loss + cfg.kl_loss_coef * kl
-            meter.add("actor/kl_loss", kl)
-        loss.backward()
-        share = float(mask.sum()) / max(info["batch_num_tokens"], 1.0)  # token share of the mini-batch
-        meter.add("actor/pg_loss", pg_loss)
-        meter.add("actor/entropy", entropy_agg)
-        if "old_log_probs" not in mb and "rollout_log_probs" in mb:  # on-policy: no separate pass measured the gap
-            gap = (mb["rollout_log_probs"].exp() - log_prob.detach().float().exp()).abs()
-            meter.add("training/rollout_actor_probs_diff_mean", masked_mean(gap, mask.float()), share)
-        for name, value in pg_metrics.items():
-            meter.add(name, value, share)
-        return loss.detach()
-
-    def update_policy(self, batch: Any) -> dict[str, float]:
-        """PPO epochs over ``batch``; returns verl-named metrics averaged over mini-batches.
-
-        Needs ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``, ``old_log_probs``,
-        ``advantages`` (``[N, R]`` / ``[N, P+R]``), ``ref_log_prob`` when ``use_kl_loss``, and optionally
-        ``response_mask`` (default: the response part of ``attention_mask``) and ``rollout_is_weights``
-        (multiplies the per-token policy loss). The lr schedule advances once per call.
-
-        On-policy updates (``ppo_epochs == 1`` and the batch is one mini-batch) may omit
-        ``old_log_probs``: the policy has not moved since the rollout, so the update's own log-probs,
-        detached, are the old ones (verl's ``on_policy`` branch), saving the separate forward of
-        ``compute_log_prob``.
-        """
-        cfg = self.config
-        on_policy = cfg.ppo_epochs == 1 and len(batch["responses"]) <= cfg.ppo_mini_batch_size
-        if "old_log_probs" not in batch and not on_policy:
-            raise KeyError(f"update_policy needs 'old_log_probs' unless the update is on-policy (ppo_epochs=1 and "
-                           f"one mini-batch); got ppo_epochs={cfg.ppo_epochs}, {len(batch['responses'])} responses "
-                           f"and ppo_mini_batch_size={cfg.ppo_mini_batch_size}")
-        keys = [*_LOGPROB_KEYS, "advantages"] + (["old_log_probs"] if "old_log_probs" in batch else [])
-        keys += ["ref_log_prob"] if cfg.use_kl_loss else []
-        keys += [k for k in ("response_mask", "rollout_is_weights") if k in batch]
-        keys += ["rollout_log_probs"] if "rollout_log_probs" in batch and "old_log_probs" not in batch else []
-        data = {k: batch[k] for k in keys}
+        data = {k: batch[k] for k in objective.columns(batch, cfg)}
         data["response_mask"] = response_mask_of(data)
-        temperature = _temperature(batch, self.rollout_config)
-        step = functools.partial(self._micro_step, temperature=temperature)
-        with self._memory_first():
-            metrics = ppo_update(data, cfg, micro_step=step, module=self.module, optimizer=self.optimizer,
-                                 lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device,
-                                 prefix="actor", shared_prefix=bool(cfg.use_prefix_grouper))
+        temperature = _temperature(batch, self.rollout_config) if objective.temperature_from_batch else 1.0
+        entropy, entropy_grad = objective.entropy(cfg)
+
+        def micro_step(mb: dict, info: dict, meter: MetricMeter) -> torch.Tensor:
+            with self.autocast():
+                log_prob, ent = response_logprobs(
+                    self.module, *(mb[k] for k in LOGPROB_KEYS), temperature=temperature, calculate_entropy=entropy,
+                    entropy_grad=entropy_grad, remove_padding=bool(cfg.use_remove_padding),
+                    shared_prefix=bool(cfg.use_prefix_grouper))
+            loss = objective.loss(log_prob, ent, mb, info, meter, cfg)
+            loss.backward()
+            return loss.detach()
+
+        # residency (paged state, freed heap) comes from the group's placement around this call
+        metrics = run_update(data, objective.loop(cfg, len(data["responses"])), micro_step=micro_step,
+                             normalisers=objective.normalisers, names=objective.metric_names, module=self.module,
+                             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, generator=self.generator,
+                             device=self.device)
         self.weights_version += 1
-        if cfg.use_kl_loss:
-            metrics["actor/kl_coef"] = cfg.kl_loss_coef
+        objective.finish(metrics, cfg)
         return metrics
 
-    # ------------------------------------------------------------------ SFT / DPO (posttrain.workers.sft)
-    def update_sft(self, batch: Any) -> dict[str, float]:
-        """One optimizer step of token-mean NLL on ``response_mask`` tokens (`posttrain.workers.sft`)."""
-        from posttrain.workers.sft import sft_update
-
-        return sft_update(self, batch)
-
-    def compute_sft_loss(self, batch: Any) -> torch.Tensor:
-        """``[N, 2]``: NLL summed over each row's trained tokens, and their count; no grad."""
-        from posttrain.workers.sft import sft_loss_sums
-
-        return sft_loss_sums(self, batch)
+    def update_policy(self, batch: Any) -> dict[str, float]:
+        """verl's ``DataParallelPPOActor.update_policy``: `train` with `PPO`. Needs ``responses``,
+        ``input_ids``, ``attention_mask``, ``position_ids``, ``old_log_probs`` (unless on-policy),
+        ``advantages``, ``ref_log_prob`` when ``use_kl_loss``, optionally ``response_mask`` and
+        ``rollout_is_weights``."""
+        return self.train(batch, PPO())
 
     def compute_sequence_logps(self, batch: Any, reference: bool = False) -> torch.Tensor:
-        """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens and their count; with
-        ``reference`` (LoRA only) under the base model, the adapters disabled."""
-        from posttrain.workers.sft import actor_sequence_logps
-
+        """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens and their count, no grad;
+        with ``reference`` (LoRA only) under the base model, the adapters disabled."""
+        cfg = self.config
+        scoring = functools.partial(sequence_logps, self.module, batch, micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+                                    autocast=self.autocast, remove_padding=bool(cfg.use_remove_padding),
+                                    shared_prefix=bool(cfg.use_prefix_grouper))
         if not reference:
-            return actor_sequence_logps(self, batch)
+            return scoring()
         if self.lora is None:
             raise RuntimeError("the actor is its own reference only with LoRA (adapters disabled)")
         with self.lora.disabled():
-            return actor_sequence_logps(self, batch)
-
-    def update_dpo(self, batch: Any, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
-        """One optimizer step of the DPO loss on chosen/rejected row pairs (`posttrain.workers.sft`)."""
-        from posttrain.workers.sft import dpo_update
-
-        return dpo_update(self, batch, beta, loss_type, label_smoothing)
+            return scoring()
 
     # ------------------------------------------------------------------ checkpoint state
     def save_checkpoint(self, folder: str | Path) -> None:
@@ -300,7 +245,8 @@ class RefWorker:
     """Frozen reference policy: log-probs of responses under the initial weights.
 
     Args:
-        module: the reference model (frozen here: eval mode, ``requires_grad=False``).
+        module: the reference model, placed (`posttrain.workers.build` prepares it; a raw module is
+            moved to ``device``), frozen here: eval mode, ``requires_grad=False``.
         ref_config: ``actor_rollout_ref.ref`` (log-prob micro-batches, fsdp_config precision).
         rollout_config: for the temperature when ``meta_info`` lacks one.
         remove_padding: padding-free forward (``actor_rollout_ref.model.use_remove_padding``).
@@ -308,7 +254,7 @@ class RefWorker:
 
     def __init__(self, module: nn.Module, ref_config: Any, rollout_config: Any = None, *,
                  device: str | torch.device | None = None, remove_padding: bool = False,
-                 param_dtype: str | None = None, compile_layers: bool = False):
+                 param_dtype: str | None = None):
         self.config, self.rollout_config = ref_config, rollout_config
         self.remove_padding = remove_padding
         self.device = torch.device(device) if device is not None else default_device()
@@ -317,44 +263,24 @@ class RefWorker:
         self.param_dtype = param_dtype or decide_param_dtype(ref_config.fsdp_config.mixed_precision.param_dtype,
                                                              module, self.device)
         self.module = module.eval().requires_grad_(False)
-        # param_offload on a CPU run: the weights in a file, paged out after each pass (posttrain.host.paging)
-        directory = offload_directory(ref_config.fsdp_config, "param_offload", "actor_rollout_ref.ref", module,
-                                      self.device)
-        self.paged = page_module(self.module, directory) if directory is not None else None
-        if compile_layers:
-            enable_layer_compile(self.module)
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
-
-    @classmethod
-    def from_config(cls, model_config: Any, ref_config: Any, rollout_config: Any = None, *,
-                    device: str | torch.device | None = None, param_dtype: str | None = None) -> "RefWorker":
-        """Load ``model_config.path`` (no gradient checkpointing: the reference never trains)."""
-        dev = torch.device(device) if device is not None else default_device()
-        module = load_role_model("policy", model_config, ref_config.fsdp_config.model_dtype)
-        return cls(module, ref_config, rollout_config, device=dev, remove_padding=bool(model_config.use_remove_padding),
-                   param_dtype=param_dtype, compile_layers=bool(model_config.compile_layers))
 
     def compute_ref_log_prob(self, batch: Any) -> torch.Tensor:
         """``ref_log_prob`` ``[N, R]`` of ``batch['responses']``."""
         cfg = self.config
-        with one_pass(self.paged):
-            log_probs, _ = compute_response_logprobs(
-                self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
-                False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
-                max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
-                remove_padding=self.remove_padding, shared_prefix=bool(cfg.use_prefix_grouper),
-            )
+        log_probs, _ = compute_response_logprobs(
+            self.module, batch, cfg.log_prob_micro_batch_size_per_gpu, _temperature(batch, self.rollout_config),
+            False, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
+            max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
+            remove_padding=self.remove_padding, shared_prefix=bool(cfg.use_prefix_grouper),
+        )
         return log_probs
-
 
     def compute_sequence_logps(self, batch: Any) -> torch.Tensor:
         """``[N, 2]``: summed log-prob of each row's ``response_mask`` tokens under the reference, and their count."""
-        from posttrain.workers.sft import sequence_logps
-
-        with one_pass(self.paged):
-            return sequence_logps(self.module, batch, micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
-                                  autocast=self.autocast, remove_padding=self.remove_padding,
-                                  shared_prefix=bool(self.config.use_prefix_grouper))
+        return sequence_logps(self.module, batch, micro_batch_size=self.config.log_prob_micro_batch_size_per_gpu,
+                              autocast=self.autocast, remove_padding=self.remove_padding,
+                              shared_prefix=bool(self.config.use_prefix_grouper))
 
 
 class LoraReference:

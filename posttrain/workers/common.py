@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from posttrain.algorithms.batch_info import ConfigWithBatchInfo, global_batch_info
 from posttrain.batch import response_mask_of
 from posttrain.models.microbatch import forward_micro_batches
 from posttrain.models.shared_prefix import prompt_key
@@ -60,33 +60,6 @@ def micro_batches(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, micro_
     prompts = prompt_key(tensors["input_ids"][rows], mask, tensors["responses"].shape[1]) if shared_prefix else None
     groups = forward_micro_batches(mask, micro_batch_size, use_dynamic_bsz, max_token_len, prompts)
     return [idx[g] for g in groups]
-
-
-def global_batch_info(response_mask: torch.Tensor) -> dict[str, Any]:
-    """``agg_loss`` normalisers of a mini-batch: ``response_mask`` ``[B, R]`` (this rank's rows)."""
-    counts = torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]).to(torch.float64)
-    dp_size = 1
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts)
-        dp_size = dist.get_world_size()
-    return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
-
-
-class ConfigWithBatchInfo:
-    """A read-only view of a config section with ``global_batch_info`` added (slots configs can't take it)."""
-
-    def __init__(self, base: Any, info: dict[str, Any]):
-        self._base = base
-        self.global_batch_info = info
-
-    def __getattr__(self, name: str) -> Any:
-        base = self.__dict__["_base"]
-        if isinstance(base, Mapping):
-            try:
-                return base[name]
-            except KeyError:
-                raise AttributeError(name) from None
-        return getattr(base, name)
 
 
 def optimizer_step(params, optimizer: torch.optim.Optimizer, grad_clip: float | None,

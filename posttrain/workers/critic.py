@@ -14,21 +14,28 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import compute_value_loss, masked_mean
+from posttrain.algorithms.batch_info import global_batch_info
+from posttrain.algorithms.objectives import StepMetricNames, ppo_loop
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import ValueModel, autocast_context, default_device, micro_batch_indices, response_hidden_states
 from posttrain.models import split_for_padding
-from posttrain.models.compile import compiled_layers, enable_layer_compile
+from posttrain.models.compile import compiled_layers
 from posttrain.models.lora import LoraAdapter
 from posttrain.models.microbatch import equal_micro_batch_count
-from posttrain.host.paging import offload_directory
 from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
-from posttrain.workers.optim import build_lr_scheduler, build_optimizer, trainable_parameters
-from posttrain.workers.prepare import InProcess, prepare
-from posttrain.workers.update import ppo_update
+from posttrain.workers.optim import build_lr_scheduler
+from posttrain.workers.prepare import OnDevice, Placement, prepare
+from posttrain.workers.update import run_update
 
 __all__ = ["CriticWorker", "response_values"]
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+_STEP_METRICS = StepMetricNames("critic/grad_norm", "critic/nonfinite_skipped", "critic/lr")
+
+
+def _token_normalisers(data: Any) -> dict[str, Any]:
+    """The value loss's ``agg_loss`` normalisers: the mini-batch's response tokens over all ranks."""
+    return global_batch_info(data["response_mask"])
 
 
 def response_values(model: ValueModel, input_ids, attention_mask, position_ids, responses,
@@ -59,26 +66,26 @@ class CriticWorker:
             critic's is ``auto``); given, ``module`` is ready and used as it is. Without it the module
             is made ready here by the builder's own steps (`posttrain.workers.prepare.prepare`, in
             this process): loaded when None, LoRA added when ``critic.model.lora_rank > 0`` and
-            ``lora`` is None, ``auto`` timed on the backbone, moved to ``device``.
+            ``lora`` is None, ``auto`` timed on the backbone, placed by ``placement``.
+        placement: where the module lives and how it runs (`posttrain.workers.prepare.Placement`); it
+            hands out the optimizer. Default: `OnDevice` (``device``, no machine levers).
     """
 
     def __init__(self, config: Any, *, device: str | torch.device | None = None,
                  module: ValueModel | None = None, seed: int = 0, param_dtype: str | None = None,
-                 lora: LoraAdapter | None = None):
+                 lora: LoraAdapter | None = None, placement: Placement | None = None):
         self.config = config
         self.device = torch.device(device) if device is not None else default_device()
         mcfg = config.model
+        placement = OnDevice(self.device) if placement is None else placement
         if param_dtype is None:
-            ready = prepare("value", mcfg, mcfg.fsdp_config, InProcess(self.device), section="critic.model",
+            ready = prepare("value", mcfg, mcfg.fsdp_config, placement, section="critic.model",
                             module=module, lora=lora, seed=seed)
             module, lora, param_dtype = ready.module, ready.lora, ready.param_dtype
         self.lora, self.module, self.param_dtype = lora, module, param_dtype
-        if mcfg.compile_layers:
-            enable_layer_compile(self.module, "critic.model.compile_layers")
         self.autocast = functools.partial(autocast_context, self.device, self.param_dtype)
-        self.optimizer = build_optimizer(  # LoRA: adapters + head
-            trainable_parameters(self.module), config.optim,
-            offload_directory(mcfg.fsdp_config, "optimizer_offload", "critic.model", self.module, self.device))
+        # LoRA: the adapters and the value head train
+        self.optimizer = placement.optimizer(self.module, config.optim, mcfg.fsdp_config, "critic.model")
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.generator = torch.Generator().manual_seed(seed)
         self.remove_padding = bool(mcfg.use_remove_padding)
@@ -124,9 +131,9 @@ class CriticWorker:
         ``values`` (old) and ``returns`` ``[N, R]``. The lr schedule advances once per call.
         """
         data = {k: batch[k] for k in (*_KEYS, "response_mask", "values", "returns")}
-        return ppo_update(data, self.config, micro_step=self._micro_step, module=self.module,
-                          optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, generator=self.generator,
-                          device=self.device, prefix="critic")
+        return run_update(data, ppo_loop(self.config), micro_step=self._micro_step, normalisers=_token_normalisers,
+                          names=_STEP_METRICS, module=self.module, optimizer=self.optimizer,
+                          lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device)
 
     def save_checkpoint(self, folder: str | Path) -> None:
         """Write this role's state (weights, optimizer, lr schedule, shuffle generator, HF config) into

@@ -1,23 +1,26 @@
-"""The worker boundary: every call the trainer makes on its workers, and the one-process group.
+"""The worker boundary: every call the trainer makes on its workers, declared once, and the one-process group.
 
 The trainer holds a `WorkerGroup` and nothing else of the workers. Each call takes and returns
 plain batches, tensors, dicts of floats or paths, so the same calls can cross a process boundary:
-`LocalWorkerGroup` runs the roles in this process (CPU or one GPU, no Ray needed), and
-`posttrain.distributed.RankWorkerGroup` runs them on many ranks through Ray, splitting each batch
-across the data-parallel ranks and gathering the results back in order.
+`LocalWorkerGroup` runs the roles in this process (CPU or one GPU, no Ray needed),
+`posttrain.distributed.RankWorkerGroup` runs them on many ranks through Ray, and
+`posttrain.distributed.TorchrunGroup` on torchrun's ranks; `posttrain.distributed.RankWorker` is one
+rank's side. The data calls are declared once, in `CALLS` (which role answers, how a batch is split
+over ranks, which phase it is, whether the optimizer must be on the device), and `bind_calls` writes
+each group's method for each of them from that row (verl's ``@register(dispatch_mode=...)``).
 
     generate_sequences(prompts, validate=False) -> Batch    rollout (n samples per prompt)
     compute_log_prob(batch) -> (old_log_probs, entropy)     actor, no grad      [N, R] each
     compute_ref_log_prob(batch) -> ref_log_prob             reference policy    [N, R]
     compute_values(batch) -> values                         critic              [N, R]
     compute_rm_score(batch) -> rm_scores                    reward model        [N, R] (score on the last token)
-    update_actor(batch) -> metrics                          PPO epochs on the actor
-    update_critic(batch) -> metrics                         PPO epochs on the critic
-    update_sft(batch) -> metrics                            SFT: one step of token-mean NLL (posttrain.workers.sft)
-    compute_sft_loss(batch) -> [N, 2]                       per row: NLL sum over trained tokens, token count
-    compute_sequence_logps(batch) -> [N, 2]                 per row: summed log-prob of trained tokens, count
+    compute_sequence_logps(batch) -> [N, 2]                 actor: per row, summed log-prob of its
+                                                            response_mask tokens, and their count
     compute_ref_sequence_logps(batch) -> [N, 2]             the same under the reference (DPO)
-    update_dpo(batch, beta, loss_type, label_smoothing)     DPO: one step on chosen/rejected row pairs
+    update_actor(batch, objective=None) -> metrics          the actor's update engine for an objective
+                                                            (posttrain.algorithms.objectives: PPO by
+                                                            default, SFT, DPO, SimPO)
+    update_critic(batch) -> metrics                         PPO epochs on the critic
     memory_metrics() -> metrics                             ranks' peak resident memory per phase ({} in one process)
     save_checkpoint(folder) -> role names                   each role writes folder/<role>/, each rank
                                                             folder/rng/rank_<r>.pt (posttrain.checkpoint.rank_rng)
@@ -29,16 +32,72 @@ across the data-parallel ranks and gathering the results back in order.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from posttrain.algorithms.objectives import Objective
 from posttrain.batch import Batch
-from posttrain.workers.build import Roles, build_roles
-from posttrain.workers.prepare import InProcess
+from posttrain.workers.build import Roles
 
-__all__ = ["LocalWorkerGroup", "WorkerGroup", "build_local_group"]
+__all__ = ["CALLS", "Call", "LocalWorkerGroup", "WorkerGroup", "bind_calls"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One data call across the worker boundary.
+
+    role: the role whose worker answers (``actor``, ``ref``, ``critic``, ``rm``).
+    method: that worker's method.
+    split: how a group cuts the batch over data-parallel ranks: ``prompts`` (each rank samples for
+        its prompts), ``rows`` (results gathered back in the batch's order) or ``update`` (metrics
+        combined; padding rows train nothing; an objective with ``pairs`` keeps pairs whole).
+    phase: the trainer's stage name, under which a rank records its peak memory (None: not recorded).
+    optimizer: the role's optimizer must be on the device (``optimizer_offload``) for the call.
+    """
+
+    role: str
+    method: str
+    split: str
+    phase: str | None = None
+    optimizer: bool = False
+
+
+CALLS: dict[str, Call] = {
+    "generate_sequences": Call("actor", "generate_sequences", "prompts", "gen"),
+    "compute_log_prob": Call("actor", "compute_log_prob", "rows", "old_log_prob"),
+    "compute_ref_log_prob": Call("ref", "compute_ref_log_prob", "rows", "ref"),
+    "compute_values": Call("critic", "compute_values", "rows", "values"),
+    "compute_rm_score": Call("rm", "compute_rm_score", "rows", "reward"),
+    "compute_sequence_logps": Call("actor", "compute_sequence_logps", "rows"),
+    "compute_ref_sequence_logps": Call("ref", "compute_sequence_logps", "rows"),
+    "update_actor": Call("actor", "train", "update", "update_actor", optimizer=True),
+    "update_critic": Call("critic", "update_critic", "update", "update_critic", optimizer=True),
+}
+
+
+def bind_calls(cls: type) -> type:
+    """Class decorator: a method for every call in `CALLS` that ``cls`` does not write itself, each
+    forwarding to ``cls._dispatch(name, call, batch, **options)`` (``validate`` for generation,
+    ``objective`` for ``update_actor``)."""
+    for name, call in CALLS.items():
+        if name not in cls.__dict__:
+            setattr(cls, name, _forwarder(name, call))
+    return cls
+
+
+def _forwarder(name: str, call: Call) -> Callable[..., Any]:
+    def method(self, batch: Batch, *args: Any, **options: Any) -> Any:
+        if args:  # positional options (validate, objective) travel by name
+            options[{"prompts": "validate", "update": "objective"}[call.split]] = args[0]
+        return self._dispatch(name, call, batch, **options)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"`CALLS['{name}']`: {call.role}.{call.method}, split by {call.split}."
+    return method
 
 
 @runtime_checkable
@@ -62,7 +121,11 @@ class WorkerGroup(Protocol):
 
     def compute_rm_score(self, batch: Batch) -> torch.Tensor: ...
 
-    def update_actor(self, batch: Batch) -> dict[str, float]: ...
+    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor: ...
+
+    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor: ...
+
+    def update_actor(self, batch: Batch, objective: Objective | None = None) -> dict[str, float]: ...
 
     def update_critic(self, batch: Batch) -> dict[str, float]: ...
 
@@ -79,51 +142,30 @@ class WorkerGroup(Protocol):
     def shutdown(self) -> None: ...
 
 
+@bind_calls
 class LocalWorkerGroup:
     """The roles in this process: actor (with its hybrid rollout), optional reference, critic and reward model."""
 
     world_size = 1
 
-    def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None, seed: int = 0):
+    def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None, seed: int = 0,
+                 placement: Any = None):
         self.actor, self.ref, self.critic, self.rm, self.seed = actor, ref, critic, rm, seed
+        self.placement = placement
         self.roles = Roles(actor, ref, critic, rm)
         self.has_ref, self.has_critic, self.has_rm = ref is not None, critic is not None, rm is not None
 
-    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
-        return self.actor.generate_sequences(prompts, validate=validate)
+    def _dispatch(self, name: str, call: Call, batch: Batch, **options: Any) -> Any:
+        worker = getattr(self.roles, call.role)
+        with self._resident(worker, call):
+            return getattr(worker, call.method)(batch, **options)
 
-    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.actor.compute_log_prob(batch)
-
-    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        return self.ref.compute_ref_log_prob(batch)
-
-    def compute_values(self, batch: Batch) -> torch.Tensor:
-        return self.critic.compute_values(batch)
-
-    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
-        return self.rm.compute_rm_score(batch)
-
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self.actor.update_policy(batch)
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self.critic.update_critic(batch)
-
-    def update_sft(self, batch: Batch) -> dict[str, float]:
-        return self.actor.update_sft(batch)
-
-    def compute_sft_loss(self, batch: Batch) -> torch.Tensor:
-        return self.actor.compute_sft_loss(batch)
-
-    def compute_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self.actor.compute_sequence_logps(batch)
-
-    def compute_ref_sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self.ref.compute_sequence_logps(batch)
-
-    def update_dpo(self, batch: Batch, beta: float, loss_type: str, label_smoothing: float) -> dict[str, float]:
-        return self.actor.update_dpo(batch, beta, loss_type, label_smoothing)
+    def _resident(self, worker: Any, call: Call) -> contextlib.AbstractContextManager:
+        """The placement's residency for the call (paged state in, freed heap out), when it has one."""
+        resident = getattr(self.placement, "resident", None)
+        if resident is None:
+            return contextlib.nullcontext()
+        return resident(worker, with_optimizer=call.optimizer, phase=call.phase)
 
     def save_checkpoint(self, folder: Path) -> list[str]:
         """Each role's folder, and this process's random state as rank 0's (``rng/rank_0.pt``), so a run
@@ -163,11 +205,3 @@ class LocalWorkerGroup:
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
-
-
-def build_local_group(config: Any, device: torch.device, seed: int, actor_module: Any = None,
-                      critic_module: Any = None, tokenizer: Any = None) -> LocalWorkerGroup:
-    """Every role of the run in this process (`posttrain.workers.build.build_roles`, placed on ``device``)."""
-    roles = build_roles(config, InProcess(device), seed, tokenizer=tokenizer, actor_module=actor_module,
-                        critic_module=critic_module)
-    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed)

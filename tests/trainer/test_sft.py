@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.algorithms.objectives import SFT
 from posttrain.config.sft import SFTDataConfig, SFTMultiTurnConfig
 from posttrain.data.schema import DataError, write_rows
 from posttrain.data.sft import SFTDataset
@@ -90,7 +91,7 @@ def test_sft_loss_is_the_token_mean_nll_of_trained_tokens(tmp_path):
                 if batch["response_mask"][row, j]:
                     nll -= float(logp[row, p + j - 1, batch["responses"][row, j]])  # token p+j predicted at p+j-1
                     count += 1
-        metrics = trainer.workers.update_sft(batch)
+        metrics = trainer.workers.update_actor(batch, SFT())
         assert math.isclose(metrics["train/loss"], nll / count, rel_tol=1e-5)
         wrong = -float(sum(logp[r, p - 2 + j, batch["input_ids"][r, p - 1 + j]] for r in range(len(batch))
                            for j in range(batch["responses"].shape[1]) if batch["response_mask"][r, j])) / count
