@@ -13,6 +13,11 @@ minus the rejected one), ``beta`` and the label-smoothing ``eps``:
     robust    (-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)
               (rDPO, https://arxiv.org/abs/2403.00409; eps = the chance a label is flipped)
 
+One reference-free loss sits beside them (`simpo_loss`, ``loss_type="simpo"``, TRL's ``CPOTrainer``):
+with the policy's *length-averaged* log-probs ``a_c``, ``a_r`` and the margin ``gamma``,
+
+    simpo     -(1 - eps) log sigmoid(beta (a_c - a_r) - gamma) - eps log sigmoid(-(beta (a_c - a_r) - gamma))
+
 Rewards are the implicit ones, ``beta * (pi - ref)`` of the summed log-probs, detached (for every
 loss type, IPO included).
 
@@ -29,6 +34,7 @@ Differences from TRL 1.16 (read from ``trl/trainer/dpo_trainer.py``, not copied)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,8 +43,12 @@ import torch.nn.functional as F
 
 from posttrain.errors import ConfigError
 
-__all__ = ["DPO_LOSS_TYPES", "DPOLossSpec", "check_dpo_options", "dpo_loss", "dpo_loss_spec", "dpo_metrics",
-           "pair_logps", "register_dpo_loss", "registered_dpo_losses"]
+__all__ = ["DPO_LOSS_TYPES", "DPOLossSpec", "REFERENCE_FREE_LOSS_TYPES", "check_dpo_options", "check_simpo_options",
+           "dpo_loss", "dpo_loss_spec", "dpo_metrics", "pair_logps", "register_dpo_loss", "registered_dpo_losses",
+           "simpo_loss"]
+
+REFERENCE_FREE_LOSS_TYPES = ("simpo",)
+"""``dpo.loss_type`` values that compare the policy with itself: no reference model is loaded."""
 
 DPOLossFn = Callable[..., torch.Tensor]
 """``fn(chosen_logratios [B], rejected_logratios [B], *, beta, label_smoothing, chosen_lengths,
@@ -94,7 +104,10 @@ def check_dpo_options(*, beta: float, loss_type: str, label_smoothing: float = 0
     an unknown ``loss_type``, ``beta <= 0``, a ``label_smoothing`` for a loss that ignores it, or one
     outside ``[0, 0.5)``. The DPO config's validation (`posttrain.config.sft_load`) calls it.
     """
-    spec = dpo_loss_spec(loss_type)
+    if loss_type not in _DPO_LOSSES and loss_type not in REFERENCE_FREE_LOSS_TYPES:
+        valid = sorted([*registered_dpo_losses(), *REFERENCE_FREE_LOSS_TYPES])
+        raise ConfigError(f"dpo.loss_type={loss_type!r} is not a DPO loss; valid: {valid}")
+    spec = _SIMPO if loss_type == "simpo" else dpo_loss_spec(loss_type)
     if not beta > 0:
         raise ConfigError(f"dpo.beta={beta!r}: must be > 0 (TRL's default is 0.1)")
     if label_smoothing and not spec.uses_label_smoothing:
@@ -105,6 +118,32 @@ def check_dpo_options(*, beta: float, loss_type: str, label_smoothing: float = 0
         raise ConfigError(f"dpo.label_smoothing={label_smoothing!r}: must be in [0, 0.5) (the chance that a "
                           "preference label is flipped; 0.5 would mean the labels carry no information)")
     return spec
+
+
+def check_simpo_options(*, loss_type: str, simpo_gamma: float, cpo_alpha: float,
+                        default_gamma: float, default_alpha: float) -> None:
+    """``dpo.simpo_gamma`` and ``dpo.cpo_alpha``: finite, ``cpo_alpha >= 0``, and only set away from their
+    defaults when ``dpo.loss_type=simpo`` (elsewhere they would silently do nothing)."""
+    for key, value, default in (("simpo_gamma", simpo_gamma, default_gamma), ("cpo_alpha", cpo_alpha, default_alpha)):
+        if not math.isfinite(value):
+            raise ConfigError(f"dpo.{key}={value!r}: must be a finite number")
+        if loss_type != "simpo" and value != default:
+            raise ConfigError(f"dpo.{key}={value!r} has no effect with dpo.loss_type={loss_type!r}; it is read by "
+                              f"dpo.loss_type=simpo only (leave it at {default})")
+    if cpo_alpha < 0:
+        raise ConfigError(f"dpo.cpo_alpha={cpo_alpha!r}: must be >= 0 (the weight of the chosen responses' NLL; "
+                          "0 is SimPO, TRL's CPO default is 1.0)")
+
+
+def simpo_loss(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor, *, beta: float, gamma: float,
+               label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair SimPO losses and rewards ``(losses [B], chosen_rewards [B], rejected_rewards [B])`` from
+    the policy's length-averaged log-probs ``[B]`` (no reference). Rewards are ``beta x`` those
+    averages, detached (TRL's CPO). Computed in float32 at least."""
+    chosen, rejected = _at_least_float32(chosen_avg_logps), _at_least_float32(rejected_avg_logps)
+    z = beta * (chosen - rejected) - gamma
+    losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
 def dpo_loss(
@@ -127,6 +166,7 @@ def dpo_loss(
     tokens (its ``response_mask`` sum), by which it averages the log-ratios. The caller reduces
     ``losses`` (TRL: the mean over pairs). Computed in float32 at least; rewards are detached.
     """
+    dpo_loss_spec(loss_type)  # a loss with a reference (simpo is `simpo_loss`)
     spec = check_dpo_options(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
     if spec.needs_lengths and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(f"DPO loss_type={loss_type!r} averages log-ratios per token: pass chosen_lengths and "
@@ -210,3 +250,7 @@ def _robust_loss(chosen_logratios, rejected_logratios, *, beta, label_smoothing,
 
 DPO_LOSS_TYPES: tuple[str, ...] = registered_dpo_losses()
 """The built-in loss types (``sigmoid``, ``hinge``, ``ipo``, ``robust``)."""
+
+_SIMPO = DPOLossSpec("simpo", simpo_loss, uses_label_smoothing=True,
+                     summary="SimPO: -log sigmoid(beta (avg_c - avg_r) - simpo_gamma), no reference")
+"""SimPO's entry for the option checks; not in the registry, whose losses all take reference log-ratios."""

@@ -27,14 +27,14 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from posttrain.algorithms.batch_info import ConfigWithBatchInfo, global_batch_info, summed_over_ranks
-from posttrain.algorithms.dpo import dpo_loss, dpo_metrics, pair_logps
+from posttrain.algorithms.dpo import dpo_loss, dpo_metrics, pair_logps, simpo_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.losses import agg_loss
 from posttrain.algorithms.policy_losses import get_policy_loss_fn
 from posttrain.algorithms.utils import masked_mean
 from posttrain.batch import response_mask_of
 
-__all__ = ["DPO", "LOGPROB_KEYS", "Objective", "PPO", "SFT", "StepMetricNames", "UpdateLoop", "ppo_loop"]
+__all__ = ["DPO", "LOGPROB_KEYS", "Objective", "PPO", "SFT", "SimPO", "StepMetricNames", "UpdateLoop", "ppo_loop"]
 
 LOGPROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 """What the policy's forward reads."""
@@ -229,7 +229,6 @@ class _PairObjective(Objective):
         return loss
 
     def extra_loss(self, log_prob, mb, info, meter) -> torch.Tensor | float:
-        """A term beside the pair losses (default: none)."""
         return 0.0
 
 
@@ -251,3 +250,39 @@ class DPO(_PairObjective):
             chosen, rejected, ref[0::2], ref[1::2], beta=self.beta, loss_type=self.loss_type,
             label_smoothing=self.label_smoothing, chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])
         return losses, chosen_rewards, rejected_rewards, chosen, rejected
+
+
+@dataclass(frozen=True)
+class SimPO(_PairObjective):
+    """SimPO (https://arxiv.org/abs/2405.14734) with TRL's ``CPOTrainer(loss_type="simpo")`` semantics:
+    no reference model; the margin is between length-averaged log-probs,
+    ``-log sigmoid(beta (avg_c - avg_r) - simpo_gamma)`` (cDPO-style ``label_smoothing``), plus
+    ``cpo_alpha`` x the token-mean NLL of the chosen responses (CPO-SimPO; 0 is SimPO itself)."""
+
+    beta: float = 2.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 0.0
+    label_smoothing: float = 0.0
+    name: ClassVar[str] = "simpo"
+
+    def normalisers(self, data):
+        """Also the chosen responses' tokens over all ranks (the NLL term's token mean)."""
+        weight = data["pair_weight"][0::2].to(torch.float64)
+        chosen_tokens = (data["response_mask"][0::2].sum(-1).to(torch.float64) * weight).sum()
+        totals, world = summed_over_ranks(torch.stack([weight.sum(), chosen_tokens]))
+        return {"scale": world / max(float(totals[0]), 1.0), "chosen_token_scale": world / max(float(totals[1]), 1.0)}
+
+    def pair_losses(self, sums, lengths, ref):
+        average = sums / lengths.to(sums.dtype).clamp(min=1)
+        chosen, rejected = average[0::2], average[1::2]
+        losses, chosen_rewards, rejected_rewards = simpo_loss(chosen, rejected, beta=self.beta, gamma=self.simpo_gamma,
+                                                              label_smoothing=self.label_smoothing)
+        return losses, chosen_rewards, rejected_rewards, chosen, rejected
+
+    def extra_loss(self, log_prob, mb, info, meter):
+        if not self.cpo_alpha:
+            return 0.0
+        chosen_mask = mb["response_mask"][0::2].to(log_prob.dtype) * mb["pair_weight"][0::2, None].to(log_prob.dtype)
+        nll = -(log_prob[0::2] * chosen_mask).sum() * info["chosen_token_scale"]
+        meter.add("nll_loss", nll.detach())
+        return self.cpo_alpha * nll

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from posttrain.config.actor_rollout_ref import FSDPConfig, MixedPrecisionConfig
+from posttrain.errors import ConfigError
 
 __all__ = ["DPOConfig", "DPODataConfig", "DPOSection", "SFTConfig", "SFTDataConfig", "SFTModelConfig",
            "SFTMultiTurnConfig", "SFTOptimConfig", "SFTTrainerConfig"]
@@ -22,6 +23,10 @@ TRUNCATION_MODES = ("error", "left", "right")
 ON_BAD_ROW = ("error", "skip")
 """``data.on_bad_row``'s values: those `posttrain.data.preference.PreferenceDataset` takes (config may not
 import the data room, so the tuple is written here too; a test keeps the two equal)."""
+SIMPO_GAMMA = 0.5
+"""``dpo.simpo_gamma``'s default (TRL's CPOConfig)."""
+CPO_ALPHA = 0.0
+"""``dpo.cpo_alpha``'s default: SimPO without the NLL term (TRL's CPOConfig defaults to 1.0, CPO-SimPO)."""
 
 
 def _cfg(**kwargs):
@@ -228,19 +233,31 @@ class DPOSection:
     beta: float = 0.1
     """Strength of the implicit KL to the reference: rewards are beta x (log pi - log pi_ref) (TRL)."""
     loss_type: str = "sigmoid"
-    """sigmoid (DPO), ipo, hinge (SLiC) or robust (TRL's names)."""
+    """sigmoid (DPO), ipo, hinge (SLiC), robust (TRL's DPOTrainer names), or simpo (TRL's CPOTrainer: no reference model)."""
     label_smoothing: float = 0.0
-    """Probability that a pair's labels are flipped (conservative DPO / robust); 0 <= x < 0.5."""
+    """Probability that a pair's labels are flipped (conservative DPO / robust / simpo); 0 <= x < 0.5."""
     precompute_ref_log_probs: bool = False
     """Compute the reference log-probs of every pair once before training (no reference model kept)."""
+    simpo_gamma: float = SIMPO_GAMMA
+    """SimPO's target reward margin: -log sigmoid(beta x (avg log-prob chosen - rejected) - simpo_gamma) (TRL's name)."""
+    cpo_alpha: float = CPO_ALPHA
+    """Weight of the chosen responses' NLL added to the SimPO loss (TRL's name; 0 is SimPO, TRL's CPO default 1.0)."""
 
     def objective(self) -> Any:
         """The update objective these knobs ask for (`posttrain.algorithms.objectives`), checked:
         ConfigError naming the ``dpo.*`` key and what is valid."""
-        from posttrain.algorithms.dpo import check_dpo_options
-        from posttrain.algorithms.objectives import DPO
+        from posttrain.algorithms.dpo import check_dpo_options, check_simpo_options
+        from posttrain.algorithms.objectives import DPO, SimPO
 
         check_dpo_options(beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing)
+        check_simpo_options(loss_type=self.loss_type, simpo_gamma=self.simpo_gamma, cpo_alpha=self.cpo_alpha,
+                            default_gamma=SIMPO_GAMMA, default_alpha=CPO_ALPHA)
+        if self.loss_type == "simpo":
+            if self.precompute_ref_log_probs:
+                raise ConfigError("dpo.precompute_ref_log_probs=true with dpo.loss_type=simpo: SimPO uses no reference "
+                                  "log-probs; set it to false")
+            return SimPO(beta=self.beta, simpo_gamma=self.simpo_gamma, cpo_alpha=self.cpo_alpha,
+                         label_smoothing=self.label_smoothing)
         return DPO(beta=self.beta, loss_type=self.loss_type, label_smoothing=self.label_smoothing)
 
 

@@ -9,6 +9,11 @@ the objective `dpo.*` asks for, over all pairs of all ranks: `posttrain.algorith
 given each response's token count, which ``ipo`` averages by) -> metrics under TRL's names
 (`posttrain.algorithms.dpo.dpo_metrics`).
 
+``dpo.loss_type=simpo`` is SimPO (TRL's ``CPOTrainer`` with ``loss_type="simpo"``, ``simpo_gamma``,
+``cpo_alpha``): the objective `posttrain.algorithms.objectives.SimPO` compares the policy's
+length-averaged log-probs of chosen and rejected with no reference, so no reference model loads and
+no reference log-probs are computed.
+
 The reference is the starting policy: a frozen copy (full fine-tuning), the actor with its LoRA
 adapters disabled (no second model), or, with ``precompute_ref_log_probs``, no model at all: the
 log-probs are computed from the starting weights before any step (and before a resume loads later
@@ -35,7 +40,7 @@ class DPOTrainer(SFTTrainer):
     stage = "dpo"
 
     def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None):
-        self.objective = config.dpo.objective()  # checked before anything loads
+        self.objective = config.dpo.objective()  # DPO, or SimPO (no reference), checked before anything loads
         super().__init__(config, model=model, tokenizer=tokenizer)
         if config.dpo.precompute_ref_log_probs:
             for dataset in (self.train_data, self.val_data):
@@ -84,10 +89,12 @@ class DPOTrainer(SFTTrainer):
 
     def validate(self) -> dict[str, float]:
         """The objective's loss and TRL's metrics of the held-out pairs under the current policy (no
-        update), in float64: ``eval_loss``, ``eval_rewards/*``, ``eval_logps/*`` (means over all pairs)."""
+        update), in float64: ``eval_loss``, ``eval_rewards/*``, ``eval_logps/*`` (means over all pairs;
+        SimPO with ``cpo_alpha`` also ``eval_nll_loss``, the chosen responses' NLL per token)."""
         if self.val_data is None:
             return {}
         sums: dict[str, float] = {}
+        chosen_nll = chosen_tokens = 0.0
         for batch in self._batches(self.val_data):
             ref = self._reference_logps(batch)
             policy = self.workers.compute_sequence_logps(batch).to(torch.float64)  # [2B, 2]: sum, response tokens
@@ -97,4 +104,9 @@ class DPOTrainer(SFTTrainer):
             means = {"loss": losses.mean(), **dpo_metrics(*stats)}
             for name, mean in means.items():
                 sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + float(mean) * pairs
-        return {name: total / len(self.val_data) for name, total in sums.items()}
+            chosen_nll, chosen_tokens = chosen_nll - float(policy[0::2, 0].sum()), chosen_tokens + float(policy[0::2, 1].sum())
+        out = {name: total / len(self.val_data) for name, total in sums.items()}
+        if getattr(self.objective, "cpo_alpha", 0.0):
+            out["eval_nll_loss"] = chosen_nll / max(chosen_tokens, 1.0)
+            out["eval_loss"] += self.objective.cpo_alpha * out["eval_nll_loss"]
+        return out

@@ -93,7 +93,7 @@ def test_bad_pairs_can_be_skipped_and_counted(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("dpo.loss_type=dpo", r"dpo.loss_type='dpo' is not a DPO loss; valid: \['hinge', 'ipo', 'robust', 'sigmoid'\]"),
+    ("dpo.loss_type=dpo", r"dpo.loss_type='dpo' is not a DPO loss; valid: \['hinge', 'ipo', 'robust', 'sigmoid', 'simpo'\]"),
     ("dpo.beta=0", r"dpo.beta=0(.0)?: must be > 0"),
     ("dpo.label_smoothing=0.5", r"dpo.label_smoothing=0.5: must be in \[0, 0.5\)"),
     ("dpo.loss_type=ipo dpo.label_smoothing=0.1", r"dpo.label_smoothing=0.1 has no effect with dpo.loss_type='ipo'"),
