@@ -1,10 +1,11 @@
 """CPU attention for ``transformers`` models on ``sdpa``: faster bf16 forward/backward and decoding.
 
 torch's CPU ``scaled_dot_product_attention`` kernel (flash, blocked) is slow in two cases that
-dominate posttrain's CPU runs (SmolLM2-135M, 1 thread, ``[32, 9, 114, 64]`` per layer):
+dominate posttrain's CPU runs (SmolLM2-135M, 1 thread, ``[32, 9, 114, 64]`` per layer; timings in
+benchmarks/README.md, "CPU attention"):
 
-- bf16 (autocast) forward + backward: 134 ms per layer vs 67 ms for two matmuls and a softmax;
-- a one-token query while decoding: ~3 ms per layer vs 0.5 ms (most of a decoding step).
+- bf16 (autocast) forward + backward: about twice the time of two matmuls and a softmax;
+- a one-token query while decoding: several times that of the plain products, most of a decoding step.
 
 ``fast_cpu_attention(model)`` switches a model whose ``config._attn_implementation`` is ``sdpa``
 to ``posttrain_sdpa`` for the duration of a ``with`` block (autograd keeps what the forward chose,

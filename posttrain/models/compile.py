@@ -2,11 +2,11 @@
 
 Most of a CPU training step that is not matmul is memory-bound elementwise work: RMSNorm, rotary
 embeddings, SiLU x up-projection, residual adds, autocast's casts, each a separate pass over the
-activations. Inductor fuses them per decoder layer. Measured on SmolLM2-135M (bf16 autocast, 2
-cores, 32 rows x ~107 tokens, alternating in one process): the log-prob forward 2.33 -> 1.75 s and
-forward + backward 6.98 -> 5.91 s; in the trainer's steps (``benchmarks/bench_ab.py``) the
-update 1.35-1.5x and the reference pass 1.3-1.45x faster. The first compilation takes ~50 s on the
-first step (cached on disk by inductor: ~7 s on later runs).
+activations. Inductor fuses them per decoder layer, which makes the update and the reference pass
+clearly faster; the first compilation costs most of a minute on the first step (cached on disk by
+inductor, seconds on later runs), which is why the key is opt-in. Measured by hand (a forward, a
+forward + backward) and in the trainer with ``benchmarks/bench_ab.py``: figures and machine in
+benchmarks/README.md, "Compiled layers".
 
 One compiled wrapper (``torch.compile(layer, dynamic=True)``: every sequence length and batch size
 reuses one graph per mode) is made per layer and swapped into the model's layer list only inside

@@ -1,8 +1,10 @@
 """``mixed_precision.param_dtype=auto``: compute in bf16 or fp32, whichever this machine runs faster.
 
-Machines differ more than a default can: on one CPU here (Zen 4, AVX512-BF16, no AMX) bf16 autocast
-ran a training step 4.5x slower than fp32; on another (AMD family 26) 1.9x faster; on a CPU without
-any bf16 instructions bf16 is emulated and was 29x slower. So ``auto`` decides in three steps:
+Machines differ more than a default can: bf16 autocast ran a training step several times slower
+than fp32 on one CPU with bf16 instructions, faster on another, and many times slower on a CPU
+without them, where bf16 is emulated (figures and machines in benchmarks/README.md, "Compute
+precision"; ``benchmarks/bench_step.py --precisions bf16,fp32`` compares the two on the built-in
+work). So ``auto`` decides in three steps:
 
 1. The CPU's capabilities first (`cpu_bf16_support`): without bf16 instructions (x86: ``amx_bf16`` or
    ``avx512_bf16``; ARM: ``bf16``) the answer is fp32 at once, nothing timed.
@@ -37,7 +39,8 @@ __all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "res
 
 CHOICES = ("bf16", "fp32")
 PROBE_ROWS, PROBE_TOKENS, PROBE_RESPONSE = 2, 128, 32
-"""The timed batch: 2 rows of 128 tokens, the last 32 scored (about a second for a 135M model on 2 cores)."""
+"""The timed batch: 2 rows of 128 tokens, the last 32 scored (small, so that a 135M model on 2 cores
+times both precisions within `BUDGET_S`)."""
 BUDGET_S = 4.0
 """The most the measurement may take; passes stop once it is spent (the answer uses what was timed)."""
 CLEARLY_SLOWER = 1.3
@@ -137,7 +140,8 @@ def _fmt(seconds: float) -> str:
 
 BUSY_SHARE = 0.5
 """Below this share of its threads' CPU time while timing, the machine counts as busy (a quiet
-2-core machine gives this process 70-95%: the Python between kernels runs on one thread)."""
+2-core machine gives this process well above it, though not all: the Python between kernels runs on
+one thread; benchmarks/README.md, "Compute precision")."""
 
 
 def _core_share(wall_s: float, cpu_s: float) -> float | None:

@@ -14,9 +14,10 @@ and ``save_pretrained``-s like any other model (transformers refuses to save a G
 A GGUF is converted once into a plain folder (float32 safetensors, config, tokenizer) in posttrain's
 cache (``<cache>/gguf/<name>-<size>-<mtime>``, see :mod:`posttrain.host.cache`), and every later load
 reads that folder: transformers parses a GGUF's metadata in Python (the tokenizer's 49,152 strings,
-tensor-name tables), which took 15-20 s a load on 2 cores of a Zen 3 EPYC, and a run loads its model
-four or five times (tokenizer, config, actor, reference). The folder holds the same float32 values
-the GGUF de-quantises to. Where the cache cannot be written, the GGUF is loaded directly.
+tensor-name tables), which takes many seconds a load on a CPU (benchmarks/README.md, "GGUF
+loading"), and a run loads its model four or five times (tokenizer, config, actor, reference). The
+folder holds the same float32 values the GGUF de-quantises to. Where the cache cannot be written,
+the GGUF is loaded directly.
 """
 
 from __future__ import annotations
@@ -105,13 +106,13 @@ def _convert_gguf(where: ResolvedModel, folder: Path) -> None:
 @contextlib.contextmanager
 def _gguf_parsed_once():
     """Within the block, transformers' GGUF loading does its slow repeated parts once: parsing the
-    file (``gguf.GGUFReader``: three times, ~6 s each for SmolLM2-135M), turning its metadata into
+    file (``gguf.GGUFReader``: three times, seconds each for SmolLM2-135M), turning its metadata into
     config and tokenizer dicts (``load_gguf_checkpoint`` without tensors; the config and the
     tokenizer each ask) and gguf's tensor-name table (``get_tensor_name_map``, built again for every
     submodule: 397 times). All three are pure functions of their arguments and their results are
-    only read (the metadata dicts, which callers edit, are handed out as deep copies). The
-    conversion took 35.6 s on 2 Zen 3 cores, 15.8 s with this. Where one of them is missing (another
-    transformers or gguf version), nothing is patched and the loading is only slower."""
+    only read (the metadata dicts, which callers edit, are handed out as deep copies). This more
+    than halves the conversion (benchmarks/README.md, "GGUF loading"). Where one of them is missing
+    (another transformers or gguf version), nothing is patched and the loading is only slower."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 

@@ -65,7 +65,7 @@ _CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in f
 _KEEP_ELEMENTS = 1 << 26
 """Largest ``tokens x vocabulary`` of a micro-batch whose chunks keep their ``[t, V]`` tensor for
 backward (256 MiB in float32) instead of recomputing it: a recomputation costs another ``lm_head``
-product and ``log_softmax`` per chunk (0.1-0.2 s each for SmolLM2 on a 2-core CPU)."""
+product and ``log_softmax`` per chunk (timed: benchmarks/README.md, "Log-probs")."""
 
 
 def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] | None:

@@ -418,8 +418,8 @@ def merged_named_tensors(module: nn.Module, dtype: torch.dtype | None = None) ->
 def merged_for_generation(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[None]:
     """Within the block, every LoRA layer of ``module`` computes one product with ``W + scaling * B @ A``
     (held in ``dtype``, the compute precision, so bf16 autocast need not cast it at every step) instead
-    of the base product plus the two adapter products: measured on the built-in benchmark, unmerged
-    adapters made generation 9.2 s against 5.8 s for full fine-tuning.
+    of the base product plus the two adapter products: unmerged adapters made generation much slower
+    than full fine-tuning's (``benchmarks/bench_step.py --lora 32``; benchmarks/README.md, "LoRA").
 
     The base layer's own parameter object is set aside and put back, never written: the frozen base
     stays bit-identical. Layers whose base weight is shared with another module (a tied ``lm_head``)

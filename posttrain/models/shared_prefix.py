@@ -25,8 +25,9 @@ at the end), and a dense ``[G, 1, L, L]`` boolean mask (``L^2`` pairs per row).
 Either builder compares its forward's cost with the plain one and returns None (the caller runs the
 plain forward) where it would cost more.
 
-Measured (SmolLM2-135M shape, bf16 autocast, 8 prompts of 75 tokens x 4 responses of 32, one
-forward + backward, 2-core CPU): 7.0 s plain, 3.6-4.0 s one row per prompt (dense mask).
+One row per prompt roughly halves a forward + backward of the built-in run's shape; measured by
+hand and in the trainer with ``benchmarks/bench_ab.py --lever prefix`` / ``--lever beginning``
+(figures and machines in benchmarks/README.md, "Shared prompts").
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def _prefill(step: "_ModelStepper", ids: torch.Tensor, mask: torch.Tensor, pos: 
     returned mask says so. Each real token sees the same tokens at the same positions as in a plain
     prefill, so the logits and cache entries are the plain prefill's up to float rounding (the shared
     part is one row of a product instead of ``B``). The built-in run's 128 validation prompts share
-    63 of their 76 tokens (a validation pass 32.3 -> 12.3 s on 2 Zen 3 cores). Otherwise (fewer
+    63 of their 76 tokens, so a validation pass takes well under half the time (benchmarks/README.md,
+    "Shared prefill"). Otherwise (fewer
     shared tokens, one prompt, a cache that cannot be repeated) a plain prefill.
     """
     shared = _shared_prefix_length(ids, mask, pos)
@@ -266,9 +267,10 @@ def _draw(scores: torch.Tensor) -> torch.Tensor:
     number per row (the global torch RNG) located in the row's cumulative probabilities (float64).
 
     The same distribution as ``torch.multinomial(probs, 1)``, which draws an exponential number per
-    vocabulary entry: 28 ms of a 150 ms decoding step for ``[32, 49152]`` on a 2-core CPU, against
-    3 ms here. Tokens of probability 0 (cut by top-k/top-p) are never drawn: the cumulative sum does
-    not rise at them, and the search returns the first index whose sum exceeds the uniform number.
+    vocabulary entry: a sizeable part of a small model's decoding step on CPU, many times this draw's
+    cost (benchmarks/README.md, "Sampling"). Tokens of probability 0 (cut by top-k/top-p) are never
+    drawn: the cumulative sum does not rise at them, and the search returns the first index whose sum
+    exceeds the uniform number.
     """
     cdf = torch.softmax(scores, dim=-1).cumsum(-1, dtype=torch.float64)
     target = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]

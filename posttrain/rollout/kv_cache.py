@@ -1,10 +1,11 @@
 """A KV cache that decodes without copying itself: room for the whole response is reserved once.
 
 ``transformers``' ``DynamicCache`` appends each decoded token by ``torch.cat``, which copies every
-layer's keys and values at every step: 15% of a decoding step of SmolLM2-135M at 32 rows on a
-2-core CPU (`benchmarks/bench_decode.py`). After prefill, :func:`reserve` moves each layer into
-buffers with room for ``new_tokens`` more positions; a step then writes its one position in place
-and attention reads a view of the filled part (the same values, so decoding is unchanged).
+layer's keys and values at every step, a noticeable share of a decoding step of SmolLM2-135M on CPU
+(`benchmarks/bench_decode.py`'s work; the figure in benchmarks/README.md, "KV cache"). After
+prefill, :func:`reserve` moves each layer into buffers with room for ``new_tokens`` more positions;
+a step then writes its one position in place and attention reads a view of the filled part (the
+same values, so decoding is unchanged).
 
 Only plain ``DynamicLayer`` layers are converted (sliding-window, quantized or other layer types
 keep their own update rule); with a ``transformers`` that has no per-layer caches nothing changes.

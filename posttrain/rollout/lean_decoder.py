@@ -16,17 +16,16 @@ is kept once for all of them. Under bf16 autocast the weights are cast to bf16 o
 fp32 weights are packed once per generation into the layout a GEMM kernel wants, because for a few
 rows a plain fp32 GEMM spends much of each call re-packing the whole weight into its panels. Two
 packings exist in x86 builds of torch, and which is faster depends on the CPU, so the first decoder
-of a machine times both on its first layer's weights (:func:`fp32_matmul_backend`, ~0.1 s, cached):
+of a machine times both on its first layer's weights (:func:`fp32_matmul_backend`, once, cached):
 
-- oneDNN's blocked layout (``_reorder_linear_weight``): one packing serves every row count. On 2
-  cores of an AMD EPYC (Zen 3, AVX2) all of SmolLM2-135M's weights at 32 rows took 81 ms against
-  141 ms through MKL's packing and 127 ms plain; at 8 rows 31 against 70 and 72 ms.
-- MKL's packed GEMM (``cblas_sgemm_pack``): packed for one row count, then panels only. On 2 cores of
-  an AMX Xeon at 20 rows: 576->1536 0.30 -> 0.18 ms, 1536->576 0.39 -> 0.16 ms, the 49152-token
-  head 15.7 -> 11.7 ms (oneDNN 39 against MKL's 36 ms for all weights there). Packing all weights
-  costs ~150 ms, so when rows leave the batch the packed weights are kept, and the rows padded to
-  the packed count, until fewer than half remain; they are packed again only where the steps left
-  can repay it, and never for fewer than 4 rows, where the plain GEMM reads each weight once.
+- oneDNN's blocked layout (``_reorder_linear_weight``): one packing serves every row count. On an
+  AVX2 CPU without AVX-512 it beat both MKL's packing and the plain GEMM by far.
+- MKL's packed GEMM (``cblas_sgemm_pack``): packed for one row count, then panels only; on an AMX
+  CPU it was on a par with oneDNN, and faster than the plain GEMM at 20 rows. Packing all
+  weights costs what the packed product saves in many steps, so when rows leave the batch the
+  packed weights are kept, and the rows padded to the packed count, until fewer than half remain;
+  they are packed again only where the steps left can repay it, and never for fewer than 4 rows,
+  where the plain GEMM reads each weight once.
 
 Either gives the plain product up to fp32 rounding (a different order of the same sums).
 
@@ -37,11 +36,10 @@ GPU, other architectures, sliding-window attention, LoRA-wrapped or otherwise no
 projections, non-SiLU MLPs, sharded (DTensor) weights, caches without per-layer keys/values. ``tests/rollout/test_lean_decoder.py``
 checks the logits against the model's forward step by step.
 
-Measured in the trainer (fp32, alternating on/off, against the engine's plain step with posttrain's
-CPU attention): GSM8K-length generation (20 rows, <= 256 tokens) ~1.2x faster in one session, within
-the noise in another; at the built-in run's <= 32 tokens 2.57 s against 2.53 s (median of 6; it was
-2.84 s before rows under 4 stopped being packed). Against transformers' own step at 20 rows with
-150-token prompts: 65 ms against 91-104 ms.
+In the trainer it is faster than the engine's plain step (with posttrain's CPU attention) at
+GSM8K length, or within the noise, and even with it at the built-in run's <= 32 tokens; against
+transformers' own decoding step it is clearly faster. Measured with ``benchmarks/bench_ab.py --lever
+lean`` and by hand (the kernels' timings): figures and machines in benchmarks/README.md, "Lean decoder".
 """
 
 from __future__ import annotations
@@ -73,12 +71,13 @@ grouped-query attention with optional q/k/v bias, SiLU-gated MLP)."""
 
 PACK_MIN_ROWS = 4
 """Fewer rows multiply the model's weights directly: MKL's plain fp32 GEMM reads the weights once
-at 1-3 rows (SmolLM2-135M, 2 cores of an AMX Xeon: 18-22 ms for all weights, packed 21-22 ms), so
-packing (110-250 ms) never pays; from 4 rows on it re-packs every call (33-51 ms against 24-32 ms)."""
+at 1-3 rows, as fast as a packed product, so packing never pays; from 4 rows on it re-packs every
+call and the packed product is faster (benchmarks/README.md, "Lean decoder")."""
 
 REPACK_MIN_STEPS = 16
 """Pack the weights for a new row count only when at least this many decoding steps may remain:
-packing costs 110-250 ms and saves 8-20 ms a step over the plain GEMM at 4-12 rows."""
+a packing costs what the packed product saves over the plain GEMM in many steps at 4-12 rows
+(benchmarks/README.md, "Lean decoder")."""
 
 
 def mkl_packing_available() -> bool:
@@ -177,8 +176,8 @@ class _Weight:
     (:data:`REPACK_MIN_STEPS`); otherwise, and below :data:`PACK_MIN_ROWS` rows, the model's own
     weights are multiplied directly.
     bf16 with oneDNN: the fused bf16 copy packed once into oneDNN's blocked layout, which serves every
-    row count (2 cores of an AMX Xeon, all of SmolLM2's weights: 18.4 ms against 24.9 ms at 32 rows,
-    14.6 against 19.9 ms at 1 row; packing ~60 ms; bit-equal to ``F.linear``).
+    row count and is faster than ``F.linear`` at 1 and at 32 rows on an AMX CPU (bit-equal to it;
+    benchmarks/README.md, "Lean decoder").
     Otherwise (float64, no MKL or oneDNN): one fused copy in ``dtype``.
     """
 

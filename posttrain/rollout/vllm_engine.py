@@ -154,8 +154,8 @@ def import_vllm():
 CPU_BLOCK_SIZE = 32
 """KV block size on CPU (vLLM's CPU default is 128): the n samples of a prompt share its KV blocks
 through the prefix cache, and only whole blocks are shared, so a smaller block leaves less of each
-prompt to prefill again per sample. Measured on the built-in prompts (~200 tokens, n=4): bf16
-generation 1.98x the hf engine's tokens/s with 32 against 1.63x with 128 (contended machine)."""
+prompt to prefill again per sample. On the built-in prompts 32 generated faster than 128
+(``benchmarks/bench_vllm.py``; figures in benchmarks/README.md, "vLLM's CPU block size")."""
 
 
 def cpu_kv_cache_bytes(hf_config: Any, max_model_len: int, max_num_seqs: int, dtype: str,
