@@ -36,10 +36,12 @@ def test_sft_two_ranks_equal_one_process(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow  # a 2-rank engine run (~15-30 s on 2 Zen 3 cores): `python -m pytest -m slow`
-def test_dpo_two_ranks_equal_one_process(tmp_path, ray_cluster):
+@pytest.mark.parametrize("loss", [[], ["dpo.loss_type=simpo", "dpo.beta=2.0", "dpo.cpo_alpha=0.5"]],
+                         ids=["dpo", "simpo"])
+def test_dpo_two_ranks_equal_one_process(tmp_path, ray_cluster, loss):
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
-    extra = ["trainer.total_training_steps=2", "optim.lr=3e-3"]
+    extra = ["trainer.total_training_steps=2", "optim.lr=3e-3", *loss]
     one = DPOTrainer(tiny_dpo_config(tmp_path / "one", extra)).fit()
     two = DPOTrainer(tiny_dpo_config(tmp_path / "two", [*extra, "trainer.n_gpus_per_node=2"])).fit()
     for a, b in zip(one, two):
