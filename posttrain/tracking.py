@@ -119,7 +119,7 @@ class MlflowBackend:
         self.mlflow = _require("mlflow", "mlflow")
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
-            # recent mlflow (3.17 here) refuses file stores unless opted in; sqlite would cost ~9 s of migrations.
+            # recent mlflow refuses file stores unless opted in; a sqlite store would run its schema migrations at every start.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (run_dir / "mlruns").resolve().as_uri()
         self.mlflow.set_tracking_uri(uri)

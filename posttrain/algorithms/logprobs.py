@@ -22,8 +22,8 @@ def logprob_and_entropy(logits: torch.Tensor, labels: torch.Tensor, calculate_en
 
     log-prob = log_softmax(logits)[label]; entropy = -sum(softmax * log_softmax). torch's fused
     ``log_softmax`` passes over the ``[t, V]`` chunk fewer times than ``logit[label] -
-    logsumexp(logits)``: 13 ms against 43 ms forward + backward for ``[341, 49152]`` on a 2-core
-    CPU. The backward is :class:`_LogProbEntropy`'s, one pass over the chunk. ``entropy_grad=False``
+    logsumexp(logits)``, a third of the time forward + backward (benchmarks/README.md, "Figures behind
+    the package's design"). The backward is :class:`_LogProbEntropy`'s, one pass over the chunk. ``entropy_grad=False``
     computes the entropy without a graph (a metric, not a loss term).
     """
     if not (logits.requires_grad and torch.is_grad_enabled()):
@@ -83,7 +83,7 @@ class _LogProbEntropy(torch.autograd.Function):
         else:
             grad = probs.mul_(-grad_logp[:, None])  # probs is this pass's own exp(): built in place
         at_label = torch.arange(grad.shape[0], device=grad.device) * grad.shape[1] + labels
-        grad.view(-1).index_add_(0, at_label, grad_logp.to(grad.dtype))  # (advanced-index += is ~50x slower on CPU)
+        grad.view(-1).index_add_(0, at_label, grad_logp.to(grad.dtype))  # (advanced-index += is far slower on CPU)
         return grad, None, None, None
 
 

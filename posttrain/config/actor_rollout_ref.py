@@ -138,7 +138,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     """Add a KL(actor || reference) term to the actor loss (GRPO style); loads the reference model."""
     use_torch_compile: bool = True
-    """verl's switch for compiling its entropy kernel; accepted and unused here (log-probs and entropy use torch's fused log_softmax; compiling them measured 15% faster on that kernel, under 1% of a step, for ~5 s of compilation per process). Decoder layers compile with actor_rollout_ref.model.compile_layers."""
+    """verl's switch for compiling its entropy kernel; accepted and unused here (log-probs and entropy use torch's fused log_softmax; compiling them saved under 1% of a step for seconds of compilation per process: benchmarks/README.md). Decoder layers compile with actor_rollout_ref.model.compile_layers."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
@@ -379,7 +379,7 @@ class ActorModelConfig:
     use_fused_kernels: bool = False
     """Use fused log-prob/entropy kernels."""
     compile_layers: bool = False
-    """(posttrain) Run the decoder layers through torch.compile (dynamic shapes) in the actor's log-prob and update passes, the reference pass and the critic's passes, not in generation. Fusing their elementwise work made those passes 1.2-1.5x faster on a 2-core CPU, after ~50 s of first compilation (cached on disk by inductor; needs g++). One rank only (not with FSDP2 sharding)."""
+    """(posttrain) Run the decoder layers through torch.compile (dynamic shapes) in the actor's log-prob and update passes, the reference pass and the critic's passes, not in generation. Fusing their elementwise work makes those passes faster on CPUs after a first compilation of about a minute (cached on disk by inductor; needs g++; figures: benchmarks/README.md, "Compiled layers"). One rank only (not with FSDP2 sharding)."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint folder to run."""
 
