@@ -70,7 +70,7 @@ def _switch(trainer, lever: str, on: bool) -> None:
     if lever == "offload":  # off: the same memory, never paged out (resident like any other) and no trims
         import torch
 
-        from posttrain.workers.optim import PagedAdamW
+        from posttrain.host.paging import PAGED_WEIGHTS_ATTR, PagedAdamW, paged_weights
 
         actor = trainer.workers.actor
         if not hasattr(actor, "paged_optimizer"):
@@ -80,9 +80,9 @@ def _switch(trainer, lever: str, on: bool) -> None:
             plain.param_groups, plain.state = paged.param_groups, paged.state
             actor.plain_optimizer = plain
         actor.optimizer = actor.paged_optimizer if on else actor.plain_optimizer  # with it, the actor's memory-first mode
-        ref = trainer.workers.ref
-        ref.kept_paged = getattr(ref, "kept_paged", ref.paged)
-        ref.paged = ref.kept_paged if on else None
+        ref = trainer.workers.ref.module  # off: the placement finds no paged weights to drop after a pass
+        kept = _kept.setdefault("ref_pages", paged_weights(ref))
+        object.__setattr__(ref, PAGED_WEIGHTS_ATTR, kept if on else None)
         return
     workers = [w for w in (trainer.workers.actor, trainer.workers.ref) if w is not None]
     for worker in workers:

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.host.paging import IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, page_module, paging_directory
+from posttrain.host.paging import (IN_MEMORY_FILESYSTEMS, PagedAdamW, PagedTensors, _filesystem_type, offload_directory,
+                                   page_module, paged_weights, paging_directory)
+from posttrain.host.placement import InProcess
 from posttrain.host.resident import current_resident_bytes
-from posttrain.workers.optim import PagedAdamW
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 from helpers.tokenizer import build_tiny_tokenizer
 
@@ -129,11 +130,14 @@ def test_offload_keys_page_the_reference_and_the_moments_on_cpu(paging_dir):
     cfg = tiny_worker_configs(actor={"fsdp_config": dataclasses.replace(plain_cfg.actor.fsdp_config,
                                                                         optimizer_offload=True)})
     cfg.ref.fsdp_config.param_offload = True
-    actors = [ActorWorker(c.model, c.actor, c.rollout, device="cpu", module=tiny_llama(tok), tokenizer=tok, seed=3)
-              for c in (plain_cfg, cfg)]
+    place = InProcess("cpu")  # the one-process placement decides the paging
+    actors = [ActorWorker(c.model, c.actor, c.rollout, device="cpu", module=tiny_llama(tok), tokenizer=tok, seed=3,
+                          placement=place) for c in (plain_cfg, cfg)]
     assert type(actors[0].optimizer) is torch.optim.AdamW and isinstance(actors[1].optimizer, PagedAdamW)
-    refs = [RefWorker(tiny_llama(tok), c.ref, c.rollout, device="cpu") for c in (plain_cfg, cfg)]
-    assert refs[0].paged is None and refs[1].paged is not None
+    refs = [RefWorker(place.shard(tiny_llama(tok), c.ref.fsdp_config, "fp32", forward_only=True,
+                                  fsdp_section="actor_rollout_ref.ref"), c.ref, c.rollout, device="cpu")
+            for c in (plain_cfg, cfg)]
+    assert paged_weights(refs[0].module) is None and paged_weights(refs[1].module) is not None
     batch = actors[0].generate_sequences(prompts)  # one batch for both (sampling draws from shared streams)
     batch.meta_info["temperature"] = 1.0
     torch.manual_seed(7)
@@ -141,11 +145,14 @@ def test_offload_keys_page_the_reference_and_the_moments_on_cpu(paging_dir):
     for actor in actors:
         for _ in range(3):
             batch["old_log_probs"], _ = actor.compute_log_prob(batch)
-            actor.update_policy(batch)
+            with place.resident(actor, with_optimizer=True, phase="update_actor"):  # memory first when paged
+                actor.update_policy(batch)
     moved = [(a - b).abs().max() for a, b in zip(tiny_llama(tok).parameters(), actors[1].module.parameters())]
     assert min(moved) > 0  # the steps changed every weight
     assert all(torch.equal(a, b) for a, b in zip(actors[0].module.parameters(), actors[1].module.parameters()))
-    assert torch.equal(refs[0].compute_ref_log_prob(batch), refs[1].compute_ref_log_prob(batch))
+    with place.resident(refs[1], phase="ref"):  # paged out after the pass
+        paged_pass = refs[1].compute_ref_log_prob(batch)
+    assert torch.equal(refs[0].compute_ref_log_prob(batch), paged_pass)
 
 
 def test_full_disk_is_one_error_naming_the_folder(tmp_path, monkeypatch):
@@ -188,7 +195,7 @@ def test_paged_run_equals_the_plain_run_and_resumes_exactly(paging_dir):
     with one_thread():
         _, plain = fit("plain", [], 4)
         trainer, paged = fit("paged", PAGED, 4)
-        assert isinstance(trainer.workers.actor.optimizer, PagedAdamW) and trainer.workers.ref.paged is not None
+        assert isinstance(trainer.workers.actor.optimizer, PagedAdamW) and paged_weights(trainer.workers.ref.module) is not None
         fit("split", PAGED, 2)
         _, resumed = fit("split", PAGED, 4)
     assert [r["step"] for r in resumed] == [3, 4] and paged[2]["actor/kl_loss"] > 0

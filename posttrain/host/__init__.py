@@ -4,6 +4,7 @@
     allocator.py  glibc's malloc told to keep freed memory for reuse, and when to hand it back
     paging.py     state paged to a file between uses (param_offload / optimizer_offload on a CPU run),
                   `PagedAdamW` among it
+    placement.py  `InProcess`: the one-process placement, where the levers above meet the roles
     resident.py   resident memory now, at its peak and per phase
     cache.py      the per-user cache folder and per-machine answers (timings measured once)
     disk.py       failed writes (full disk, quota, read-only) as one error naming the file

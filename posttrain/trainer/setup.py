@@ -152,12 +152,25 @@ def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, devic
     `worker_config` holds per-rank batch sizes (`posttrain.config.worker_config`).
     """
     if world_size(config) == 1:
-        from posttrain.workers.group import build_local_group
-
         return build_local_group(worker_config, device, seed, actor_module, critic_module, tokenizer)
     from posttrain.distributed.rank_group import RankWorkerGroup
 
     return RankWorkerGroup(config, worker_config, seed, tokenizer)
+
+
+def build_local_group(config: PostTrainConfig, device: torch.device, seed: int, actor_module: Any = None,
+                      critic_module: Any = None, tokenizer: Any = None):
+    """Every role of the run in this process (`posttrain.workers.build.build_roles`), placed by
+    `posttrain.host.placement.InProcess` on ``device``, which the group also asks for each call's
+    residency. ``config`` holds per-rank batch sizes (`posttrain.config.worker_config`)."""
+    from posttrain.host.placement import InProcess
+    from posttrain.workers.build import build_roles
+    from posttrain.workers.group import LocalWorkerGroup
+
+    placement = InProcess(device)
+    roles = build_roles(config, placement, seed, tokenizer=tokenizer, actor_module=actor_module,
+                        critic_module=critic_module)
+    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed, placement=placement)
 
 
 def run_dir(config: PostTrainConfig) -> Path:

@@ -1,9 +1,11 @@
 """Every role of a run built once, for one process and for ranks alike.
 
 Per role: load on CPU -> LoRA -> compute precision -> ``place.shard`` -> the worker, which receives
-the ready module (`posttrain.workers.prepare` holds the steps). The placement is the only thing
-that differs: `posttrain.workers.prepare.InProcess` moves modules to the device; a rank's
-placement (`posttrain.distributed.rank`) shards them with FSDP2 and lets rank 0 decide ``auto``.
+the ready module and asks the placement for its optimizer (`posttrain.workers.prepare` holds the
+steps). The placement is the only thing that differs: the one-process placement
+(`posttrain.host.placement.InProcess`) moves modules to the device and applies this machine's
+levers (state kept in files on a CPU run, compiled layers); a rank's placement
+(`posttrain.distributed.rank`) shards them with FSDP2 and lets rank 0 decide ``auto``.
 
     actor      the policy and its hybrid rollout engine; its ``param_dtype`` is decided (``auto``: timed)
     reference  when KL is used: the actor with its adapters disabled under LoRA (`LoraReference`,
@@ -73,17 +75,19 @@ def _actor(config: Any, place: Placement, seed: int, tokenizer: Any, module: Any
     ready = prepare("policy", arr.model, arr.actor.fsdp_config, place, section="actor_rollout_ref.model",
                     module=module, seed=seed)
     return ActorWorker(arr.model, arr.actor, arr.rollout, device=place.device, module=ready.module,
-                       tokenizer=tokenizer, seed=seed, lora=ready.lora, param_dtype=ready.param_dtype)
+                       tokenizer=tokenizer, seed=seed, lora=ready.lora, param_dtype=ready.param_dtype,
+                       placement=place)
 
 
 def _reference(config: Any, place: Placement, actor: ActorWorker, initial: Any) -> RefWorker:
     """The frozen initial policy (no gradient checkpointing: the reference never trains)."""
     arr = config.actor_rollout_ref
     m = arr.model
-    ready = prepare("policy", m, arr.ref.fsdp_config, place, module=initial, actor_dtype=actor.param_dtype,
+    ready = prepare("policy", m, arr.ref.fsdp_config, place, section="actor_rollout_ref.model",
+                    fsdp_section="actor_rollout_ref.ref", module=initial, actor_dtype=actor.param_dtype,
                     forward_only=True)
     return RefWorker(ready.module, arr.ref, arr.rollout, device=place.device, param_dtype=ready.param_dtype,
-                     remove_padding=bool(m.use_remove_padding), compile_layers=bool(m.compile_layers))
+                     remove_padding=bool(m.use_remove_padding))
 
 
 def _critic(config: Any, place: Placement, seed: int, actor: ActorWorker, module: Any) -> CriticWorker:
@@ -91,14 +95,14 @@ def _critic(config: Any, place: Placement, seed: int, actor: ActorWorker, module
     ready = prepare("value", c, c.fsdp_config, place, section="critic.model", module=module, seed=seed,
                     actor_dtype=actor.param_dtype)
     return CriticWorker(config.critic, device=place.device, module=ready.module, seed=seed, lora=ready.lora,
-                        param_dtype=ready.param_dtype)
+                        param_dtype=ready.param_dtype, placement=place)
 
 
 def _reward_model(config: Any, place: Placement, actor: ActorWorker) -> RewardModelWorker:
     """Frozen and placed like the reference: on ranks each scores its own rows (data parallel)."""
     rm = config.reward_model
-    ready = prepare("reward", rm.model, rm.model.fsdp_config, place, actor_dtype=actor.param_dtype,
-                    forward_only=True)
+    ready = prepare("reward", rm.model, rm.model.fsdp_config, place, fsdp_section="reward_model.model",
+                    actor_dtype=actor.param_dtype, forward_only=True)
     return RewardModelWorker.from_config(rm, actor.tokenizer, config.actor_rollout_ref.model.path, ready.module,
                                          device=place.device, param_dtype=ready.param_dtype,
                                          world_size=place.world_size)

@@ -7,18 +7,13 @@ else ``int(optim.lr_warmup_steps_ratio * optim.total_training_steps)``.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from posttrain.host.paging import PagedTensors
-
 __all__ = [
-    "PagedAdamW",
     "build_optimizer",
     "build_lr_scheduler",
     "trainable_parameters",
@@ -29,13 +24,13 @@ __all__ = [
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
-                    paged_directory: str | None = None) -> torch.optim.AdamW:
+                    make: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> torch.optim.Optimizer:
     """AdamW(lr, betas, weight_decay) from an ``optim`` config section (fp32 state).
 
     The fused kernel when every parameter is a floating tensor on CPU or CUDA (4x faster than the
     default ``foreach`` path on CPU: 0.08 s vs 0.34 s a step for SmolLM2-135M on 2 cores); same update.
-    ``paged_directory``: a `PagedAdamW` whose moments are paged to a file there (``optimizer_offload``
-    on a CPU run).
+    ``make``: the AdamW class to build, when the placement keeps the moments elsewhere (it hands
+    out the optimizer: `posttrain.workers.prepare.Placement.optimizer`).
     """
     betas = tuple(float(b) for b in optim.betas)
     if len(betas) != 2:
@@ -43,81 +38,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
     params = list(params)
     kwargs = dict(lr=float(optim.lr), betas=betas, weight_decay=float(optim.weight_decay))
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
-    make = torch.optim.AdamW if paged_directory is None else functools.partial(PagedAdamW, directory=paged_directory)
     if tensors and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors):
         try:
             return make(params, fused=True, **kwargs)
         except (RuntimeError, TypeError, ValueError):  # an older torch or an unsupported dtype/device
             pass
     return make(params, **kwargs)
-
-
-class PagedAdamW(torch.optim.AdamW):
-    """AdamW whose moments live in a file paged out of memory between uses (`posttrain.host.paging`).
-
-    `step` updates one parameter at a time, with torch's own AdamW step on a group holding that one
-    parameter, then pages its moments out: at most one parameter's moments are in memory at once,
-    instead of all of them (8 bytes a parameter) on top of what the update holds. The update is
-    torch's (the same numbers as ``torch.optim.AdamW``), the state dict is torch's (checkpoints are
-    interchangeable); moments created elsewhere are copied into the file: torch creates them at a
-    parameter's first step (copied right after it), a checkpoint load replaces them (copied as it ends).
-    """
-
-    def __init__(self, params: Any, *, directory: str, **kwargs: Any):
-        super().__init__(params, **kwargs)
-        self._directory = directory
-        self._params = [p for group in self.param_groups for p in group["params"]]
-        self._slot = {p: i for i, p in enumerate(self._params)}
-        self._files: dict[str, PagedTensors] = {}  # one file per moment ("exp_avg", "exp_avg_sq", ...)
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        groups, hooks = self.param_groups, (self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks)
-        # this step's hooks ran once around it; not again around each parameter's
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-        try:
-            for group in groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    self.param_groups = [{**group, "params": [p]}]  # hyper-parameters as they are now (lr schedule)
-                    super().step()
-                    self._page_out(p)
-        finally:
-            self.param_groups = groups
-            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = hooks
-        return loss
-
-    def _page_out(self, p: torch.nn.Parameter) -> None:
-        """``p``'s moments moved into their files (when not there yet) and dropped from memory."""
-        state, i = self.state[p], self._slot[p]
-        for key, value in state.items():
-            if key == "step" or not isinstance(value, torch.Tensor):
-                continue  # the step counter stays in memory
-            if key not in self._files:
-                self._files[key] = PagedTensors([q.detach() for q in self._params], self._directory,
-                                                what=f"AdamW's {key}")
-            paged = self._files[key]
-            if not paged.holds(i, value):
-                paged.tensors[i].copy_(value)
-                state[key] = paged.tensors[i]
-            paged.page_out(i)
-
-    def page_out(self) -> None:
-        """Every moment dropped from memory (after a checkpoint read them all)."""
-        for paged in self._files.values():
-            paged.page_out()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, then the loaded moments moved into the files and paged out."""
-        super().load_state_dict(state_dict)
-        for p in self._params:
-            if self.state.get(p):
-                self._page_out(p)
 
 
 def constant_schedule_with_warmup(num_warmup_steps: int):

@@ -3,12 +3,16 @@ load on CPU -> LoRA -> compute precision -> placement.
 
 Each step has one home here: `load_role_model` is the only place a role's model is loaded from its
 config, `add_lora` the only place adapters are injected, `decide_param_dtype` the only place
-``mixed_precision.param_dtype: auto`` is decided. A placement says where the module goes:
-`InProcess` (one process: the module moves to the device) or a rank's FSDP2 placement
-(`posttrain.distributed.rank`), which shards it and lets rank 0 decide ``auto`` for every rank.
+``mixed_precision.param_dtype: auto`` is decided. A placement (`Placement`) says where the module
+goes and how it runs, and hands out the optimizer: the one-process placement
+(`posttrain.host.placement.InProcess`) moves it to the device and applies the machine's levers
+(frozen weights and AdamW's moments kept in files on a CPU run, compiled decoder layers); a rank's FSDP2
+placement (`posttrain.distributed.rank`) shards it and lets rank 0 decide ``auto`` for every rank.
+The roles receive a placed module and never decide any of this.
 
 `posttrain.workers.build` prepares every role of a run with `prepare`; a worker constructed
-directly with a raw module (tests, notebooks) calls `prepare` itself with `InProcess`.
+directly with a raw module (tests, notebooks) calls `prepare` itself with the placement it is given,
+by default `OnDevice`: the device alone, no levers.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from posttrain.models import enable_activation_checkpointing, load_causal_lm, lo
 from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.reward_model import import_external_lib, load_reward_model
+from posttrain.workers.optim import build_optimizer, trainable_parameters
 
-__all__ = ["InProcess", "Placement", "ROLE_KINDS", "Ready", "add_lora", "decide_param_dtype", "follow_actor",
+__all__ = ["OnDevice", "Placement", "ROLE_KINDS", "Ready", "add_lora", "decide_param_dtype", "follow_actor",
            "load_role_model", "prepare"]
 
 ROLE_KINDS = ("policy", "value", "reward")
@@ -33,7 +38,7 @@ ROLE_KINDS = ("policy", "value", "reward")
 
 
 class Placement(Protocol):
-    """Where a ready module lives."""
+    """Where a ready module lives and how it runs, and the optimizer its trainable parameters get."""
 
     device: torch.device
     world_size: int
@@ -43,12 +48,22 @@ class Placement(Protocol):
         """``choose()`` once for everyone who must agree (one process: itself; ranks: rank 0's answer, broadcast)."""
 
     def shard(self, module: nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
-              gradient_checkpointing: bool = False) -> nn.Module:
-        """``module`` placed: moved to the device (one process) or FSDP2-sharded (ranks)."""
+              gradient_checkpointing: bool = False, compile_key: str | None = None,
+              fsdp_section: str = "") -> nn.Module:
+        """``module`` placed: moved to the device (one process) or FSDP2-sharded (ranks).
+
+        ``compile_key``: the config key that turned compiled decoder layers on (None: off);
+        ``fsdp_section``: where ``fsdp_config`` sits in the config (``actor_rollout_ref.ref``), named
+        in the placement's errors."""
+
+    def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
+        """AdamW over ``module``'s trainable parameters (a LoRA base stays out: no state, no weight
+        decay), from ``optim_config``; ``section``: where ``fsdp_config`` sits, for errors."""
 
 
-class InProcess:
-    """One process: nothing to shard or agree on; the module moves to ``device``."""
+class OnDevice:
+    """The device alone: nothing to shard or agree on, no machine levers; plain AdamW. What a worker
+    built directly (tests, notebooks) uses unless it is handed another placement."""
 
     world_size = 1
 
@@ -60,11 +75,16 @@ class InProcess:
         return choose()
 
     def shard(self, module: nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
-              gradient_checkpointing: bool = False) -> nn.Module:
+              gradient_checkpointing: bool = False, compile_key: str | None = None,
+              fsdp_section: str = "") -> nn.Module:
         """Activation checkpointing when asked, then the device (``fsdp_config``: ranks only)."""
         if gradient_checkpointing:
             enable_activation_checkpointing(_language_model(module))
         return module.to(self.device)
+
+    @staticmethod
+    def optimizer(module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
+        return build_optimizer(trainable_parameters(module), optim_config)
 
 
 @dataclass
@@ -106,7 +126,7 @@ def add_lora(module: nn.Module, model_config: Any, section: str, model_dtype: st
 
 
 def decide_param_dtype(requested: str, module: nn.Module, device: torch.device,
-                       agree: Callable[[Callable[[], str]], str] = InProcess.agree) -> str:
+                       agree: Callable[[Callable[[], str]], str] = OnDevice.agree) -> str:
     """``requested`` unless it is ``auto``; then the faster of bf16 and fp32 on this machine, timed on
     ``module`` (`posttrain.models.compute_dtype`) once for everyone ``agree`` speaks for: ranks
     computing in different precisions would not be one data-parallel model."""
@@ -123,15 +143,16 @@ def follow_actor(fsdp_config: Any, actor_dtype: str) -> str:
 
 
 def prepare(kind: str, model_config: Any, fsdp_config: Any, place: Placement, *, section: str = "",
-            module: nn.Module | None = None, lora: LoraAdapter | None = None, seed: int = 0,
-            actor_dtype: str | None = None, forward_only: bool = False) -> Ready:
+            fsdp_section: str = "", module: nn.Module | None = None, lora: LoraAdapter | None = None,
+            seed: int = 0, actor_dtype: str | None = None, forward_only: bool = False) -> Ready:
     """Load on CPU (unless ``module`` is given) -> LoRA (when ``model_config`` asks and ``lora`` is not
     given; never for a frozen role) -> precision (decided, or `follow_actor` when ``actor_dtype`` is
     given) -> ``place.shard``.
 
     ``model_config``: the role's model section (may be None with an in-memory ``module``: no LoRA, no
-    checkpointing); ``fsdp_config``: its ``fsdp_config`` (master dtype, precision, sharding);
-    ``section``: the config path named in LoRA errors; ``forward_only``: a frozen role.
+    checkpointing, no compiled layers); ``fsdp_config``: its ``fsdp_config`` (master dtype, precision,
+    sharding, offload); ``section``: the model section's config path, named in LoRA and compile errors;
+    ``fsdp_section``: ``fsdp_config``'s, named in offload errors; ``forward_only``: a frozen role.
     """
     if module is None:
         module = load_role_model(kind, model_config, fsdp_config.model_dtype)
@@ -141,5 +162,7 @@ def prepare(kind: str, model_config: Any, fsdp_config: Any, place: Placement, *,
     dtype = (follow_actor(fsdp_config, actor_dtype) if actor_dtype is not None
              else decide_param_dtype(requested, module, place.device, place.agree))
     checkpointing = bool(getattr(model_config, "enable_gradient_checkpointing", False)) and not forward_only
-    module = place.shard(module, fsdp_config, dtype, forward_only=forward_only, gradient_checkpointing=checkpointing)
+    compile_key = f"{section}.compile_layers" if getattr(model_config, "compile_layers", False) else None
+    module = place.shard(module, fsdp_config, dtype, forward_only=forward_only, gradient_checkpointing=checkpointing,
+                         compile_key=compile_key, fsdp_section=fsdp_section)
     return Ready(module, lora, dtype)

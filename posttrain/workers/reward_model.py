@@ -30,7 +30,6 @@ from posttrain.models.logprobs import forget_forward_record  # the reference's f
 from posttrain.models.microbatch import equal_micro_batch_count, is_sharded, micro_batch_indices
 from posttrain.models.precision import autocast_context
 from posttrain.models.reward_model import import_external_lib, last_token_scores
-from posttrain.host.paging import offload_directory, one_pass, page_module
 from posttrain.rewards.manager import place_on_last_token, response_mask_of
 
 __all__ = ["RewardModelWorker", "per_rank_micro_batch", "render_for_reward_model"]
@@ -61,7 +60,8 @@ class RewardModelWorker:
     """A frozen reward model and the tokenizers it needs.
 
     Args:
-        module: a sequence-classification model (`load_reward_model`), possibly FSDP-sharded.
+        module: a sequence-classification model (`load_reward_model`), placed (`posttrain.workers.build`
+            prepares it; a raw module is moved to ``device``), possibly FSDP-sharded.
         config: the ``reward_model`` section (``max_length``, ``use_dynamic_bsz``,
             ``forward_max_token_len_per_gpu``, ``model.fsdp_config``).
         rm_tokenizer: the reward model's tokenizer (its chat template renders the inputs).
@@ -79,10 +79,6 @@ class RewardModelWorker:
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(device)
         self.module = module.to(self.device).eval().requires_grad_(False)
-        # param_offload on a CPU run: the weights in a file, paged out after each scoring (posttrain.host.paging)
-        directory = offload_directory(config.model.fsdp_config, "param_offload", "reward_model.model", self.module,
-                                      self.device)
-        self.paged = page_module(self.module, directory, "the reward model's weights") if directory else None
         text_config = self.module.config.get_text_config()
         if text_config.pad_token_id is None:  # transformers refuses batches of > 1 row without one
             text_config.pad_token_id = rm_tokenizer.pad_token_id
@@ -177,7 +173,7 @@ class RewardModelWorker:
         # under FSDP every forward is a collective: all ranks run as many (a padding entry is dropped)
         plan = equal_micro_batch_count(groups) if is_sharded(self.module) else [(g, False) for g in groups]
         scores = torch.zeros(mask.shape[0], dtype=torch.float32)
-        with torch.no_grad(), self.autocast(), one_pass(self.paged):
+        with torch.no_grad(), self.autocast():
             for rows, padding in plan:
                 micro = _trim_padding({k: v[rows.to(v.device)] for k, v in inputs.items()})
                 out = last_token_scores(self.module, **{k: v.to(self.device) for k, v in micro.items()})

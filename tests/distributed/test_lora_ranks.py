@@ -93,7 +93,7 @@ def tok():
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tok):
     """The same step in one process; its checkpoint (``<folder>/actor``) for the ranks to load."""
-    from posttrain.workers.group import build_local_group
+    from posttrain.trainer.setup import build_local_group
 
     work = tmp_path_factory.mktemp("one")
     group = build_local_group(per_rank_config(work, 1), torch.device("cpu"), 0, tokenizer=tok)
@@ -147,7 +147,7 @@ def test_adapter_update_equals_one_process(two_ranks, one_process):
 
 
 def test_checkpoint_of_two_ranks_loads_into_one_process(two_ranks, tmp_path, tok):
-    from posttrain.workers.group import build_local_group
+    from posttrain.trainer.setup import build_local_group
 
     results, ckpt = two_ranks
     assert (ckpt / "actor" / "dcp").is_dir() and (ckpt / "actor" / "lora_adapter" / "adapter_config.json").exists()

@@ -14,6 +14,7 @@ from helpers.tiny_reward_model import build_rm_tokenizer, tiny_reward_model, tin
 from helpers.tiny_run import tiny_config, tiny_model_dir
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.host import paging
+from posttrain.host.placement import InProcess
 from posttrain.batch import Batch, to_object_array
 from posttrain.config import ConfigError
 from posttrain.config.critic import RewardModelConfig
@@ -312,9 +313,15 @@ def test_param_offload_pages_the_weights_on_cpu(toks, tmp_path, monkeypatch):
     want = worker(tiny_reward_model(toks[1]), toks).compute_rm_score(batch)
     config = rm_config()
     config.model.fsdp_config.param_offload = True
-    paged = RewardModelWorker(tiny_reward_model(toks[1]), config, rm_tokenizer=toks[1], input_tokenizer=toks[0],
+    place = InProcess("cpu")  # the one-process placement pages the weights, and drops them after each call
+    placed = place.shard(tiny_reward_model(toks[1]), config.model.fsdp_config, "fp32", forward_only=True,
+                         fsdp_section="reward_model.model")
+    paged = RewardModelWorker(placed, config, rm_tokenizer=toks[1], input_tokenizer=toks[0],
                               micro_batch_size=config.micro_batch_size_per_gpu)
-    assert paged.paged is not None and worker(tiny_reward_model(toks[1]), toks).paged is None
-    assert {p.data_ptr() for p in paged.module.parameters()} <= {t.data_ptr() for t in paged.paged.tensors}
-    assert torch.equal(paged.compute_rm_score(batch), want)
-    assert torch.equal(paged.compute_rm_score(batch), want)  # again, after the pages left
+    pages = paging.paged_weights(paged.module)
+    assert pages is not None and paging.paged_weights(worker(tiny_reward_model(toks[1]), toks).module) is None
+    assert {p.data_ptr() for p in paged.module.parameters()} <= {t.data_ptr() for t in pages.tensors}
+    with place.resident(paged, phase="reward"):
+        assert torch.equal(paged.compute_rm_score(batch), want)
+    with place.resident(paged, phase="reward"):
+        assert torch.equal(paged.compute_rm_score(batch), want)  # again, after the pages left

@@ -8,8 +8,11 @@ import math
 import pytest
 import torch
 
+from types import SimpleNamespace
+
 from helpers.tokenizer import build_tiny_tokenizer
-from posttrain.workers import ActorWorker, CriticWorker, RefWorker
+from posttrain.host.placement import InProcess
+from posttrain.workers.build import build_roles
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
 
@@ -28,9 +31,13 @@ def test_full_step_from_folder_bf16_checkpointing(ckpt):
                               actor=dict(use_kl_loss=True))
     cfg.model.path, cfg.model.enable_gradient_checkpointing = path, True
     cfg.critic.model.path, cfg.critic.model.enable_gradient_checkpointing = path, True
-    actor = ActorWorker(cfg.model, cfg.actor, cfg.rollout, device="cpu")
-    ref = RefWorker.from_config(cfg.model, cfg.ref, cfg.rollout, device="cpu")
-    critic = CriticWorker(cfg.critic, device="cpu")
+    cfg.critic.enable = True
+    run = SimpleNamespace(actor_rollout_ref=SimpleNamespace(model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
+                                                            ref=cfg.ref),
+                          critic=cfg.critic, algorithm=SimpleNamespace(use_kl_in_reward=False),
+                          reward_model=SimpleNamespace(enable=False))
+    roles = build_roles(run, InProcess("cpu"), 0)  # every role loaded from the folder
+    actor, ref, critic = roles.actor, roles.ref, roles.critic
     assert actor.tokenizer.pad_token_id == tok.pad_token_id
 
     torch.manual_seed(0)

@@ -1,0 +1,91 @@
+"""`InProcess`: the one-process placement, where this machine's levers meet the roles.
+
+What FSDP2's placement does for ranks (`posttrain.distributed.rank.RankPlacement`: shard, offload
+to CPU memory between phases), this one does for a single process: move each module to the device,
+and on a CPU run apply the levers the config asks for, so that no role decides them:
+
+- ``param_offload`` on a frozen role (the reference, the reward model): its weights paged to a file
+  and dropped from memory after each pass (`posttrain.host.paging`);
+- ``optimizer_offload``: AdamW's moments paged to a file, one parameter's in memory at a time
+  (`posttrain.host.paging.PagedAdamW`), and the actor's rollout and update run memory-first
+  (`resident`);
+- ``compile_layers``: the decoder layers through ``torch.compile`` in the scoring and training
+  forwards (`posttrain.models.compile`; on any device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from posttrain.host.allocator import mapped_allocations, release_freed_memory
+from posttrain.host.paging import PagedAdamW, offload_directory, one_pass, page_module, paged_weights
+from posttrain.models.compile import enable_layer_compile
+from posttrain.workers.optim import build_optimizer, trainable_parameters
+from posttrain.workers.prepare import OnDevice
+
+__all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first"]
+
+MEMORY_FIRST_PHASES = ("gen", "update_actor")
+"""The actor's rollout and update: the phases whose large short-lived buffers (logits, the rollout's
+cache, gradients) `memory_first` keeps out of the heap when ``optimizer_offload`` chose memory."""
+
+
+class InProcess(OnDevice):
+    """One process: the module moves to ``device``, with the levers of the module docstring.
+
+    The worker group's contract (`posttrain.workers.group.LocalWorkerGroup`, built with this
+    placement): every data call on a role runs inside ``resident(worker, with_optimizer=...,
+    phase=...)``, with the call's row of `posttrain.workers.group.CALLS` (its phase is the trainer's
+    stage name: ``gen`` for generation, ``update_actor`` for every update of the actor). A worker
+    used without a group computes the same numbers; only the memory `resident` hands back stays.
+    """
+
+    def shard(self, module: nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
+              gradient_checkpointing: bool = False, compile_key: str | None = None,
+              fsdp_section: str = "") -> nn.Module:
+        """On the device (`OnDevice.shard`); a frozen role's weights paged to a file when its
+        ``param_offload`` asks on a CPU run; compiled decoder layers when ``compile_key`` is set."""
+        module = super().shard(module, fsdp_config, param_dtype, forward_only=forward_only,
+                               gradient_checkpointing=gradient_checkpointing)
+        if forward_only:
+            directory = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
+            if directory is not None:
+                page_module(module, directory, f"the weights of {fsdp_section or 'a frozen model'}")
+        if compile_key is not None:
+            enable_layer_compile(module, compile_key)
+        return module
+
+    def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
+        """AdamW; its moments paged to a file (`PagedAdamW`) when ``<section>.fsdp_config.optimizer_offload``
+        asks on a CPU run."""
+        directory = offload_directory(fsdp_config, "optimizer_offload", section, module, self.device)
+        make = torch.optim.AdamW if directory is None else functools.partial(PagedAdamW, directory=directory)
+        return build_optimizer(trainable_parameters(module), optim_config, make)
+
+    @contextlib.contextmanager
+    def resident(self, worker: Any, *, with_optimizer: bool = False, phase: str | None = None) -> Iterator[None]:
+        """One call on ``worker`` (None: nothing to do): its paged weights, if any, dropped from memory
+        after the call however it ends (`posttrain.host.paging.one_pass`); and when its optimizer is
+        paged (memory chosen over speed), the phases of `MEMORY_FIRST_PHASES` run `memory_first`.
+        ``with_optimizer``: nothing to move in one process (the moments page themselves)."""
+        paged = paged_weights(getattr(worker, "module", None))
+        first = phase in MEMORY_FIRST_PHASES and isinstance(getattr(worker, "optimizer", None), PagedAdamW)
+        with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
+            yield
+
+
+@contextlib.contextmanager
+def memory_first() -> Iterator[None]:
+    """The block's large buffers get mappings of their own, unmapped when freed, and what the heap
+    freed goes back to the kernel after it (`posttrain.host.allocator`): otherwise freed memory stays
+    for the next phase to reuse, and the holes between longer-lived tensors grow the heap from step
+    to step. It lowers the peak and costs some speed (fresh pages are zero-filled): measured by
+    ``benchmarks/bench_memory.py`` (its docstring has the figures)."""
+    with mapped_allocations():
+        yield
+    release_freed_memory()
