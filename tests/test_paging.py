@@ -204,3 +204,39 @@ def test_paged_run_equals_the_plain_run_and_resumes_exactly(paging_dir):
         assert len(keys) > 10
         bad = {k: (a[k], b[k]) for k in keys if not math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7)}
         assert bad == {}, f"step {a['step']}: {bad}"
+
+
+def test_the_one_process_group_pages_out_after_each_call_and_updates_memory_first(paging_dir, monkeypatch):
+    """The placement, not the roles, decides residency: through the one-process group, the paged
+    reference is paged out after its pass and the actor's rollout and update run memory-first."""
+    import contextlib
+
+    from helpers.tiny_run import one_thread, tiny_overrides
+    from posttrain.config import load_config
+    from posttrain.host import placement
+    from posttrain.trainer.trainer import RLTrainer
+
+    entered, whole_page_outs = [], []
+    real_memory_first, real_page_out = placement.memory_first, PagedTensors.page_out
+
+    @contextlib.contextmanager
+    def memory_first():
+        entered.append(1)
+        with real_memory_first():
+            yield
+
+    def page_out(self, index=None):
+        if index is None:  # a whole file: the reference's weights (AdamW's moments go one parameter at a time)
+            whole_page_outs.append(1)
+        real_page_out(self, index)
+
+    monkeypatch.setattr(placement, "memory_first", memory_first)
+    monkeypatch.setattr(PagedTensors, "page_out", page_out)
+    overrides = tiny_overrides(paging_dir / "run", RUN + PAGED + ["trainer.total_training_steps=1",
+                                                                  "trainer.val_before_train=False"])
+    with one_thread():
+        trainer = RLTrainer(load_config(overrides=overrides))
+        assert whole_page_outs == [1]  # paged once as it was placed
+        trainer.fit()
+    assert len(entered) >= 2  # the rollout and the update
+    assert len(whole_page_outs) >= 2  # and again after the reference's pass
