@@ -4,12 +4,10 @@ glibc serves every allocation above its ``mmap`` threshold (128 KiB, rising to a
 with a mapping of its own and unmaps it on ``free``. A training step allocates and frees the same
 large tensors again and again (the ``[49152, 576]`` embedding gradient and its bf16 casts, the
 ``[t, 49152]`` logit chunks), so each one arrives as fresh pages that the kernel zero-fills on first
-touch. On this project's 2-core CPU a zeroed ``[49152, 576]`` float32 tensor took 31-43 ms to
-allocate against 12-16 ms with freed blocks kept, and a ``[300, 49152]`` log-softmax 26 ms against
-11 ms. ``keep_freed_memory`` turns ``mmap`` allocation off and raises the trim threshold, so freed
-blocks stay in the heap and are reused (the process keeps its peak footprint, which a training run
-reaches every step anyway). The built-in GRPO step (`benchmarks/bench_step.py`, bf16): 17.9 s ->
-16.1 s.
+touch, taking about twice as long to allocate as a reused block. ``keep_freed_memory`` turns ``mmap``
+allocation off and raises the trim threshold, so freed blocks stay in the heap and are reused (the
+process keeps its peak footprint, which a training run reaches every step anyway): a faster step
+(``benchmarks/bench_step.py``; the figures in benchmarks/README.md, "Host").
 
 The command-line entry points and each Ray rank call it. It does nothing off glibc, or when the
 user configured the allocator (a ``MALLOC_*`` tuning variable, ``GLIBC_TUNABLES``, or a preloaded

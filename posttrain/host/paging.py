@@ -5,10 +5,10 @@ device's memory *is* the machine's, so there is nowhere in memory to move it to;
 is a file. `PagedTensors` lays tensors out in one unlinked file mapped into the process
 (``MAP_SHARED``): using them is using memory, and `PagedTensors.page_out` then drops their pages from
 the process (``madvise(MADV_DONTNEED)``). What was written stays in the kernel's page cache, which is
-reclaimable: while memory is free the next use maps the pages straight back (a minor fault per page:
-a pass over 0.54 GB took 0.11-0.13 s against 0.10-0.12 s for ordinary memory on this project's 2-core
-Xeon), and under memory pressure the kernel writes them to the file and frees them instead of the
-process running out of memory.
+reclaimable: while memory is free the next use maps the pages straight back (a minor fault per page,
+a pass about as fast as over ordinary memory: benchmarks/README.md, "Host"), and under memory
+pressure the kernel writes them to the file and frees them instead of the process running out of
+memory.
 
 Used for the frozen reference's and reward model's weights (``actor_rollout_ref.ref.fsdp_config.
 param_offload``, ``reward_model.model.fsdp_config.param_offload``: paged out after each pass) and for

@@ -3,13 +3,13 @@
 torch's CPU kernels run on an OpenMP pool (libgomp). By default a thread that reaches the end of a
 parallel op spins for a while before it sleeps, so the next op finds it awake; with
 ``OMP_WAIT_POLICY=PASSIVE`` it sleeps at once and every parallel op pays a wake-up. A decoding step
-is thousands of small ops, so the choice is large, and it goes both ways (2 cores, GSM8K-length
-generation of SmolLM2-135M, 20 rows, fp32):
+is thousands of small ops, so the choice is large, and it goes both ways:
 
-- on a quiet machine spinning is faster: 10.9 s against 18.2 s sleeping (a small ``bmm`` 26 against
-  95 us, an advanced-indexing gather 8 against 93 us);
-- beside one busy process it is slower: 36.5 s against 17.1 s, because a spinning thread burns the
-  core its descheduled peer needs. One thread is 15.9 s quiet and 15.8 s beside the busy process.
+- on a quiet machine spinning is faster (small ops find their threads awake);
+- beside one busy process it is slower, because a spinning thread burns the core its descheduled
+  peer needs; one thread then beats two that spin.
+
+The figures: ``benchmarks/bench_threads.py`` and benchmarks/README.md ("Host").
 
 So :func:`choose_wait_policy` looks before torch loads: when the cores this process may use were
 idle for a moment (other processes used less than half a core), OpenMP keeps its default (spin,
