@@ -34,6 +34,8 @@ class RankWorkerGroup:
         seed, tokenizer: handed to every rank.
     """
 
+    writes = True  # the driver (the ranks write their shards into the checkpoints it seals)
+
     def __init__(self, config: Any, worker_config: Any, seed: int, tokenizer: Any):
         from omegaconf import OmegaConf
 
@@ -129,6 +131,9 @@ class RankWorkerGroup:
 
     def rewind_step(self) -> None:
         self._ranks.call_all("rewind_step")
+
+    def agree_stop(self, stop: bool) -> bool:
+        return stop  # the driver alone runs the loop
 
     def shutdown(self) -> None:
         self._ranks.shutdown()

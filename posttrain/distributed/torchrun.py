@@ -25,7 +25,7 @@ from posttrain.distributed.split import combine_metrics, gather_from_ranks, spli
 from posttrain.workers.group import Call, bind_calls
 from posttrain.launch import launched_by_torchrun, torchrun_world_size  # re-exported: their home is the ground floor
 
-__all__ = ["TorchrunGroup", "launched_by_torchrun", "torchrun_world_size"]
+__all__ = ["TorchrunGroup", "first_rank_says", "launched_by_torchrun", "torchrun_world_size"]
 
 
 def device_type_for(device: str) -> str:
@@ -39,6 +39,13 @@ def join(device: str, timeout_s: float) -> tuple[int, int]:
     from posttrain.distributed.fsdp import backend_for, init_distributed
 
     return init_distributed(backend_for(device_type_for(device)), timeout_s=timeout_s)
+
+
+def first_rank_says(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (before the group exists too: the checkpoint folder's verdict)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @bind_calls
@@ -72,17 +79,18 @@ class TorchrunGroup:
         samples = len(outs[0]) // len(chunks[0]) if call.split == "prompts" else 1  # responses per prompt
         return gather_from_ranks(outs, pad * samples)
 
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is set on any rank (the ranks agree on stopping)."""
-        value = torch.tensor([1.0 if flag else 0.0])
+    @property
+    def writes(self) -> bool:
+        return self.rank == 0
+
+    def agree_stop(self, stop: bool) -> bool:
+        """Whether ``stop`` is set on any rank (the ranks stop after the same step)."""
+        value = torch.tensor([1.0 if stop else 0.0])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
     def first_rank_says(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return first_rank_says(value)
 
     # ------------------------------------------------------------------ the calls
     def save_checkpoint(self, folder: Path) -> list[str]:

@@ -1,4 +1,6 @@
-"""Offline DPO on the SFT trainer's loop and the RL workers (TRL's `DPOTrainer` semantics and names).
+"""Offline DPO (TRL's `DPOTrainer` semantics and names): its step and validation, on the run loop every
+stage shares (`posttrain.trainer.run`) and an `SFTSession` of preference pairs (rows, loader, the RL
+workers, checkpoint folder), composed rather than inherited from SFT.
 
 One step: the next ``data.train_batch_size`` preference pairs (read and checked row by row by
 `posttrain.data.preference.PreferenceDataset`, the one reader of preference rows; chosen and
@@ -22,47 +24,54 @@ weights, so a resumed run uses the same reference).
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
 from posttrain.algorithms.dpo import dpo_metrics
 from posttrain.batch import Batch
 from posttrain.config.sft import DPOConfig
-from posttrain.trainer.sft_trainer import SFTTrainer
+from posttrain.config.sft_load import validate_sft_config
+from posttrain.errors import ConfigError
+from posttrain.trainer import resume
+from posttrain.trainer.run import RunLoop
+from posttrain.trainer.sft_session import SFTSession
 
 __all__ = ["DPOTrainer"]
 
 
-class DPOTrainer(SFTTrainer):
-    """`SFTTrainer` with preference pairs and the DPO loss (``dpo.*``)."""
+class DPOTrainer:
+    """Preference pairs and the DPO loss (``dpo.*``) on an `SFTSession`, run by `RunLoop`.
+
+    Args:
+        config: `posttrain.config.sft_load.load_dpo_config(...)`.
+        model, tokenizer: use these instead of loading ``model.partial_pretrain`` (tests; one process).
+    """
 
     stage = "dpo"
+    metric_prefix = "train"  # the run loop logs train/epoch and train/global_step
 
     def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None):
         self.objective = config.dpo.objective()  # DPO, or SimPO (no reference), checked before anything loads
-        super().__init__(config, model=model, tokenizer=tokenizer)
+        validate_sft_config(config)
+        self.config = config
+        reference = self.objective.needs_reference and not config.dpo.precompute_ref_log_probs
+        s = self.session = SFTSession(config, read_pairs, no_pairs, stage=self.stage, reference=reference,
+                                      model=model, tokenizer=tokenizer)
+        self.tokenizer, self.workers, self.checkpoints = s.tokenizer, s.workers, s.checkpoints
+        self.train_data, self.val_data, self.train_loader, self.total_steps = (s.train_data, s.val_data,
+                                                                               s.train_loader, s.total_steps)
+        self.global_step = 0
+        self.history: list[dict[str, float]] = []
+        self.stopped_by: int | None = None
         if config.dpo.precompute_ref_log_probs:
             for dataset in (self.train_data, self.val_data):
                 if dataset is not None:
                     self._precompute(dataset)
 
-    def _needs_reference(self) -> bool:
-        return self.objective.needs_reference and not self.config.dpo.precompute_ref_log_probs
-
-    def _build_datasets(self) -> tuple[Any, Any]:
-        if self.config.data.train_files is None:
-            from posttrain.errors import ConfigError
-
-            raise ConfigError("data.train_files is null: DPO needs preference rows (prompt, chosen, rejected); build "
-                              "them from the model's own samples with `posttrain prep pairs ...`, or point "
-                              "data.train_files at a parquet/jsonl file of pairs")
-        return super()._build_datasets()
-
-    def _dataset(self, files: Any, max_samples: int) -> Any:
-        from posttrain.data.preference import PreferenceDataset
-
-        return PreferenceDataset.from_data_config(files, self.tokenizer, self.config.data, max_samples)
+    def _batches(self, dataset: Any) -> Iterator[Batch]:
+        return self.session.batches(dataset)
 
     def _precompute(self, dataset: Any) -> None:
         """Each pair's summed log-probs (chosen, rejected) under the starting policy, stored in ``dataset``."""
@@ -110,3 +119,29 @@ class DPOTrainer(SFTTrainer):
             out["eval_nll_loss"] = chosen_nll / max(chosen_tokens, 1.0)
             out["eval_loss"] += self.objective.cpo_alpha * out["eval_nll_loss"]
         return out
+
+    # ------------------------------------------------------------------ the run (posttrain.trainer.run)
+    def fit(self) -> list[dict[str, float]]:
+        """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
+        return RunLoop(self).fit()
+
+    def step(self) -> dict[str, float]:
+        return self.train_step(self.train_loader.next_batch())
+
+    def save_checkpoint(self) -> Path:
+        return self.session.save(self.global_step)
+
+    def restore(self) -> resume.RunState | None:
+        return self.session.restore()
+
+
+def read_pairs(files: Any, tokenizer: Any, config: DPOConfig, max_samples: int) -> Any:
+    from posttrain.data.preference import PreferenceDataset
+
+    return PreferenceDataset.from_data_config(files, tokenizer, config.data, max_samples)
+
+
+def no_pairs(config: DPOConfig) -> tuple[Any, Any]:
+    raise ConfigError("data.train_files is null: DPO needs preference rows (prompt, chosen, rejected); build "
+                      "them from the model's own samples with `posttrain prep pairs ...`, or point "
+                      "data.train_files at a parquet/jsonl file of pairs")

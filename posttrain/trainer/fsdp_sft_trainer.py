@@ -18,7 +18,7 @@ BUILTIN_SFT = Path(__file__).resolve().parent.parent / "config" / "sft_builtin.y
 
 
 def _run(trainer_cls, config) -> int:
-    from posttrain.trainer.trainer import startup_signals
+    from posttrain.trainer.run import startup_signals
 
     try:
         with startup_signals():

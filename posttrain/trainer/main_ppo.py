@@ -21,7 +21,8 @@ def run(config) -> int:
 
 def _train(config) -> int:
     from posttrain.trainer.report import summarize_run
-    from posttrain.trainer.trainer import RLTrainer, startup_signals
+    from posttrain.trainer.run import startup_signals
+    from posttrain.trainer.trainer import RLTrainer
 
     try:
         with startup_signals():

@@ -16,11 +16,9 @@ KL settings); `GRPOTrainer` and `PPOTrainer` are the same loop under the names u
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import random
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -35,10 +33,10 @@ from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
-from posttrain.errors import PosttrainError, SignalStop
+from posttrain.errors import PosttrainError
 from posttrain.host.resident import PhasePeaks
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
-                                       place_on_last_token, scoring_in_progress)
+                                       place_on_last_token)
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
 from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
@@ -46,6 +44,7 @@ from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
+from posttrain.trainer.run import RunLoop, StepUndone
 from posttrain.trainer.validation import run_validation
 
 # Estimators whose baseline is the reward of a greedy response to the same prompt (ReMax): declared
@@ -68,6 +67,8 @@ class RLTrainer:
         actor_module, critic_module, tokenizer: use these instead of loading from the config's paths
             (tests build tiny random models this way).
     """
+
+    metric_prefix = "training"  # the run loop logs training/epoch and training/global_step
 
     def __init__(self, config: PostTrainConfig, *, actor_module: Any = None, critic_module: Any = None,
                  tokenizer: Any = None):
@@ -114,11 +115,8 @@ class RLTrainer:
         self.use_critic = uses_critic(config)
         self.global_step = 0
         self.history: list[dict[str, float]] = []
-        self._saved_step: int | None = None  # the step this process last saved
-        self._stop_signal: int | None = None
         self.stopped_by: int | None = None
         """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
-        self._phase = "start-up"
         self._nonfinite_streak = 0
         self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.host.resident)
         # spinning OpenMP threads on cores other processes use wait for descheduled peers: fewer threads
@@ -307,128 +305,57 @@ class RLTrainer:
         release_freed_memory()  # the held-out decoding's buffers: no training phase reuses their sizes
         return metrics
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps`; returns the per-step metrics (also sent to `trainer.logger`).
-
-        SIGINT/SIGTERM (first one): the step in flight finishes, a checkpoint is saved and ``fit``
-        returns with ``stopped_by`` set to the signal; a signal that arrives while rewards are being
-        computed stops at once and saves the last finished step. A second one aborts without saving.
-        """
-        from posttrain.tracking import Tracking
-
+        Signals, resume, validation and saving: `posttrain.trainer.run.RunLoop.fit`."""
         cfg = self.config.trainer
         print(describe_sizes(self.sizes), flush=True)
         print(f"threads: {torch.get_num_threads()}, {wait_policy_choice()[1]} (posttrain.host.threads)", flush=True)
-        tracker = Tracking(cfg.logger, setup.run_dir(self.config), cfg.project_name, cfg.experiment_name,
-                           _config_dict(self.config), self.total_steps)
+        return RunLoop(self, validate_first=cfg.val_before_train or cfg.val_only, validate_only=cfg.val_only,
+                       check=self._check_health, on_exit=self._close_reward_fn).fit()
+
+    @property
+    def train_loader(self) -> Any:
+        return self.data.train_loader
+
+    def step(self) -> dict[str, float]:
+        """Draw the next prompts and train on them. A step that a signal during scoring, or the end of
+        the data, interrupts had changed no weight yet: it is rolled back (`StepUndone`), so that a resume
+        from the last saved step draws what it would have."""
+        loader = self.data.train_loader
+        before = (loader.state_dict(), capture_rng())
+        self.workers.mark_step()  # each rank's own generators (the rollout draws from them)
         try:
-            with _stop_on_signals(self):
-                self._phase = "resume"
-                self._resume()
-                if (cfg.val_before_train or cfg.val_only) and self.global_step == 0:
-                    self._phase = "validation"
-                    try:
-                        val = self.validate()
-                    except RewardInterrupted:
-                        val = None
-                    if val is not None:
-                        self.history.append({"step": 0, **val})
-                        tracker.log(val, step=0)
-                    if cfg.val_only or self._stop_signal is not None:
-                        self.stopped_by = self._stop_signal
-                        if self.stopped_by is not None:
-                            print(f"stopped by {signal.Signals(self.stopped_by).name} before the first step: nothing "
-                                  "was trained, so nothing was saved", flush=True)
-                        tracker.finish()
-                        return self.history
-                self._phase = "train"
-                self._train_loop(tracker)
-        finally:
-            self.workers.shutdown()  # a failed rank must not leave the others waiting in a collective
-            if isinstance(self._reward_fn, RewardManager):  # its scoring processes end with the run
-                self._reward_fn.close(kill=self._stop_signal is not None)
-            self.checkpoints.unlock()  # the folder's lock (one writer) ends with the run
-        if cfg.save_freq > 0 and self.global_step == self.total_steps and self.stopped_by is None:
-            resume.export_final(self.checkpoints)
-        tracker.finish()
-        return self.history
+            return self.train_step(self._draw_prompts())
+        except (RewardInterrupted, EpochsExhausted) as stop:
+            loader.load_state_dict(before[0])
+            restore_rng(before[1])
+            self.workers.rewind_step()
+            if isinstance(stop, EpochsExhausted):
+                print(f"dynamic sampling used up the {self.config.trainer.total_epochs} epochs of prompts "
+                      f"(trainer.total_epochs) after step {self.global_step - 1}; the run ends there", flush=True)
+            raise StepUndone(data_ended=isinstance(stop, EpochsExhausted)) from stop
+        except RewardError as err:
+            raise RewardError(f"step {self.global_step}: {err}") from err
 
-    def _train_loop(self, tracker: Any) -> None:
-        cfg = self.config.trainer
-        while self.global_step < self.total_steps and self._stop_signal is None:
-            self.global_step += 1
-            loader = self.data.train_loader
-            epoch = loader.epoch  # of the batch drawn next (the loader then moves on)
-            before = (loader.state_dict(), capture_rng())
-            self.workers.mark_step()  # each rank's own generators (the rollout draws from them)
-            try:
-                metrics = self.train_step(self._draw_prompts())
-            except (RewardInterrupted, EpochsExhausted) as stop:  # this step changed no weights yet
-                self.global_step -= 1
-                loader.load_state_dict(before[0])
-                restore_rng(before[1])
-                self.workers.rewind_step()  # so a resume from the last saved step draws what it would have
-                if isinstance(stop, EpochsExhausted):
-                    self._end_with_the_data()
-                break
-            except RewardError as err:
-                raise RewardError(f"step {self.global_step}: {err}") from err
-            metrics["training/epoch"] = epoch
-            last = self.global_step == self.total_steps
-            if cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last) and self._stop_signal is None:
-                try:
-                    metrics.update(self.validate())
-                except RewardInterrupted:
-                    print("validation interrupted; saving the step without its validation metrics", flush=True)
-            self._check_health(metrics)
-            if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
-                self.save_checkpoint()
-            tracker.log(metrics, step=self.global_step)
-            self.history.append({"step": self.global_step, **metrics})
-        if self._stop_signal is not None:
-            self.stopped_by = self._stop_signal
-            self._save_on_signal(self._stop_signal)
-
-    def _end_with_the_data(self) -> None:
-        """Dynamic sampling used up trainer.total_epochs before trainer.total_training_steps: the last
-        finished step is the run's last (saved, when trainer.save_freq saves, and exported)."""
-        print(f"dynamic sampling used up the {self.config.trainer.total_epochs} epochs of prompts "
-              f"(trainer.total_epochs) after step {self.global_step}; the run ends there", flush=True)
-        self.total_steps = self.global_step
-        if self.config.trainer.save_freq > 0 and self.global_step > 0 and self._saved_step != self.global_step:
-            self.save_checkpoint()
+    def _close_reward_fn(self, stopped: bool) -> None:
+        if isinstance(self._reward_fn, RewardManager):  # its scoring processes end with the run
+            self._reward_fn.close(kill=stopped)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """Each role writes its own state; the driver adds step, data position, KL controller, RNG."""
         run = resume.RunState(self.global_step, self._nonfinite_streak)
-        path = resume.save_run(self.checkpoints, self.workers, run, self.data.train_loader, self.kl_ctrl,
+        return resume.save_run(self.checkpoints, self.workers, run, self.data.train_loader, self.kl_ctrl,
                                self._fingerprint())
-        self._saved_step = self.global_step
-        return path
 
-    def _resume(self) -> None:
+    def restore(self) -> resume.RunState | None:
         run = resume.restore_run(self.config.trainer, self.workers, self.data.train_loader,
                                  self.kl_ctrl, self._fingerprint())
-        if run is None:
-            return
-        self.global_step, self._nonfinite_streak = run.global_step, run.nonfinite_streak
-        if self.global_step >= self.total_steps:
-            print(f"the checkpoint is at step {self.global_step} and this run has {self.total_steps} steps: nothing "
-                  "left to train (raise trainer.total_training_steps or trainer.total_epochs to continue)", flush=True)
-
-    def _save_on_signal(self, signum: int) -> None:
-        step = self.global_step
-        if step == 0:
-            print(f"stopped by {signal.Signals(signum).name} before the first step finished: nothing was trained, "
-                  "so nothing was saved", flush=True)
-            return
-        if self._saved_step == step and self.checkpoints.latest() == self.checkpoints.step_dir(step):
-            path = self.checkpoints.step_dir(step)  # trainer.save_freq saved this step a moment ago
-        else:
-            path = self.save_checkpoint()
-        resume.report_signal_stop(signum, step, path)
+        if run is not None:
+            self._nonfinite_streak = run.nonfinite_streak
+        return run
 
     def _fingerprint(self) -> dict:
         return resume.config_fingerprint(self.config, vocab_size=len(self.tokenizer))
@@ -478,76 +405,3 @@ def _extra_metrics(extra: dict[str, np.ndarray]) -> dict[str, float]:
         key = name if "/" in name else f"reward/{name}"
         out[f"{key}/mean" if name != ERRORS_KEY else key] = float(arr.mean() if name != ERRORS_KEY else arr.sum())
     return out
-
-
-def _config_dict(config: PostTrainConfig) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]
-
-
-class _stop_on_signals:
-    """SIGINT/SIGTERM: let the current step finish, then save and stop; a second Ctrl-C aborts at once.
-
-    While rewards are being computed (a scorer may hang for up to ``reward.timeout_s``) the first
-    signal stops at once: the handler raises `RewardInterrupted`, the step is undone (no weights had
-    changed yet) and the last finished step is saved."""
-
-    def __init__(self, trainer: RLTrainer):
-        self.trainer, self.previous = trainer, {}
-
-    def _handler(self, signum, frame):
-        t = self.trainer
-        if t._stop_signal is not None:
-            raise KeyboardInterrupt
-        t._stop_signal = signum
-        name = signal.Signals(signum).name
-        if t._phase == "validation":
-            what = "stopping the validation before training; nothing is trained yet, so nothing will be saved"
-        elif t._phase == "resume":
-            what = "finishing loading the checkpoint, then stopping without training"
-        elif scoring_in_progress():
-            what = (f"stopping the reward computation of step {t.global_step} now, then saving a checkpoint of the "
-                    "last finished step")
-        else:
-            what = f"finishing step {t.global_step}, then saving a checkpoint and stopping"
-        print(f"\nreceived {name}: {what} (press Ctrl-C again to abort now, without saving)", flush=True)
-        if scoring_in_progress():
-            raise RewardInterrupted(signum)
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        return False
-
-
-@contextlib.contextmanager
-def startup_signals():
-    """While a run is being built (tokenizer, data, models): the first SIGINT/SIGTERM says that nothing
-    has been trained or saved and stops (`SignalStop`, exit 128 + the signal)."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        print(f"\nreceived {name} during start-up: nothing has been trained yet, so there is nothing to save; "
-              "stopping now", flush=True)
-        raise SignalStop(f"stopped by {name} during start-up", signum)
-
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            pass
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)

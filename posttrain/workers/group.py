@@ -27,6 +27,9 @@ each group's method for each of them from that row (verl's ``@register(dispatch_
     load_checkpoint(folder)                                 each role reads folder/<role>/, each rank its RNG file
     mark_step() / rewind_step()                             each rank remembers its RNG state as a step begins /
                                                             goes back to it (the trainer undid the step)
+    writes; agree_stop(stop) -> bool                        the rank rules of the run loop (posttrain.trainer.run):
+                                                            whether this process logs, locks, saves and exports, and
+                                                            whether the run stops (under torchrun: any rank's signal)
     shutdown()
 """
 
@@ -110,6 +113,10 @@ class WorkerGroup(Protocol):
     has_ref: bool
     has_critic: bool
     has_rm: bool
+    writes: bool
+    """This process writes what one driver writes (tracker, checkpoint folder, export): all but torchrun's ranks > 0."""
+
+    def agree_stop(self, stop: bool) -> bool: ...
 
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch: ...
 
@@ -147,6 +154,7 @@ class LocalWorkerGroup:
     """The roles in this process: actor (with its hybrid rollout), optional reference, critic and reward model."""
 
     world_size = 1
+    writes = True
 
     def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None, seed: int = 0,
                  placement: Any = None):
@@ -202,6 +210,9 @@ class LocalWorkerGroup:
     def memory_metrics(self) -> dict[str, float]:
         """Nothing beyond the trainer's own ``memory/*``: the roles run in its process."""
         return {}
+
+    def agree_stop(self, stop: bool) -> bool:
+        return stop
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 from dataclasses import replace
 from pathlib import Path
@@ -152,8 +153,8 @@ def test_resume_at_an_epoch_boundary_trains_the_next_epoch_exactly(tmp_path):
 
     def stop_at_epoch_end(batch):
         out = step(batch)
-        if stopped.global_step + 1 == per_epoch:
-            stopped._stop_signal = signal.SIGTERM  # as a SIGTERM arriving during the last step of epoch 1
+        if stopped.global_step == per_epoch:  # the step in flight
+            os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM arriving during the last step of epoch 1
         return out
 
     stopped.train_step = stop_at_epoch_end
