@@ -77,7 +77,8 @@ class OnDevice:
     def shard(self, module: nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
               gradient_checkpointing: bool = False, compile_key: str | None = None,
               fsdp_section: str = "") -> nn.Module:
-        """Activation checkpointing when asked, then the device (``fsdp_config``: ranks only)."""
+        """Activation checkpointing when asked, then the device (``fsdp_config``: ranks only; compiled
+        layers and offload are the one-process placement's levers, not applied here)."""
         if gradient_checkpointing:
             enable_activation_checkpointing(_language_model(module))
         return module.to(self.device)
