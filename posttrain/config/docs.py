@@ -85,13 +85,14 @@ def iter_keys(cls: type = PostTrainConfig, prefix: str = "", defaults: Any = Non
 
 
 @functools.cache
-def all_keys() -> dict[str, KeyInfo]:
-    return {info.key: info for info in iter_keys()}
+def all_keys(root: type = PostTrainConfig) -> dict[str, KeyInfo]:
+    """Every key of the tree under ``root`` (the RL config; `posttrain.config.sft`'s for SFT, DPO)."""
+    return {info.key: info for info in iter_keys(root)}
 
 
-def leaf_type(key: str) -> Any:
+def leaf_type(key: str, root: type = PostTrainConfig) -> Any:
     """The Python type hint of a leaf key (raises KeyError for an unknown key)."""
-    cls: type = PostTrainConfig
+    cls: type = root
     *parents, name = key.split(".")
     for part in parents:
         cls = type_hints(cls)[part]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import difflib
 import io
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -26,13 +27,35 @@ from posttrain.config.schema import PostTrainConfig
 _HYDRA_ONLY_KEYS = {"_target_", "defaults", "hydra"}
 
 
-def _suggest(key: str) -> str:
+@dataclass(frozen=True)
+class Tree:
+    """A config tree the loader fills: the RL tree by default; the SFT and DPO trees
+    (`posttrain.config.sft_load`) name themselves in errors and say when a key is another tree's."""
+
+    root: type = PostTrainConfig
+    name: str = ""
+    """How errors name the tree: ``unknown SFT config key ...``."""
+    foreign: Callable[[str], str] | None = None
+    """Text added to the error for an unknown key (e.g. that it is an RL key)."""
+
+    def keys(self) -> dict:
+        return all_keys(self.root)
+
+    def leaf_type(self, key: str) -> Any:
+        return leaf_type(key, self.root)
+
+
+RL_TREE = Tree()
+
+
+def _suggest(key: str, tree: Tree) -> str:
     """'did you mean' text: keys that end with what was typed (a missing section prefix), then
     keys that are spelled closely."""
-    suffix = [k for k in all_keys() if k.endswith("." + key)]
-    close = difflib.get_close_matches(key, list(all_keys()), n=3, cutoff=0.6)
+    keys = tree.keys()
+    suffix = [k for k in keys if k.endswith("." + key)]
+    close = difflib.get_close_matches(key, list(keys), n=3, cutoff=0.6)
     leaf = key.rsplit(".", 1)[-1]
-    close_leaf = [k for k in all_keys() if difflib.SequenceMatcher(None, k.rsplit(".", 1)[-1], leaf).ratio() > 0.85]
+    close_leaf = [k for k in keys if difflib.SequenceMatcher(None, k.rsplit(".", 1)[-1], leaf).ratio() > 0.85]
     picks = list(dict.fromkeys(suffix + close + close_leaf))[:3]
     return f"; did you mean {', '.join(picks)}?" if picks else ""
 
@@ -41,19 +64,21 @@ def _is_free_dict(hint: Any) -> bool:
     return typing.get_origin(hint) is dict or hint is dict
 
 
-def _check_key(key: str, where: str, allow_new: bool) -> None:
+def _check_key(key: str, where: str, allow_new: bool, tree: Tree = RL_TREE) -> None:
     """Raise ConfigError unless `key` is a schema key or an entry under a free-form dict key."""
-    if key in all_keys():
+    keys = tree.keys()
+    if key in keys:
         return
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:i])
-        if parent in all_keys() and not all_keys()[parent].is_section:
-            if _is_free_dict(leaf_type(parent)):
+        if parent in keys and not keys[parent].is_section:
+            if _is_free_dict(tree.leaf_type(parent)):
                 return  # entries of dict-valued keys (override_config, ...) are free-form
             raise ConfigError(f"{where}: '{parent}' is a value, not a section, so '{key}' cannot be set")
-    hint = "" if allow_new else _suggest(key)
-    raise ConfigError(f"{where}: unknown config key '{key}'{hint}")
+    foreign = tree.foreign(key) if tree.foreign is not None else ""
+    hint = "" if allow_new else _suggest(key, tree)
+    raise ConfigError(f"{where}: unknown {tree.name}config key '{key}'{foreign}{hint}")
 
 
 def _type_name(hint: Any) -> str:
@@ -77,23 +102,24 @@ def parse_value(text: str) -> Any:
 _YAML_INDICATORS = tuple("@`%&*!|>?")
 
 
-def _takes_text(key: str) -> bool:
+def _takes_text(key: str, tree: Tree) -> bool:
     """True for a key whose value is a string (or an entry of a free-form dict), so odd text is taken
     literally."""
-    if key not in all_keys():
+    keys = tree.keys()
+    if key not in keys:
         return True  # under a free-form dict key (checked by _check_key)
-    if all_keys()[key].is_section:
+    if keys[key].is_section:
         return False
-    hint = leaf_type(key)
+    hint = tree.leaf_type(key)
     args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
     return hint in (str, Any) or args == [str]
 
 
-def parse_override_value(key: str, text: str, where: str) -> Any:
+def parse_override_value(key: str, text: str, where: str, tree: Tree = RL_TREE) -> Any:
     """An override's value: YAML rules, except that text YAML reads specially (``@x``, backticks,
     ``%``, ``&``, ``*``, ``!`` ...) is the literal string for string keys, and refused naming the
     key (with the fix: quote it) for the others."""
-    text_key = _takes_text(key)
+    text_key = _takes_text(key, tree)
     if text_key and text.startswith(_YAML_INDICATORS):
         return text
     try:
@@ -101,7 +127,7 @@ def parse_override_value(key: str, text: str, where: str) -> Any:
     except ConfigError as err:
         if text_key:
             return text
-        raise ConfigError(f"{where}: {key}: {err}; expected {_type_name(leaf_type(key))}") from None
+        raise ConfigError(f"{where}: {key}: {err}; expected {_type_name(tree.leaf_type(key))}") from None
     if text_key and isinstance(value, dict) and not text.lstrip().startswith("{"):
         return text  # `name=a: b` is text, not a mapping
     return value
@@ -119,37 +145,43 @@ def split_override(item: str) -> tuple[str, str, bool]:
     return key, value, plus
 
 
-def _set(cfg: DictConfig, key: str, value: Any, where: str) -> None:
-    if key in all_keys():
-        info = all_keys()[key]
+def _set(cfg: DictConfig, key: str, value: Any, where: str, tree: Tree = RL_TREE) -> None:
+    keys = tree.keys()
+    if key in keys:
+        info = keys[key]
         if info.is_section and value is not None and not isinstance(value, dict):
             raise ConfigError(f"{where}: '{key}' is a section of keys ({info.type}); set its keys instead, e.g. {key}.<name>=...")
-        hint = leaf_type(key) if not info.is_section else None
-        if typing.get_origin(hint) is list and isinstance(value, (str, int, float)):
+        if not info.is_section and _is_list(tree.leaf_type(key)) and isinstance(value, (str, int, float)):
             value = [value]  # `trainer.logger=console` means a list of one
     try:
         OmegaConf.update(cfg, key, value, merge=True, force_add=False)
     except OmegaConfBaseException as err:
-        expected = _type_name(leaf_type(key)) if key in all_keys() and not all_keys()[key].is_section else "a section"
+        expected = _type_name(tree.leaf_type(key)) if key in keys and not keys[key].is_section else "a section"
         raise ConfigError(
             f"{where}: {key}={value!r} has the wrong type: expected {expected} ({str(err).splitlines()[0]})"
         ) from None
 
 
-def _flatten(node: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+def _is_list(hint: Any) -> bool:
+    """A list, or an optional one."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union else []
+    return typing.get_origin(hint) is list or (len(args) == 1 and typing.get_origin(args[0]) is list)
+
+
+def _flatten(node: Any, tree: Tree = RL_TREE, prefix: str = "") -> Iterable[tuple[str, Any]]:
     """Dotted (key, value) pairs of a nested dict, stopping at free-form dict keys."""
     for name, value in node.items():
         if name in _HYDRA_ONLY_KEYS:
             continue
         key = f"{prefix}{name}"
-        info = all_keys().get(key)
+        info = tree.keys().get(key)
         if isinstance(value, dict) and value and (info is None or info.is_section):
-            yield from _flatten(value, key + ".")
+            yield from _flatten(value, tree, key + ".")
         else:
             yield key, value
 
 
-def _apply_yaml(cfg: DictConfig, path: str | Path) -> None:
+def _apply_yaml(cfg: DictConfig, path: str | Path, tree: Tree = RL_TREE) -> None:
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -161,10 +193,10 @@ def _apply_yaml(cfg: DictConfig, path: str | Path) -> None:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(raw).__name__}")
     lines = _key_lines(text)
-    for key, value in _flatten(raw):
+    for key, value in _flatten(raw, tree):
         where = f"{path}" + (f":{lines[key]}" if key in lines else "")
-        _check_key(key, where, allow_new=False)
-        _set(cfg, key, value, where)
+        _check_key(key, where, allow_new=False, tree=tree)
+        _set(cfg, key, value, where, tree)
 
 
 def _key_lines(text: str) -> dict[str, int]:
@@ -183,25 +215,27 @@ def _key_lines(text: str) -> dict[str, int]:
     return found
 
 
-def apply_overrides(cfg: DictConfig, overrides: Iterable[str], source: str = "override") -> None:
+def apply_overrides(cfg: DictConfig, overrides: Iterable[str], source: str = "override", tree: Tree = RL_TREE) -> None:
     for item in overrides:
         key, text, plus = split_override(item)
         where = f"{source} '{item}'"
-        _check_key(key, where, allow_new=plus)
-        _set(cfg, key, parse_override_value(key, text, where), where)
+        _check_key(key, where, allow_new=plus, tree=tree)
+        _set(cfg, key, parse_override_value(key, text, where, tree), where, tree)
 
 
-def load_raw(path: str | Path | None = None, overrides: Iterable[str] = (), base: str | Path | None = None) -> DictConfig:
-    """The merged OmegaConf tree (interpolations unresolved), before validation."""
-    cfg = OmegaConf.structured(PostTrainConfig)
+def load_raw(path: str | Path | None = None, overrides: Iterable[str] = (), base: str | Path | None = None,
+             tree: Tree = RL_TREE) -> DictConfig:
+    """The merged OmegaConf tree (interpolations unresolved), before validation: ``tree``'s defaults
+    <- ``base`` YAML <- ``path`` YAML <- dotted overrides."""
+    cfg = OmegaConf.structured(tree.root)
     for layer in (base, path):
         if layer is not None:
-            _apply_yaml(cfg, layer)
-    apply_overrides(cfg, list(overrides))
+            _apply_yaml(cfg, layer, tree)
+    apply_overrides(cfg, list(overrides), tree=tree)
     return cfg
 
 
-def to_dataclass(cfg: DictConfig) -> PostTrainConfig:
+def to_dataclass(cfg: DictConfig) -> Any:
     """Resolve interpolations and build the typed tree."""
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]

@@ -10,122 +10,27 @@ the RL trainer's.
 
 from __future__ import annotations
 
-import difflib
-import io
 from pathlib import Path
 from typing import Any, Iterable
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from posttrain.config.sft import TRUNCATION_MODES, DPOConfig, SFTConfig
-from posttrain.errors import ConfigError, read_utf8
+from posttrain.errors import ConfigError
 
 __all__ = ["load_dpo_config", "load_sft_config", "ranks", "rl_config_for", "sft_markdown_reference", "sft_problems",
            "validate_sft_config"]
 
 
-def _keys(cls: type) -> dict[str, Any]:
-    from posttrain.config.docs import iter_keys
-
-    return {info.key: info for info in iter_keys(cls)}
-
-
-def _check_key(keys: dict, key: str, where: str, allow_new: bool, prog: str) -> None:
-    if key in keys:
-        return
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[:i])
-        if parent in keys and not keys[parent].is_section:
-            if parent.endswith(("override_config", "apply_chat_template_kwargs")):
-                return
-            raise ConfigError(f"{where}: '{parent}' is a value, not a section, so '{key}' cannot be set")
-    if allow_new:
-        raise ConfigError(f"{where}: '{key}' cannot be added to the {prog} config")
-    suffix = [k for k in keys if k.endswith("." + key)]
-    close = difflib.get_close_matches(key, list(keys), n=3, cutoff=0.6)
-    picks = list(dict.fromkeys(suffix + close))[:3]
-    hint = f"; did you mean {', '.join(picks)}?" if picks else ""
-    rl = " (an RL key: the SFT/DPO trainers read the keys of verl's sft_trainer.yaml)" if key.startswith(
-        ("actor_rollout_ref.", "algorithm.", "critic.")) else ""
-    raise ConfigError(f"{where}: unknown {prog} config key '{key}'{rl}{hint}")
+def _rl_key(key: str) -> str:
+    if key.startswith(("actor_rollout_ref.", "algorithm.", "critic.")):
+        return " (an RL key: the SFT/DPO trainers read the keys of verl's sft_trainer.yaml)"
+    return ""
 
 
-def _set(cfg: DictConfig, keys: dict, key: str, value: Any, where: str) -> None:
-    from posttrain.config.load import _type_name
+def _load(cls: type, path: str | Path | None, overrides: Iterable[str], base: str | Path | None, prog: str) -> Any:
+    """The RL loader's rules (`posttrain.config.load`) on the SFT or DPO tree."""
+    from posttrain.config.load import Tree, load_raw, to_dataclass
 
-    info = keys.get(key)
-    if info is not None and info.is_section and value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{where}: '{key}' is a section of keys; set its keys instead, e.g. {key}.<name>=...")
-    if info is not None and not info.is_section and info.type.startswith(("list", "Optional[list")) \
-            and isinstance(value, (str, int, float)):
-        value = [value]  # `trainer.logger=console` means a list of one
-    try:
-        OmegaConf.update(cfg, key, value, merge=True, force_add=False)
-    except OmegaConfBaseException as err:
-        expected = info.type if info is not None else "?"
-        raise ConfigError(f"{where}: {key}={value!r} has the wrong type: expected {_type_name(expected)} "
-                          f"({str(err).splitlines()[0]})") from None
-
-
-def _flatten(node: Any, keys: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for name, value in node.items():
-        if name in ("defaults", "hydra", "_target_"):
-            continue
-        key = f"{prefix}{name}"
-        info = keys.get(key)
-        if isinstance(value, dict) and value and (info is None or info.is_section):
-            yield from _flatten(value, keys, key + ".")
-        else:
-            yield key, value
-
-
-def _load(cls: type, path: str | Path | None, overrides: Iterable[str], base: str | Path | None,
-          prog: str) -> Any:
-    import yaml
-
-    from posttrain.config.load import parse_value, split_override
-
-    keys = _keys(cls)
-    cfg = OmegaConf.structured(cls)
-    for layer in (base, path):
-        if layer is None:
-            continue
-        layer = Path(layer).expanduser()
-        if not layer.is_file():
-            raise ConfigError(f"config file {layer} does not exist")
-        try:
-            raw = OmegaConf.to_container(OmegaConf.load(io.StringIO(read_utf8(layer, ConfigError))), resolve=False) or {}
-        except (yaml.YAMLError, OmegaConfBaseException) as err:
-            raise ConfigError(f"config file {layer} is not valid YAML: {err}") from None
-        for key, value in _flatten(raw, keys):
-            _check_key(keys, key, str(layer), False, prog)
-            _set(cfg, keys, key, value, str(layer))
-    for item in overrides:
-        key, text, plus = split_override(item)
-        where = f"override '{item}'"
-        _check_key(keys, key, where, plus and key not in keys and not _free(key), prog)
-        _set(cfg, keys, key, text if text == "" else _parse(parse_value, key, text, keys), where)
-    try:
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"config key '{getattr(err, 'full_key', '?')}': {str(err).splitlines()[0]}") from None
-
-
-def _free(key: str) -> bool:
-    return ".override_config." in key or ".apply_chat_template_kwargs." in key
-
-
-def _parse(parse_value, key: str, text: str, keys: dict) -> Any:
-    info = keys.get(key)
-    try:
-        value = parse_value(text)
-    except ConfigError:
-        if info is None or "str" in info.type or info.type in ("Any", "typing.Any"):
-            return text
-        raise
-    return value
+    return to_dataclass(load_raw(path, overrides, base, Tree(cls, f"{prog} ", _rl_key)))
 
 
 def ranks(config: SFTConfig) -> int:
@@ -170,19 +75,17 @@ def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (
 # ---------------------------------------------------------------------------------------------- checks
 def sft_problems(config: SFTConfig) -> list[str]:
     """Every inconsistency of the tree, each naming its key and what would be valid."""
+    from posttrain.config.validate import trainer_problems
+
     d, m, o, t = config.data, config.model, config.optim, config.trainer
-    out = []
+    out = trainer_problems(t)
     world = ranks(config)
     if d.truncation not in TRUNCATION_MODES:
         out.append(f"data.truncation={d.truncation!r}; valid: {', '.join(TRUNCATION_MODES)}")
     for key, value in (("data.train_batch_size", d.train_batch_size), ("data.micro_batch_size_per_gpu",
-                       d.micro_batch_size_per_gpu), ("data.max_length", d.max_length),
-                       ("trainer.total_epochs", t.total_epochs), ("trainer.nnodes", t.nnodes),
-                       ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
+                       d.micro_batch_size_per_gpu), ("data.max_length", d.max_length)):
         if not isinstance(value, int) or value <= 0:
             out.append(f"{key}={value!r} must be a positive integer")
-    if t.total_training_steps is not None and t.total_training_steps <= 0:
-        out.append(f"trainer.total_training_steps={t.total_training_steps} must be positive or null")
     if isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and d.train_batch_size % world:
         out.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the ranks ({world}: torchrun's "
                    "WORLD_SIZE, or trainer.nnodes x trainer.n_gpus_per_node)")
@@ -197,10 +100,6 @@ def sft_problems(config: SFTConfig) -> list[str]:
         out.append(f"optim.betas={o.betas} must hold two numbers")
     if o.clip_grad < 0:
         out.append(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping)")
-    if t.resume_mode not in ("auto", "disable", "resume_path"):
-        out.append(f"trainer.resume_mode={t.resume_mode!r}; valid: auto, disable, resume_path")
-    if t.device not in ("auto", "cpu", "cuda"):
-        out.append(f"trainer.device={t.device!r}; valid: auto, cpu, cuda")
     if config.ulysses_sequence_parallel_size != 1:
         out.append(f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size}: sequence parallelism "
                    "is not implemented in posttrain; set 1")
@@ -214,9 +113,6 @@ def sft_problems(config: SFTConfig) -> list[str]:
         out.append(f"model.lora_rank={m.lora_rank}, model.lora_alpha={m.lora_alpha}: rank >= 0 and alpha > 0")
     if t.default_hdfs_dir:
         out.append("trainer.default_hdfs_dir: remote checkpoint copies are not supported; set null")
-    unknown = [name for name in t.logger if name not in ("console", "file", "tensorboard", "wandb", "mlflow")]
-    if unknown:
-        out.append(f"trainer.logger has {unknown}; valid: console, file, tensorboard, wandb, mlflow")
     if isinstance(config, DPOConfig):
         out += _dpo_problems(config)
     return out
@@ -304,7 +200,7 @@ def rl_config_for(config: SFTConfig, total_steps: int, *, reference: bool = Fals
 # ---------------------------------------------------------------------------------------------- docs
 def sft_markdown_reference() -> str:
     """The SFT / DPO section of `docs/config.md` (appended to the RL reference)."""
-    from posttrain.config.docs import format_value
+    from posttrain.config.docs import all_keys, format_value
 
     out = ["", "# SFT and DPO trainers (`posttrain sft`, `posttrain dpo`, `python -m posttrain.trainer.fsdp_sft_trainer`)",
            "", "Their own tree: verl's `sft_trainer.yaml` keys (DPO adds TRL's names). Keys marked (posttrain) are ours.",
@@ -313,7 +209,7 @@ def sft_markdown_reference() -> str:
     dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key",
                 "data.on_bad_row", "dpo.", "use_prefix_grouper")
     for cls, only in ((SFTConfig, None), (DPOConfig, dpo_only)):
-        for key, info in _keys(cls).items():
+        for key, info in all_keys(cls).items():
             if info.is_section or (only is None and key in seen):
                 continue
             if only is not None and not key.startswith(only):

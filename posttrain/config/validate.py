@@ -47,8 +47,6 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "data.truncation": TRUNCATIONS,
         "reward.on_error": ("raise", "zero"),
         "reward_model.reward_manager": ("naive", "dapo"),
-        "trainer.resume_mode": RESUME_MODES,
-        "trainer.device": DEVICES,
         "actor_rollout_ref.rollout.multi_turn.format": ("hermes",),
         "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
         "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ("disable", "strict", "ignore_strippable"),
@@ -72,9 +70,24 @@ def _check_choices(config: PostTrainConfig) -> Iterable[str]:
         value = get_key(config, key)
         if value is not None and value not in SCHEDULERS:
             yield f"{key}={value!r} is not one of: {', '.join(SCHEDULERS)}"
-    for name in config.trainer.logger:
-        if name not in LOGGERS:
-            yield f"trainer.logger contains {name!r}; valid back ends: {', '.join(LOGGERS)}"
+    yield from trainer_problems(config.trainer)
+
+
+def trainer_problems(trainer: Any) -> list[str]:
+    """The ``trainer.*`` keys every tree shares (RL, SFT, DPO): resume mode, device, the logger's back
+    ends, and the counts of epochs, steps and ranks."""
+    out = [f"trainer.{key}={getattr(trainer, key)!r} is not one of: {', '.join(valid)}"
+           for key, valid in (("resume_mode", RESUME_MODES), ("device", DEVICES)) if getattr(trainer, key) not in valid]
+    out += [f"trainer.logger contains {name!r}; valid back ends: {', '.join(LOGGERS)}"
+            for name in trainer.logger if name not in LOGGERS]
+    for key in TRAINER_COUNTS:
+        value = getattr(trainer, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            out.append(f"trainer.{key}={value!r} must be >= 1")
+    return out
+
+
+TRAINER_COUNTS = ("total_epochs", "total_training_steps", "nnodes", "n_gpus_per_node")  # null steps: from the epochs
 
 
 def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
@@ -91,14 +104,13 @@ def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
         ("data.train_batch_size", config.data.train_batch_size >= 1, "must be >= 1"),
         ("data.max_prompt_length", config.data.max_prompt_length >= 1, "must be >= 1"),
         ("data.max_response_length", config.data.max_response_length >= 1, "must be >= 1"),
-        ("trainer.total_epochs", config.trainer.total_epochs >= 1, "must be >= 1"),
         ("algorithm.filter_groups.max_num_gen_batches", config.algorithm.filter_groups.max_num_gen_batches >= 0,
          "must be >= 0 (0: no limit on generation rounds per step)"),
     ]
     for key, ok, rule in checks:
         if not ok:
             yield f"{key}={get_key(config, key)!r} {rule}"
-    yield from _check_generic_ranges(config, {key for key, _, _ in checks})
+    yield from _check_generic_ranges(config, {key for key, _, _ in checks} | {f"trainer.{k}" for k in TRAINER_COUNTS})
 
 
 # Generic ranges: every int/float key is checked by its name. Counts (sizes, lengths, steps, epochs,
