@@ -226,7 +226,8 @@ class _StopOnSignals:
         elif loop.phase == "resume":
             what = "finishing loading the checkpoint, then stopping without training"
         elif scoring_in_progress():
-            what = f"stopping the reward computation of step {step} now, then saving a checkpoint of the last finished step"
+            what = (f"stopping the reward computation of step {step} now, then saving a checkpoint of the last "
+                    "finished step")
         else:
             what = f"finishing step {step}, then saving a checkpoint and stopping"
         print(f"\nreceived {signal.Signals(signum).name}: {what} (press Ctrl-C again to abort now, without saving)",
