@@ -24,7 +24,6 @@ weights, so a resumed run uses the same reference).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -34,7 +33,6 @@ from posttrain.batch import Batch
 from posttrain.config.sft import DPOConfig
 from posttrain.config.sft_load import validate_sft_config
 from posttrain.errors import ConfigError
-from posttrain.trainer import resume
 from posttrain.trainer.run import RunLoop
 from posttrain.trainer.sft_session import SFTSession
 
@@ -50,25 +48,24 @@ class DPOTrainer:
     """
 
     stage = "dpo"
-    metric_prefix = "train"  # the run loop logs train/epoch and train/global_step
 
     def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None):
         self.objective = config.dpo.objective()  # DPO, or SimPO (no reference), checked before anything loads
         validate_sft_config(config)
         self.config = config
         reference = self.objective.needs_reference and not config.dpo.precompute_ref_log_probs
-        s = self.session = SFTSession(config, read_pairs, no_pairs, stage=self.stage, reference=reference,
-                                      model=model, tokenizer=tokenizer)
-        self.tokenizer, self.workers, self.checkpoints = s.tokenizer, s.workers, s.checkpoints
-        self.train_data, self.val_data, self.train_loader, self.total_steps = (s.train_data, s.val_data,
-                                                                               s.train_loader, s.total_steps)
-        self.global_step = 0
-        self.history: list[dict[str, float]] = []
-        self.stopped_by: int | None = None
+        self.session = SFTSession(config, read_pairs, no_pairs, stage=self.stage, reference=reference,
+                                  trainer=self, model=model, tokenizer=tokenizer)
         if config.dpo.precompute_ref_log_probs:
             for dataset in (self.train_data, self.val_data):
                 if dataset is not None:
                     self._precompute(dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        """The session's parts and run state: workers, tokenizer, train_data, global_step, history, ..."""
+        if "session" not in self.__dict__:  # still being built
+            raise AttributeError(name)
+        return getattr(self.__dict__["session"], name)
 
     def _batches(self, dataset: Any) -> Iterator[Batch]:
         return self.session.batches(dataset)
@@ -123,16 +120,7 @@ class DPOTrainer:
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
-        return RunLoop(self).fit()
-
-    def step(self) -> dict[str, float]:
-        return self.train_step(self.train_loader.next_batch())
-
-    def save_checkpoint(self) -> Path:
-        return self.session.save(self.global_step)
-
-    def restore(self) -> resume.RunState | None:
-        return self.session.restore()
+        return RunLoop(self.session).fit()
 
 
 def read_pairs(files: Any, tokenizer: Any, config: DPOConfig, max_samples: int) -> Any:

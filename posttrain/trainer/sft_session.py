@@ -1,5 +1,9 @@
 """What an SFT or a DPO run trains with, shared by both trainers (each composes one `SFTSession`).
 
+The session is also the stage the run loop (`posttrain.trainer.run.RunLoop`) runs: it holds the run's
+state (global step, history, the signal that stopped it) and draws each batch, while the trainer
+supplies its ``train_step`` and ``validate``; the trainer reads that state through the session.
+
 Built in order, every check before a model loads: the model path and the data files, the
 tokenizer, the rows (``read_rows``: SFT rows or preference pairs), the loader, the RL config the
 workers are built from (`posttrain.config.sft_load.rl_config_for`), the checkpoint folder (locked,
@@ -34,7 +38,8 @@ DefaultFiles = Callable[[SFTConfig], tuple[Any, Any]]
 
 
 class SFTSession:
-    """The tokenizer, datasets, loader, workers and checkpoint folder of one SFT or DPO run.
+    """The tokenizer, datasets, loader, workers and checkpoint folder of one SFT or DPO run, and the
+    run loop's stage (`posttrain.trainer.run.Stage`) over the trainer's step and validation.
 
     Args:
         config: the SFT or DPO config (already validated).
@@ -42,12 +47,18 @@ class SFTSession:
         default_files: the files when ``data.train_files`` is null.
         stage: ``sft`` or ``dpo`` (in the checkpoint's fingerprint).
         reference: build a frozen reference beside the actor.
+        trainer: what steps and validates (its ``train_step(batch)`` and ``validate()``).
         model, tokenizer: use these instead of loading ``model.partial_pretrain`` (tests; one process).
     """
 
+    metric_prefix = "train"  # the run loop logs train/epoch and train/global_step
+
     def __init__(self, config: SFTConfig, read_rows: ReadRows, default_files: DefaultFiles, *, stage: str,
-                 reference: bool, model: Any = None, tokenizer: Any = None):
-        self.config, self.stage, t = config, stage, config.trainer
+                 reference: bool, trainer: Any, model: Any = None, tokenizer: Any = None):
+        self.config, self.stage, self.trainer, t = config, stage, trainer, config.trainer
+        self.global_step = 0
+        self.history: list[dict[str, float]] = []
+        self.stopped_by: int | None = None
         self.torchrun = launched_by_torchrun()  # every process a rank (module docstring of distributed.torchrun)
         world = torchrun_world_size() if self.torchrun else t.nnodes * t.n_gpus_per_node
         if model is not None and world > 1:
@@ -137,10 +148,16 @@ class SFTSession:
         for begin in range(0, len(dataset), size):
             yield dataset.collate_fn([dataset[i] for i in range(begin, min(len(dataset), begin + size))])
 
-    def save(self, step: int) -> Path:
+    def step(self) -> dict[str, float]:
+        return self.trainer.train_step(self.train_loader.next_batch())
+
+    def validate(self) -> dict[str, float]:
+        return self.trainer.validate()
+
+    def save_checkpoint(self) -> Path:
         """``global_step_N/actor`` (weights, optimizer, schedule) + the loader's position and RNG."""
-        return resume.save_run(self.checkpoints, self.workers, resume.RunState(step), self.train_loader, None,
-                               self.fingerprint())
+        return resume.save_run(self.checkpoints, self.workers, resume.RunState(self.global_step), self.train_loader,
+                               None, self.fingerprint())
 
     def restore(self) -> resume.RunState | None:
         return resume.restore_run(self.rl.trainer, self.workers, self.train_loader, None, self.fingerprint())

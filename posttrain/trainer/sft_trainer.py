@@ -15,8 +15,7 @@ RL run, and a resumed run continues exactly where the stopped one was, at an epo
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -24,7 +23,6 @@ from posttrain.algorithms.objectives import SFT
 from posttrain.batch import Batch
 from posttrain.config.sft import SFTConfig
 from posttrain.config.sft_load import validate_sft_config
-from posttrain.trainer import resume
 from posttrain.trainer.run import RunLoop
 from posttrain.trainer.sft_session import SFTSession, builtin_sft_files, read_sft_rows
 
@@ -40,19 +38,18 @@ class SFTTrainer:
     """
 
     stage = "sft"
-    metric_prefix = "train"  # the run loop logs train/epoch and train/global_step
 
     def __init__(self, config: SFTConfig, *, model: Any = None, tokenizer: Any = None):
         validate_sft_config(config)
         self.config = config
-        s = self.session = SFTSession(config, read_sft_rows, builtin_sft_files, stage=self.stage, reference=False,
-                                      model=model, tokenizer=tokenizer)
-        self.tokenizer, self.workers, self.checkpoints = s.tokenizer, s.workers, s.checkpoints
-        self.train_data, self.val_data, self.train_loader, self.total_steps = (s.train_data, s.val_data,
-                                                                               s.train_loader, s.total_steps)
-        self.global_step = 0
-        self.history: list[dict[str, float]] = []
-        self.stopped_by: int | None = None
+        self.session = SFTSession(config, read_sft_rows, builtin_sft_files, stage=self.stage, reference=False,
+                                  trainer=self, model=model, tokenizer=tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        """The session's parts and run state: workers, tokenizer, train_data, global_step, history, ..."""
+        if "session" not in self.__dict__:  # still being built
+            raise AttributeError(name)
+        return getattr(self.__dict__["session"], name)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -67,24 +64,12 @@ class SFTTrainer:
         if self.val_data is None:
             return {}
         nll = tokens = 0.0
-        for batch in self._batches(self.val_data):
+        for batch in self.session.batches(self.val_data):
             sums = self.workers.compute_sequence_logps(batch).to(torch.float64)  # [N, 2]: log-prob sum, tokens
             nll, tokens = nll - float(sums[:, 0].sum()), tokens + float(sums[:, 1].sum())
         return {"val/loss": nll / max(tokens, 1.0)}
 
-    def _batches(self, dataset: Any) -> Iterator[Batch]:
-        return self.session.batches(dataset)
-
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
-        return RunLoop(self).fit()
-
-    def step(self) -> dict[str, float]:
-        return self.train_step(self.train_loader.next_batch())
-
-    def save_checkpoint(self) -> Path:
-        return self.session.save(self.global_step)
-
-    def restore(self) -> resume.RunState | None:
-        return self.session.restore()
+        return RunLoop(self.session).fit()
