@@ -55,8 +55,8 @@ def _busy_process():
 
 @linux_only
 def test_counts_other_processes_not_this_one():
-    """A busy child counts; this process's own busy thread does not (negative control for the
-    subtraction: without it the same sample would read about one core)."""
+    """A busy child counts (its load only adds to whatever else runs, so this holds on a busy machine);
+    this process's own CPU time, read from /proc/self/stat, is what the count subtracts."""
     hog = _busy_process()
     try:
         time.sleep(0.3)
@@ -64,42 +64,56 @@ def test_counts_other_processes_not_this_one():
     finally:
         hog.kill()
         hog.wait()
-    stop = threading.Event()
-
-    def burn():
-        while not stop.is_set():
-            sum(range(1000))
-
-    burner = threading.Thread(target=burn)
-    burner.start()
-    try:
-        time.sleep(0.1)
-        assert others_busy_cores(0.5) < 0.5
-    finally:
-        stop.set()
-        burner.join()
+    cpus = threads._our_cpus()
+    before, cpu_before = threads._cpu_ticks(cpus), time.process_time()
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # burn this process's own CPU
+        sum(range(1000))
+    after, cpu_after = threads._cpu_ticks(cpus), time.process_time()
+    own_s = (after[1] - before[1]) / os.sysconf("SC_CLK_TCK")
+    assert abs(own_s - (cpu_after - cpu_before)) < 0.1  # the own-ticks field is this process's CPU time
 
 
-@linux_only
-def test_fewer_threads_while_another_process_runs():
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores")
+def test_own_ticks_are_subtracted_from_the_cores_busy_ticks():
+    """Two samples 1 s apart in which the cores were busy for 1.5 core-seconds, 1 of them this process's:
+    others used 0.5 cores (negative control: without the subtraction it would read 1.5)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    before, after = (1000, 200), (1000 + int(1.5 * tick), 200 + tick)
+    assert threads._others_cores(before, after, 1.0) == pytest.approx(0.5)
+    assert (after[0] - before[0]) / tick == pytest.approx(1.5)
+
+
+class _FakeTicks:
+    """`threads._cpu_ticks` stand-in: other processes use ``others`` cores while the clock advances."""
+
+    def __init__(self):
+        self.busy, self.others, self.last = 0, 0.0, time.monotonic()
+
+    def __call__(self, cpus):
+        now = time.monotonic()
+        self.busy += int(self.others * (now - self.last) * os.sysconf("SC_CLK_TCK"))
+        self.last = now
+        return self.busy, 0
+
+
+def test_fewer_threads_while_another_process_runs(monkeypatch):
+    """Other processes on one of two cores: one thread; once they stop, two again (the samples are
+    simulated, so a busy test machine cannot change the answer; /proc's reading is tested above)."""
+    fake = _FakeTicks()
+    monkeypatch.setattr(threads, "_cpu_ticks", fake)
+    monkeypatch.setattr(threads, "_our_cpus", lambda: {0, 1})
     full = 2
     torch.set_num_threads(full)  # the suite runs on one (conftest); restored by its fixture
     lines = []
     guard = FreeCoreThreads(enabled=True, log=lambda *a, **k: lines.append(a[0]))
     try:
-        hog = _busy_process()
-        try:
-            time.sleep(0.6)
-            assert guard.adjust() < full and torch.get_num_threads() < full
-        finally:
-            hog.kill()
-            hog.wait()
-        guard.adjust()  # the interval that just ended still held the busy process
-        time.sleep(0.6)
+        fake.others = 1.0
+        time.sleep(0.2)
+        assert guard.adjust() == 1 == torch.get_num_threads()
+        fake.others = 0.0
+        time.sleep(0.2)
         assert guard.adjust() == full == torch.get_num_threads()
-        assert "other processes used" in lines[0]
+        assert "other processes used 1.0 of 2 cores" in lines[0]
     finally:
         torch.set_num_threads(full)
     assert FreeCoreThreads(enabled=False).adjust() == full
