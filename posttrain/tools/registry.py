@@ -63,6 +63,8 @@ def load_tools_config(path: str) -> list[BaseTool]:
                               "(MCP tools are not)")
         try:
             tools.append(cls(config, schema))
+        except ConfigError as err:  # the tool checked its own config: its message names the key
+            raise ConfigError(f"{where}: {err}") from None
         except Exception as err:
             raise ConfigError(f"{where}: {entry['class_name']}(config, tool_schema) failed: "
                               f"{type(err).__name__}: {err}") from None

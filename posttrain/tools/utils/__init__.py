@@ -1,0 +1,1 @@
+"""Helpers of the tools (verl's ``verl.tools.utils`` at ``posttrain.tools.utils``)."""
