@@ -64,6 +64,7 @@ COMMANDS = {
     "diff": ("posttrain.diff", "compare two launch scripts or configs key by key"),
     "eval": ("posttrain.trainer.evaluate", "greedy accuracy of a model or checkpoint on a dataset"),
     "export": ("posttrain.trainer.export", "write a checkpoint's actor as a Hugging Face folder"),
+    "sandbox": ("posttrain.sandbox.server", "serve SandboxFusion's /run_code with the local sandbox: sandbox serve"),
 }
 
 

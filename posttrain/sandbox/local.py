@@ -1,0 +1,406 @@
+"""The local sandbox: each run is a fresh process tree in a temporary folder, limited and isolated.
+
+Per run (`LocalSandbox.run`): a temporary folder (deleted after) holding ``main.py``; a child started with
+an environment of only PATH, HOME (the folder) and LANG; Python in isolated mode (``-I``; ``-S`` with the
+interpreter's site-packages added by path, so numpy imports but no ``.pth`` hook runs, which also saves
+~40 ms a call); `posttrain.sandbox.runner` inside it applies the limits and the time-out. Its stdout and
+stderr are read as they come, keeping only the head; past ``max_output_bytes`` in all the run is stopped.
+
+Isolation is chosen once per process (`isolation_available`) and is one of:
+
+- ``namespaces``: util-linux ``unshare`` puts the run in new pid, mount, and (``network=False``) network
+  namespaces; every mount is read-only but the folder, a size-capped tmpfs; /proc shows only the run's
+  processes; ending the namespace's pid 1 kills every process the code started. As root (this repository's
+  machines) the code also runs under a uid of its own per worker, so RLIMIT_NPROC holds and files owned by
+  root are not writable. Without root it needs unprivileged user namespaces (``--map-root-user``).
+- ``none``: resource limits, scrubbed environment, own session and the sweep only; the code can use the
+  network, write where its uid may, and (as the same uid) read other processes' /proc entries.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import queue
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+
+from posttrain.errors import ConfigError
+from posttrain.sandbox.limits import Limits, RunResult
+
+__all__ = ["LANGUAGES", "LocalSandbox", "isolation_available"]
+
+LANGUAGES = ("python",)
+RUNNER_SOURCE = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
+FIRST_UID = 1_000_000  # per-worker uids start here: FIRST_UID + pid * 64 + worker, unused by any account
+MAX_WORKERS = 64
+START_GRACE_S = 5.0  # parent's back-stop past the runner's own time-out: interpreter start, sweep, load
+WEAKER_KEY = "isolation: none (tool YAML) or --isolation none (posttrain sandbox serve)"
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _unshare_command(network: bool) -> list[str]:
+    command = ["unshare", "--pid", "--mount", "--fork", "--kill-child", "--propagation", "private"]
+    if not network:
+        command.append("--net")
+    if not _is_root():
+        command.append("--map-root-user")
+    return command + ["--"]
+
+
+@lru_cache(maxsize=None)
+def isolation_available() -> dict[str, str | None]:
+    """What this machine allows, probed once per process: ``{"namespaces": None or why not, "bwrap": ...,
+    "firejail": ...}`` (None = works). Namespaces are tried for real: a run must start, see no network
+    and be unable to write outside its folder."""
+    found = {"namespaces": None, "bwrap": "isolation 'bwrap' is not implemented (namespaces via unshare are)",
+             "firejail": "isolation 'firejail' is not implemented (namespaces via unshare are)"}
+    if not sys.platform.startswith("linux"):
+        found["namespaces"] = "Linux namespaces need Linux"
+    elif shutil.which("unshare") is None:
+        found["namespaces"] = "util-linux `unshare` is not installed"
+    else:
+        found["namespaces"] = _probe_namespaces()
+    return found
+
+
+PROBE_CODE = """
+import socket, sys
+s = socket.socket(); s.settimeout(1)
+try:
+    s.connect(("127.0.0.1", 9)); print("network")
+except OSError:
+    pass
+for path in ("/posttrain-sandbox-probe", sys.argv and "/tmp/posttrain-sandbox-probe"):
+    try:
+        open(path, "w").close(); print("writable", path)
+    except OSError:
+        pass
+print("probe ok")
+"""
+
+
+def _probe_namespaces() -> str | None:
+    try:
+        sandbox = LocalSandbox.__new__(LocalSandbox)
+        sandbox._setup(Limits(timeout_s=10.0, isolation="none"), num_workers=1, mode="namespaces")
+        result = sandbox.run(PROBE_CODE)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"unshare failed: {error}"
+    if result.stdout.strip() != "probe ok":
+        why = (result.stderr.strip().splitlines() or [result.stdout.strip() or result.status])[-1]
+        return f"a probe run under unshare did not come out isolated: {why[:200]}"
+    return None
+
+
+class LocalSandbox:
+    """Runs code in a fresh, limited, isolated process tree; at most ``num_workers`` at a time."""
+
+    def __init__(self, limits: Limits = Limits(), *, num_workers: int = 4):
+        if not 1 <= num_workers <= MAX_WORKERS:
+            raise ConfigError(f"sandbox num_workers={num_workers}: valid 1 to {MAX_WORKERS}")
+        self._setup(limits, num_workers, _choose_mode(limits))
+
+    def _setup(self, limits: Limits, num_workers: int, mode: str) -> None:
+        self.limits = limits
+        self.num_workers = num_workers
+        self.mode = mode
+        self._workers: queue.Queue[int] = queue.Queue()
+        for worker in range(num_workers):
+            self._workers.put(worker)
+        self._async_slots: asyncio.Semaphore | None = None
+        self._active: set[subprocess.Popen] = set()  # runs in flight, for `close`
+        self._active_lock = threading.Lock()
+        self.isolation = _describe(mode, limits)
+
+    # ------------------------------------------------------------------ public
+    def run(self, code: str, language: str = "python", stdin: str = "", limits: Limits | None = None) -> RunResult:
+        """Run ``code`` and wait for it; blocks while all ``num_workers`` are busy. ``limits`` may tighten
+        or change this sandbox's for one call, never its isolation."""
+        if language not in LANGUAGES:
+            return RunResult("sandbox_error", "", f"unknown language {language!r}; this sandbox runs: "
+                             f"{', '.join(LANGUAGES)}", None, 0.0, limit_hit=None)
+        limits = self.limits if limits is None else limits.replace(isolation=self.limits.isolation,
+                                                                   network=self.limits.network)
+        worker = self._workers.get()
+        try:
+            return _Run(self, worker, limits).execute(code, stdin)
+        finally:
+            self._workers.put(worker)
+
+    async def run_async(self, code: str, language: str = "python", stdin: str = "",
+                        limits: Limits | None = None) -> RunResult:
+        """`run` in a thread, at most ``num_workers`` at a time."""
+        if self._async_slots is None:
+            self._async_slots = asyncio.Semaphore(self.num_workers)
+        async with self._async_slots:
+            return await asyncio.to_thread(self.run, code, language, stdin, limits)
+
+    def close(self) -> None:
+        """Stop the runs in flight (each still cleans up after itself); for a server that shuts down."""
+        with self._active_lock:
+            for child in self._active:
+                _Run.stop(child, self.mode)
+
+    def uid_for(self, worker: int) -> int | None:
+        """The uid a worker's code runs as: one of its own when we are root (so RLIMIT_NPROC counts only
+        that run and files owned by root stay unwritable), else ours."""
+        if not _is_root() or (self.mode == "none" and not _reachable_by_others(_interpreter_paths())):
+            return None
+        return FIRST_UID + (os.getpid() % (1 << 22)) * MAX_WORKERS + worker
+
+
+def _choose_mode(limits: Limits) -> str:
+    wanted = limits.isolation
+    if wanted == "none":  # the explicit choice of weaker isolation: network and file system stay open
+        return "none"
+    available = isolation_available()
+    if wanted in ("bwrap",):
+        raise ConfigError(f"isolation: {wanted} is not available: {available[wanted]}; accept weaker isolation "
+                          f"with {WEAKER_KEY}, or use isolation: namespaces")
+    why_not = available["namespaces"]
+    if why_not is not None:
+        raise ConfigError(f"sandbox isolation {wanted!r} needs Linux namespaces, which this machine does not allow "
+                          f"({why_not}); to run model code without network and file-system isolation set "
+                          f"{WEAKER_KEY}")
+    return "namespaces"
+
+
+def _describe(mode: str, limits: Limits) -> str:
+    if mode == "none":
+        root_note = "; as root with an interpreter others cannot reach, so max_processes does not hold" if (
+            _is_root() and not _reachable_by_others(_interpreter_paths())) else ""
+        return f"none (resource limits, scrubbed environment, process sweep; network and file system open{root_note})"
+    spaces = "pid, mount" + ("" if limits.network else ", net") + ("" if _is_root() else ", user")
+    uid = "own uid per worker" if _is_root() else "user namespace"
+    net = "network open" if limits.network else "no network"
+    return f"namespaces (unshare: {spaces}; {net}; read-only file system but the folder; {uid})"
+
+
+@lru_cache(maxsize=None)
+def _interpreter_paths() -> tuple[str, ...]:
+    paths = {os.path.realpath(sys.executable), os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+    paths.update(os.path.realpath(p) for p in _site_dirs())
+    return tuple(sorted(p for p in paths if os.path.exists(p)))
+
+
+@lru_cache(maxsize=None)
+def _site_dirs() -> tuple[str, ...]:
+    dirs = [sysconfig.get_paths()[key] for key in ("purelib", "platlib")]
+    return tuple(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+
+
+def _reachable_by_others(paths: tuple[str, ...]) -> bool:
+    """Whether a uid of no account can enter every directory down to each of ``paths``."""
+    for path in paths:
+        parts = Path(path).parts
+        for depth in range(1, len(parts)):
+            directory = Path(*parts[:depth])
+            if not os.stat(directory).st_mode & 0o001:
+                return False
+    return True
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    count += 1
+            except OSError:
+                pass
+    return count
+
+
+class _Run:
+    """One call: folder, child, capped reading, classification, clean-up."""
+
+    def __init__(self, sandbox: LocalSandbox, worker: int, limits: Limits):
+        self.sandbox = sandbox
+        self.limits = limits
+        self.uid = sandbox.uid_for(worker)
+        self.keep_bytes = limits.max_output_chars * 4 + 4  # a UTF-8 character is at most 4 bytes
+        self.heads = {"stdout": bytearray(), "stderr": bytearray()}
+        self.total_bytes = 0
+        self.stopped_for: str | None = None
+
+    def execute(self, code: str, stdin: str) -> RunResult:
+        start = time.monotonic()
+        folder = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+        try:
+            Path(folder, "main.py").write_text(code, encoding="utf-8")
+            if self.uid is not None:
+                os.chown(folder, self.uid, self.uid)
+            report = self._spawn_and_collect(folder, stdin.encode("utf-8"))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return self._result(report, time.monotonic() - start)
+
+    def _config(self, folder: str, status_fd: int) -> str:
+        limits = self.limits
+        nproc = limits.max_processes if self.uid is not None else limits.max_processes + _processes_of(os.getuid())
+        return repr({
+            "folder": folder, "status_fd": status_fd, "uid": self.uid, "timeout_s": limits.timeout_s,
+            "mounts": self.sandbox.mode == "namespaces", "folder_mb": limits.max_folder_mb,
+            "reach": list(_interpreter_paths()), "site": list(_site_dirs()),
+            "limits": {"memory_mb": limits.memory_mb, "cpu_s": limits.cpu_seconds, "nproc": nproc,
+                       "max_file_mb": limits.max_file_mb, "max_open_files": limits.max_open_files}})
+
+    def _command(self, folder: str, status_fd: int) -> list[str]:
+        python = [sys.executable, "-I", "-S", "-c", RUNNER_SOURCE, self._config(folder, status_fd)]
+        if self.sandbox.mode == "namespaces":
+            return _unshare_command(self.limits.network) + python
+        return python
+
+    def _spawn_and_collect(self, folder: str, stdin: bytes) -> dict:
+        status_read, status_write = os.pipe()
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": folder, "LANG": "C.UTF-8"}
+        try:
+            child = subprocess.Popen(self._command(folder, status_write), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=folder,
+                                     pass_fds=(status_write,), start_new_session=True)
+        finally:
+            os.close(status_write)
+        with self.sandbox._active_lock:
+            self.sandbox._active.add(child)
+        try:
+            self._feed_and_read(child, stdin)
+        finally:
+            self._end(child)
+            with self.sandbox._active_lock:
+                self.sandbox._active.discard(child)
+            with os.fdopen(status_read, "rb") as status:
+                line = status.read().decode("utf-8", errors="replace").strip()
+        return ast.literal_eval(line) if line else {"error": "the sandbox runner ended without a report"}
+
+    def _feed_and_read(self, child: subprocess.Popen, stdin: bytes) -> None:
+        deadline = time.monotonic() + self.limits.timeout_s + START_GRACE_S
+        with selectors.DefaultSelector() as selector:
+            selector.register(child.stdout, selectors.EVENT_READ, "stdout")
+            selector.register(child.stderr, selectors.EVENT_READ, "stderr")
+            if stdin:
+                os.set_blocking(child.stdin.fileno(), False)
+                selector.register(child.stdin, selectors.EVENT_WRITE, "stdin")
+            else:
+                child.stdin.close()
+            pending = memoryview(stdin)
+            while selector.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.stopped_for = "timeout"
+                    return
+                for key, _ in selector.select(remaining):
+                    if key.data == "stdin":
+                        pending = self._write_some(selector, key.fileobj, pending)
+                    elif not self._read_some(selector, key.fileobj, key.data):
+                        return
+
+    def _write_some(self, selector, pipe, pending: memoryview) -> memoryview:
+        try:
+            pending = pending[os.write(pipe.fileno(), pending[:65536]):]
+        except BrokenPipeError:
+            pending = pending[:0]
+        if not pending:
+            selector.unregister(pipe)
+            pipe.close()
+        return pending
+
+    def _read_some(self, selector, pipe, name: str) -> bool:
+        """Read what is there; False once the output cap is passed (the run is then stopped)."""
+        data = os.read(pipe.fileno(), 65536)
+        if not data:
+            selector.unregister(pipe)
+            return True
+        self.total_bytes += len(data)
+        head = self.heads[name]
+        if len(head) < self.keep_bytes:
+            head += data[: self.keep_bytes - len(head)]
+        if self.total_bytes > self.limits.max_output_bytes:
+            self.stopped_for = "output"
+            return False
+        return True
+
+    def _end(self, child: subprocess.Popen) -> None:
+        """Make sure the run's whole tree is gone: ask the runner to stop (it kills and sweeps), then kill."""
+        if child.poll() is None and self.stopped_for:
+            self.stop(child, self.sandbox.mode)
+        try:
+            child.wait(timeout=START_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._signal(child, signal.SIGKILL)
+            child.wait()
+        self._signal(child, signal.SIGKILL)  # anything left in the runner's group (the code has its own session)
+        for pipe in (child.stdin, child.stdout, child.stderr):
+            if pipe and not pipe.closed:
+                pipe.close()
+
+    @staticmethod
+    def stop(child: subprocess.Popen, mode: str) -> None:
+        """Namespaces: kill unshare, whose death kills the runner (pid 1), which ends the pid namespace.
+        None: ask the runner (SIGTERM) to kill the code's session and sweep what it left."""
+        _Run._signal(child, signal.SIGTERM if mode == "none" else signal.SIGKILL)
+
+    @staticmethod
+    def _signal(child: subprocess.Popen, signum: int) -> None:
+        try:
+            os.killpg(child.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ------------------------------------------------------------------ classification
+    def _text(self, name: str) -> tuple[str, bool]:
+        text = bytes(self.heads[name]).decode("utf-8", errors="replace")
+        limit = self.limits.max_output_chars
+        return text[:limit], len(text) > limit or len(self.heads[name]) >= self.keep_bytes
+
+    def _result(self, report: dict, wall_s: float) -> RunResult:
+        stdout, cut_out = self._text("stdout")
+        stderr, cut_err = self._text("stderr")
+        code = report.get("returncode")
+        status, limit_hit = _classify(report, self.stopped_for, self.limits, stderr)
+        return RunResult(status, stdout, stderr, code, round(wall_s, 4), limit_hit, cut_out or cut_err)
+
+
+def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str) -> tuple[str, str | None]:
+    """(status, limit in words) from the runner's report, why the parent stopped it, and stderr's tail."""
+    if stopped_for == "output":
+        return "output", f"output limit of {limits.max_output_bytes} bytes; the run was stopped"
+    if report.get("timed_out") or stopped_for == "timeout":
+        return "timeout", f"wall-clock time-out of {limits.timeout_s:g} s"
+    if report.get("error"):
+        return "sandbox_error", f"sandbox error: {report['error']}"
+    code = report.get("returncode")
+    tail = stderr[-2000:]
+    swept = report.get("swept", 0)
+    left = f"{swept} process(es) still running after the code ended were killed" if swept else None
+    if code in (-signal.SIGXCPU,) or (code == -signal.SIGKILL and report.get("cpu_s", 0) >= limits.cpu_seconds):
+        return "cpu", f"CPU time limit of {limits.cpu_seconds} s"
+    if code == 0:
+        return "ok", left
+    if "MemoryError" in tail or code == -signal.SIGSEGV and report.get("max_rss_kb", 0) << 10 > limits.memory_mb << 19:
+        return "memory", f"memory limit of {limits.memory_mb} MB"
+    if "File too large" in tail or code == -signal.SIGXFSZ:
+        return "file_size", f"file size limit of {limits.max_file_mb} MB"
+    if "Resource temporarily unavailable" in tail or "can't start new thread" in tail:
+        return "processes", f"process limit of {limits.max_processes}"
+    if code is not None and code < 0:
+        return "killed", f"killed by signal {signal.Signals(-code).name}"
+    if "Network is unreachable" in tail:
+        return "error", "no network in the sandbox"
+    if "Read-only file system" in tail or "No space left on device" in tail:
+        return "error", f"the file system is read-only outside the working folder (folder capped at {limits.max_folder_mb} MB)"
+    return "error", left

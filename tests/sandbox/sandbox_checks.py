@@ -1,0 +1,76 @@
+"""What every hostile-code test checks after a run: no process left, no folder left."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import tempfile
+
+import pytest
+
+from posttrain.sandbox import isolation_available
+from posttrain.sandbox.local import FIRST_UID
+
+MARGIN_S = 3.0  # time-out plus this: interpreter start and the sweep on a busy 2-core machine
+
+
+def needs_namespaces() -> None:
+    why_not = isolation_available()["namespaces"]
+    if why_not is not None:
+        pytest.skip(f"namespaces unavailable here: {why_not}")
+
+
+def needs_own_uid() -> None:
+    """RLIMIT_NPROC holds only for a uid that is not root: the runs' own uids (root + namespaces)."""
+    needs_namespaces()
+    if os.geteuid() != 0:
+        pytest.skip("per-run uids need root; as a user RLIMIT_NPROC counts the user's processes")
+
+
+def processes_with(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker``, or that run under a sandbox uid."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as cmdline:
+                text = cmdline.read().replace(b"\0", b" ").decode("utf-8", errors="replace")
+            uid = os.stat(f"/proc/{name}").st_uid
+        except OSError:
+            continue
+        if (marker and marker in text) or uid >= FIRST_UID:
+            found.append(int(name))
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def sandbox_folders() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*")))
+
+
+class Leftovers:
+    """Context: fails when a run leaves a process (by marker or sandbox uid) or a temporary folder."""
+
+    def __init__(self, marker: str = ""):
+        self.marker = marker
+
+    def __enter__(self) -> Leftovers:
+        self.folders = sandbox_folders()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None:
+            return
+        left = processes_with(self.marker)
+        kill_all(left)
+        assert not left, f"processes outlived the run: {left}"
+        assert sandbox_folders() <= self.folders, "the run's temporary folder was not removed"
