@@ -251,6 +251,12 @@ class MultiTurnConfig:
     """(posttrain) Seconds one tool call may take; past it the model reads an error message instead."""
     add_tool_rewards: bool = False
     """(posttrain) Add each trajectory's tool rewards (calc_reward) and interaction score to the reward function's score."""
+    max_consecutive_invalid_tool_calls: Optional[int] = None
+    """(posttrain; verl PR 7697's name) Invalid tool calls in a row (bad JSON, unknown tool, wrong arguments) that end a trajectory; null: no cap."""
+    filter_void_turns: bool = False
+    """(posttrain) Trajectories with a void turn (no tool call, no final answer; SimpleTIR) get zero loss weight (response_mask 0)."""
+    final_answer_pattern: Optional[str] = None
+    """(posttrain) Regex a final answer matches (e.g. '####'); a turn without calls that misses it is void (null: only a blank turn is)."""
 
 
 @_cfg()

@@ -24,12 +24,20 @@ name verbatim and was not trained on ``tool``) gets verl's Qwen-style user turn 
 
 Failing calls (bad JSON, unknown tool, wrong arguments, a tool that raises or passes its time-out)
 become an ``Error: ...`` tool answer the model reads, and are counted as tool errors; never a crash.
+
+Guards (off by default): ``max_consecutive_invalid_tool_calls`` ends a trajectory whose invalid calls
+(bad JSON, unknown tool, wrong arguments; a tool's ``invalid_tool_call`` metric) reach that many in a
+row, before their error turn is appended (verl's guard: a valid call resets the count, a tool that
+fails does not count). ``filter_void_turns`` gives a trajectory with a void turn (an assistant turn
+that calls no tool and gives no final answer: blank, or not matching ``final_answer_pattern``;
+SimpleTIR) zero loss weight: its ``response_mask`` becomes all 0, as the trainer's padding rows are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -48,8 +56,13 @@ __all__ = ["MultiTurnRollout", "ToolTurnRenderer", "truncate_text", "multi_turn_
 
 logger = logging.getLogger(__name__)
 
+# The limits a sandbox reports ending a run (a tool's ``sandbox_kill`` metric; any other cause counts as killed).
+KILL_CAUSES = ("timeout", "cpu", "memory", "file_size", "processes", "output", "killed")
 METRIC_COLUMNS = ("multi_turn/turns", "multi_turn/assistant_turns", "multi_turn/tool_calls", "multi_turn/tool_errors",
-                  "multi_turn/hit_turn_limit", "multi_turn/hit_length_limit")
+                  "multi_turn/valid_tool_calls", "multi_turn/invalid_tool_calls", "multi_turn/tool_timeouts",
+                  *(f"multi_turn/sandbox_kills/{cause}" for cause in KILL_CAUSES),
+                  "multi_turn/hit_turn_limit", "multi_turn/hit_length_limit", "multi_turn/hit_invalid_call_limit",
+                  "multi_turn/void_turns", "multi_turn/void_filtered")
 REWARD_COLUMNS = ("multi_turn/tool_reward", "multi_turn/interaction_score")
 _SENTINEL = "\u2063posttrain-turn-end\u2063"
 
@@ -118,8 +131,14 @@ class _Trajectory:
     user_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    invalid_calls: int = 0
+    consecutive_invalid: int = 0
+    tool_timeouts: int = 0
+    sandbox_kills: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KILL_CAUSES, 0))
+    void_turns: int = 0
     hit_turn_limit: bool = False
     hit_length_limit: bool = False
+    hit_invalid_call_limit: bool = False
     tool_reward: float = 0.0
     interaction_score: float = 0.0
     done: bool = False
@@ -145,6 +164,7 @@ class MultiTurnRollout:
         self.interactions = dict(interactions or {})
         self.default_agent = default_agent
         self.renderer = ToolTurnRenderer(tokenizer)
+        self.final_answer = re.compile(config.final_answer_pattern) if config.final_answer_pattern else None
         self.pad_token_id = getattr(engine, "pad_token_id", None)
         if self.pad_token_id is None:
             self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -236,8 +256,12 @@ class MultiTurnRollout:
             return
         calls = parse_tool_calls(text, self.schemas, self.config.format) if t.agent == "tool_agent" and self.tools else []
         at_limit = self._at_turn_limit(t)
+        t.void_turns += int(not calls and self._is_void(text))
         if calls and not at_limit:
-            answers = await asyncio.gather(*(self._call(t, c, limit) for c in calls))
+            answers, invalid = zip(*await asyncio.gather(*(self._call(t, c, limit) for c in calls)))
+            if self._past_invalid_call_cap(t, invalid):
+                t.hit_invalid_call_limit, t.done = True, True
+                return
             turn = self.renderer.tool_turn(answers, t.last_turn[-1])
             t.messages += [{"role": "tool", "content": a} for a in answers]
         elif not calls and t.interaction is not None:
@@ -259,32 +283,47 @@ class MultiTurnRollout:
         t.log_probs += [0.0] * len(turn)
         t.user_turns += 1
 
+    def _is_void(self, text: str) -> bool:
+        """A turn without calls that gives no final answer (blank, or not matching final_answer_pattern)."""
+        return not text.strip() or (self.final_answer is not None and not self.final_answer.search(text))
+
+    def _past_invalid_call_cap(self, t: _Trajectory, invalid: Sequence[bool]) -> bool:
+        """Update the run of invalid calls in the order the model made them; True at the cap."""
+        for bad in invalid:
+            t.consecutive_invalid = t.consecutive_invalid + 1 if bad else 0
+        cap = self.config.max_consecutive_invalid_tool_calls
+        return cap is not None and t.consecutive_invalid >= cap
+
     def _at_turn_limit(self, t: _Trajectory) -> bool:
         cfg = self.config
         return bool((cfg.max_assistant_turns and t.assistant_turns >= cfg.max_assistant_turns)
                     or (cfg.max_user_turns and t.user_turns >= cfg.max_user_turns))
 
     # ------------------------------------------------------------------ tools
-    async def _call(self, t: _Trajectory, call: ToolCall | ToolCallError, limit: asyncio.Semaphore) -> str:
-        """The answer the model reads for one call (an ``Error: ...`` text when it failed)."""
+    async def _call(self, t: _Trajectory, call: ToolCall | ToolCallError,
+                    limit: asyncio.Semaphore) -> tuple[str, bool]:
+        """The answer the model reads for one call (an ``Error: ...`` text when it failed), and whether
+        the call was invalid (the model's fault: the invalid-call guard counts it)."""
         t.tool_calls += 1
         if isinstance(call, ToolCallError):
             t.tool_errors += 1
-            return f"Error: {call.message}"
+            t.invalid_calls += 1
+            return f"Error: {call.message}", True
         timeout = float(self.config.tool_timeout_s)
         async with limit:
             try:
-                text, failed = await asyncio.wait_for(self._execute(t, call), timeout)
+                text, metrics = await asyncio.wait_for(self._execute(t, call), timeout)
             except asyncio.TimeoutError:
                 logger.warning("tool %s did not answer within %g s (multi_turn.tool_timeout_s)", call.name, timeout)
-                text, failed = f"Error: {call.name} did not answer within {timeout:g} s", True
+                text, metrics = f"Error: {call.name} did not answer within {timeout:g} s", _TIMED_OUT
             except Exception as err:  # a tool's bug is the model's error message, and a logged count
                 logger.warning("tool %s raised %s: %s", call.name, type(err).__name__, err)
-                text, failed = f"Error: {call.name} failed: {type(err).__name__}: {err}", True
-        t.tool_errors += int(failed)
-        return truncate_text(text, int(self.config.max_tool_response_length), self.config.tool_response_truncate_side)
+                text, metrics = f"Error: {call.name} failed: {type(err).__name__}: {err}", _FAILED
+        invalid = _count_tool_metrics(t, metrics)
+        answer = truncate_text(text, int(self.config.max_tool_response_length), self.config.tool_response_truncate_side)
+        return answer, invalid
 
-    async def _execute(self, t: _Trajectory, call: ToolCall) -> tuple[str, bool]:
+    async def _execute(self, t: _Trajectory, call: ToolCall) -> tuple[str, dict]:
         tool, kwargs = self.tools[call.name], t.tools_kwargs.get(call.name) or {}
         if call.name not in t.instances:
             created = await tool.create(None, **(kwargs.get("create_kwargs") or {}))
@@ -292,7 +331,7 @@ class MultiTurnRollout:
         response, step_reward, metrics = await tool.execute(t.instances[call.name], call.arguments,
                                                             **(kwargs.get("execute_kwargs") or {}))
         t.tool_reward += float(step_reward or 0.0)
-        return ToolResponse.of(response).text, bool((metrics or {}).get("tool_error"))
+        return ToolResponse.of(response).text, dict(metrics or {})
 
     async def _finish(self, t: _Trajectory) -> None:
         """Tool rewards (calc_reward), the interaction's score; instances released."""
@@ -325,6 +364,8 @@ class MultiTurnRollout:
         prompt_mask = rows["attention_mask"]
         prompt_pos = rows["position_ids"] if "position_ids" in rows else (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         resp_pos = prompt_pos[:, -1:] + torch.arange(1, r + 1, device=dev)
+        if self.config.filter_void_turns:  # zero loss weight, as the trainer's padding rows
+            response_mask[[i for i, t in enumerate(trajs) if t.void_turns]] = 0
         tensors = {
             "prompts": rows["input_ids"], "responses": responses.to(dev), "response_mask": response_mask.to(dev),
             "input_ids": torch.cat([rows["input_ids"], responses.to(dev)], dim=1),
@@ -334,18 +375,41 @@ class MultiTurnRollout:
         if sampling.calculate_log_probs:
             tensors["rollout_log_probs"] = log_probs.to(dev) * response_mask.to(dev)
         non_tensors = dict(rows.non_tensor_batch)
-        non_tensors.update(_columns(trajs))
+        non_tensors.update(_columns(trajs, bool(self.config.filter_void_turns)))
         return Batch.from_dict(tensors, non_tensors, dict(rows.meta_info))
 
 
-def _columns(trajs: list[_Trajectory]) -> dict[str, np.ndarray]:
+_TIMED_OUT = {"tool_error": 1.0, "tool_timeout": 1.0}
+_FAILED = {"tool_error": 1.0}
+
+
+def _count_tool_metrics(t: _Trajectory, metrics: dict) -> bool:
+    """Count a run call's errors, time-outs and sandbox kills; True when the tool calls it invalid."""
+    t.tool_errors += int(bool(metrics.get("tool_error")))
+    t.tool_timeouts += int(bool(metrics.get("tool_timeout")))
+    kill = metrics.get("sandbox_kill")
+    if kill:
+        t.sandbox_kills[kill if kill in t.sandbox_kills else "killed"] += 1
+    invalid = bool(metrics.get("invalid_tool_call"))
+    t.invalid_calls += int(invalid)
+    return invalid
+
+
+def _columns(trajs: list[_Trajectory], filter_void: bool) -> dict[str, np.ndarray]:
     values = {
         "multi_turn/turns": [t.assistant_turns + t.user_turns for t in trajs],
         "multi_turn/assistant_turns": [t.assistant_turns for t in trajs],
         "multi_turn/tool_calls": [t.tool_calls for t in trajs],
         "multi_turn/tool_errors": [t.tool_errors for t in trajs],
+        "multi_turn/valid_tool_calls": [t.tool_calls - t.invalid_calls for t in trajs],
+        "multi_turn/invalid_tool_calls": [t.invalid_calls for t in trajs],
+        "multi_turn/tool_timeouts": [t.tool_timeouts for t in trajs],
+        **{f"multi_turn/sandbox_kills/{c}": [t.sandbox_kills[c] for t in trajs] for c in KILL_CAUSES},
         "multi_turn/hit_turn_limit": [t.hit_turn_limit for t in trajs],
         "multi_turn/hit_length_limit": [t.hit_length_limit for t in trajs],
+        "multi_turn/hit_invalid_call_limit": [t.hit_invalid_call_limit for t in trajs],
+        "multi_turn/void_turns": [t.void_turns for t in trajs],
+        "multi_turn/void_filtered": [filter_void and t.void_turns > 0 for t in trajs],
         "multi_turn/tool_reward": [t.tool_reward for t in trajs],
         "multi_turn/interaction_score": [t.interaction_score for t in trajs],
     }

@@ -1,15 +1,17 @@
 """Start-up checks of a multi-turn run: the tool and interaction config files load (classes import,
 schemas are valid), and every row's ``agent_name``, ``extra_info.tools_kwargs`` and
 ``extra_info.interaction_kwargs`` name loops, tools and interactions that exist. Each problem is
-one ConfigError / DataError naming the file, row and key, before any model loads or any step runs."""
+one ConfigError / DataError naming the file, row and key, before any model loads or any step runs;
+the guard keys (``max_consecutive_invalid_tool_calls``, ``final_answer_pattern``) are checked too."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, Sequence
 
-from posttrain.errors import DataError
+from posttrain.errors import ConfigError, DataError
 
-__all__ = ["check_multi_turn_setup", "check_rows", "AGENT_LOOPS"]
+__all__ = ["check_multi_turn_setup", "check_rows", "check_guards", "AGENT_LOOPS"]
 
 AGENT_LOOPS = ("tool_agent", "single_turn_agent")
 
@@ -25,11 +27,26 @@ def check_multi_turn_setup(config: Any, datasets: Iterable[Any], extra_tool_name
     mt = config.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return
+    check_guards(mt)
     tools = [t.name for t in load_tools_config(mt.tool_config_path)] if mt.tool_config_path else []
     interactions = list(load_interaction_config(mt.interaction_config_path)) if mt.interaction_config_path else []
     names = [*tools, *extra_tool_names] if check_tool_names else None
     for ds in datasets:
         check_rows(ds.rows, ", ".join(ds.files), names, interactions)
+
+
+def check_guards(mt: Any) -> None:
+    """ConfigError when the invalid-call cap is below 1 or the final-answer pattern is not a regex."""
+    key = "actor_rollout_ref.rollout.multi_turn"
+    cap = mt.max_consecutive_invalid_tool_calls
+    if cap is not None and cap < 1:
+        raise ConfigError(f"{key}.max_consecutive_invalid_tool_calls={cap!r}: expected an integer >= 1, or null for no cap")
+    if mt.final_answer_pattern:
+        try:
+            re.compile(mt.final_answer_pattern)
+        except re.error as err:
+            raise ConfigError(f"{key}.final_answer_pattern={mt.final_answer_pattern!r} is not a regular expression "
+                              f"({err})") from None
 
 
 def check_rows(rows: Sequence[dict], where: str, tool_names: Sequence[str] | None, interactions: Sequence[str]) -> None:

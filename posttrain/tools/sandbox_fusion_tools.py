@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from posttrain.errors import ConfigError
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
-from posttrain.tools.utils.sandbox_fusion_client import RunOutcome, post_run_code, shared_limit
+from posttrain.tools.utils.sandbox_fusion_client import NOT_KILLED, RunOutcome, post_run_code, shared_limit
 
 __all__ = ["SandboxFusionTool", "CODE_INTERPRETER_SCHEMA", "SANDBOX_FUSION_LANGUAGES"]
 
@@ -66,7 +66,8 @@ class SandboxFusionTool(BaseTool):
 
     ``execute`` returns ``(ToolResponse(text), 0.0, metrics)``: ``metrics`` has ``tool_error`` 1.0 when
     the code failed or could not run, ``tool_timeout`` 1.0 when it ran past ``default_timeout``, and
-    ``sandbox_kill`` naming the limit that ended it (``timeout``, ``memory``, ``cpu``, ``output``, ``killed``).
+    ``sandbox_kill`` naming the limit that ended it (the sandbox's status: ``timeout``, ``cpu``, ``memory``,
+    ``file_size``, ``processes``, ``output``, ``killed``).
     """
 
     def __init__(self, config: dict | None = None, tool_schema: OpenAIFunctionToolSchema | dict | None = None):
@@ -136,12 +137,9 @@ class SandboxFusionTool(BaseTool):
         self._instance_dict.pop(instance_id, None)
 
 
-_KILLS = ("timeout", "memory", "cpu", "output", "killed")
-
-
 def _local_outcome(result: Any) -> RunOutcome:
     """A local RunResult in the tool's terms (its text is what the sandbox says the model reads)."""
-    kill = result.status if result.status in _KILLS else None
+    kill = result.status if result.status not in NOT_KILLED else None
     return RunOutcome(result.as_tool_text(), error=result.status != "ok", kill=kill)
 
 

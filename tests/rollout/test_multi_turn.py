@@ -291,3 +291,110 @@ def test_the_reward_reads_each_turn_apart(tok):
     assert scores.sum().item() == 1.0  # "#### 44" then "22 + 22 = 44": 44, not 4422
     last = int(out["response_mask"][0].nonzero().max())
     assert scores[0, last] == 1.0  # on the last model token
+
+
+# ---------------------------------------------------------------- guards: invalid calls, void turns, metrics
+BAD = "<tool_call>{oops}</tool_call>"
+
+
+def test_the_invalid_call_cap_ends_a_trajectory(tok):
+    out, engine = _rollout(tok, {"A:": [BAD]}, [CalculatorTool()], response_length=2000, max_assistant_turns=6,
+                           max_consecutive_invalid_tool_calls=2)
+    cols = out.non_tensor_batch
+    assert engine.calls == [1, 1]  # ended after the second invalid call in a row, before its error turn
+    assert (cols["multi_turn/hit_invalid_call_limit"][0], cols["multi_turn/hit_turn_limit"][0]) == (1, 0)
+    assert cols["multi_turn/invalid_tool_calls"][0] == 2 and cols["multi_turn/valid_tool_calls"][0] == 0
+    last = int(out["attention_mask"][0, -2000:].sum()) - 1
+    assert out["response_mask"][0, last] == 1  # it ends on the model's turn
+    # negative control: without the cap the same model goes on to max_assistant_turns
+    out, engine = _rollout(tok, {"A:": [BAD]}, [CalculatorTool()], response_length=2000, max_assistant_turns=6)
+    assert engine.calls == [1] * 6 and out.non_tensor_batch["multi_turn/hit_invalid_call_limit"][0] == 0
+    assert out.non_tensor_batch["multi_turn/invalid_tool_calls"][0] == 5
+
+
+def test_a_valid_call_resets_the_invalid_run_and_a_failing_tool_does_not_count(tok):
+    class Broken(BaseTool):
+        async def execute(self, instance_id, parameters, **kwargs):
+            raise RuntimeError("down")
+
+    broken = Broken({}, {"type": "function", "function": {"name": "broken", "description": "x",
+                                                          "parameters": {"type": "object", "properties": {}}}})
+    broken_call = '<tool_call>{"name": "broken", "arguments": {}}</tool_call>'
+    out, _ = _rollout(tok, {"A:": [BAD, CALL, BAD, broken_call, BAD, "done"]}, [CalculatorTool(), broken],
+                      max_consecutive_invalid_tool_calls=2)
+    cols = out.non_tensor_batch
+    assert _texts(tok, out)[0].endswith("done<|im_end|>") and cols["multi_turn/hit_invalid_call_limit"][0] == 0
+    assert (cols["multi_turn/valid_tool_calls"][0], cols["multi_turn/invalid_tool_calls"][0]) == (2, 3)
+    assert cols["multi_turn/tool_errors"][0] == 4  # three invalid calls and the failing tool
+
+
+def test_tool_metrics_count_time_outs_kills_and_invalid_calls(tok):
+    class Reporting(BaseTool):
+        async def execute(self, instance_id, parameters, **kwargs):
+            return "killed", 0.0, {"tool_error": 1.0, "sandbox_kill": parameters["cause"],
+                                   "tool_timeout": float(parameters["cause"] == "timeout"),
+                                   "invalid_tool_call": parameters["cause"] == "output"}
+
+    schema = {"type": "function", "function": {"name": "run", "description": "x", "parameters": {
+        "type": "object", "properties": {"cause": {"type": "string"}}, "required": ["cause"]}}}
+    run = lambda cause: f'<tool_call>{{"name": "run", "arguments": {{"cause": "{cause}"}}}}</tool_call>'  # noqa: E731
+    log = []
+    out, _ = _rollout(tok, {"A:": [run("memory") + run("timeout") + run("memory") + run("output") + NAP, "ok"]},
+                      [Reporting({}, schema), _sleeper(log, 5.0)], tool_timeout_s=0.2)
+    cols = out.non_tensor_batch
+    kills = {c: cols[f"multi_turn/sandbox_kills/{c}"][0] for c in ("timeout", "memory", "cpu", "output", "killed")}
+    assert kills == {"timeout": 1, "memory": 2, "cpu": 0, "output": 1, "killed": 0}
+    assert cols["multi_turn/sandbox_kills/file_size"][0] == cols["multi_turn/sandbox_kills/processes"][0] == 0
+    assert cols["multi_turn/tool_timeouts"][0] == 2  # the tool's own, and the loop's time-out of the sleeper
+    assert (cols["multi_turn/tool_calls"][0], cols["multi_turn/invalid_tool_calls"][0]) == (5, 1)
+    assert cols["multi_turn/tool_errors"][0] == 5
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+def test_void_turns_are_counted_and_filtered_on_request(tok, filtered):
+    scripts = {"A:": [""], "B:": ["#### 4"], "C:": ["I think so."], "D:": [CALL, "#### 5535"]}
+    out, _ = _rollout(tok, scripts, [CalculatorTool()], filter_void_turns=filtered, final_answer_pattern="####")
+    cols = out.non_tensor_batch
+    assert cols["multi_turn/void_turns"].tolist() == [1, 0, 1, 0]
+    assert cols["multi_turn/void_filtered"].tolist() == ([1, 0, 1, 0] if filtered else [0, 0, 0, 0])
+    model_tokens = out["response_mask"].sum(-1).tolist()
+    assert (model_tokens[0] == 0 and model_tokens[2] == 0) == filtered  # zero loss weight only when filtered
+    assert model_tokens[1] > 0 and model_tokens[3] > 0
+
+
+def test_without_a_pattern_only_a_blank_turn_is_void(tok):
+    out, _ = _rollout(tok, {"A:": [" "], "C:": ["I think so."]}, [CalculatorTool()])
+    assert out.non_tensor_batch["multi_turn/void_turns"].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("max_consecutive_invalid_tool_calls", 0, "max_consecutive_invalid_tool_calls=0: expected an integer >= 1, or null"),
+    ("final_answer_pattern", "([", "final_answer_pattern='([' is not a regular expression"),
+])
+def test_guard_keys_are_checked_at_start_up(key, value, message):
+    from posttrain.errors import ConfigError
+    from posttrain.rollout.multi_turn_checks import check_guards
+
+    check_guards(MultiTurnConfig(enable=True, max_consecutive_invalid_tool_calls=3, final_answer_pattern="####"))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        check_guards(MultiTurnConfig(enable=True, **{key: value}))
+
+
+def test_code_interpreter_in_a_rollout_with_a_tiny_model(tok, monkeypatch):
+    """The real hf engine (its sampler scripted to call the tool) and verl's code interpreter on the local sandbox."""
+    pytest.importorskip("posttrain.sandbox")
+    from posttrain.tools.sandbox_fusion_tools import SandboxFusionTool
+    from posttrain.workers.actor import ActorWorker
+
+    cfg = tiny_worker_configs(response_length=240)
+    actor = ActorWorker(cfg.model, cfg.actor, cfg.rollout, device="cpu", module=tiny_llama(tok, seed=3), tokenizer=tok)
+    tool = SandboxFusionTool({"default_timeout": 5, "isolation": "none"})
+    loop = MultiTurnRollout(actor.rollout, tok, MultiTurnConfig(enable=True, max_assistant_turns=3), [tool])
+    code_call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}</tool_call>'
+    queue = _scripted_sampler(monkeypatch, tok, [code_call, "It is 42."])
+    prompts = tiny_prompt_batch(tok, ["<|im_start|>user\n6*7?<|im_end|>\n<|im_start|>assistant\n"])
+    out = loop.generate(prompts, SamplingParams(n=1, temperature=1.0, response_length=240))
+    assert queue == []
+    assert "<tool_response>\n42\n</tool_response>" in _texts(tok, out)[0]
+    cols = out.non_tensor_batch
+    assert (cols["multi_turn/valid_tool_calls"][0], cols["multi_turn/tool_errors"][0]) == (1, 0)

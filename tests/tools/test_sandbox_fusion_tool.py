@@ -172,53 +172,8 @@ def test_the_global_rate_limit_is_shared_by_the_tools_of_the_process(shared, mos
 
 
 # ---------------------------------------------------------------- the local sandbox
-def _fake_sandbox_module():
-    """Stands in for posttrain.sandbox (its API: Limits, LocalSandbox.run -> RunResult) while it is not there."""
-    import types
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class Limits:
-        timeout_s: float = 10.0
-        memory_mb: int = 1024
-        isolation: str = "auto"
-
-    @dataclass
-    class RunResult:
-        status: str
-        stdout: str
-        stderr: str
-
-        def as_tool_text(self):
-            return self.stdout + self.stderr + ("wall-clock time-out" if self.status == "timeout" else "")
-
-    class LocalSandbox:
-        def __init__(self, limits=Limits(), *, num_workers=4):
-            if limits.isolation not in ("auto", "none"):
-                raise ConfigError(f"isolation {limits.isolation} is not available")
-            self.limits = limits
-
-        def run(self, code, language="python", stdin=""):
-            answer = _run({"code": code, "run_timeout": self.limits.timeout_s})["run_result"]
-            status = {"Finished": "ok" if answer["return_code"] == 0 else "error"}.get(answer["status"], "timeout")
-            return RunResult(status, answer["stdout"], answer["stderr"])
-
-    return types.SimpleNamespace(Limits=Limits, LocalSandbox=LocalSandbox, RunResult=RunResult)
-
-
-@pytest.fixture
-def local_sandbox(monkeypatch):
-    """posttrain.sandbox, or the fake above until helper A's module exists."""
-    try:
-        import posttrain.sandbox as real
-    except ImportError:
-        monkeypatch.setitem(sys.modules, "posttrain.sandbox", _fake_sandbox_module())
-        return sys.modules["posttrain.sandbox"]
-    return real
-
-
-def test_without_a_url_the_code_runs_in_the_local_sandbox(local_sandbox):
-    tool = SandboxFusionTool({"default_timeout": 5, "isolation": "none"})
+def test_without_a_url_the_code_runs_in_the_local_sandbox():
+    tool = SandboxFusionTool({"default_timeout": 5})  # isolation auto: the best this machine has
     assert tool.sandbox is not None and tool.sandbox_fusion_url == ""
     response, _, metrics = _call(tool, "print(6*7)")
     assert response.text.strip() == "42" and metrics == {}
@@ -226,7 +181,7 @@ def test_without_a_url_the_code_runs_in_the_local_sandbox(local_sandbox):
     assert metrics.get("tool_error") == 1.0
 
 
-def test_the_local_sandbox_time_out_is_a_kill_by_cause(local_sandbox):
+def test_the_local_sandbox_time_out_is_a_kill_by_cause():
     tool = SandboxFusionTool({"default_timeout": 0.5, "isolation": "none"})
     start = time.monotonic()
     response, _, metrics = _call(tool, "while True: pass")
@@ -235,7 +190,7 @@ def test_the_local_sandbox_time_out_is_a_kill_by_cause(local_sandbox):
 
 
 # ---------------------------------------------------------------- verl's loader and the YAML checks
-def test_verl_loader_returns_the_tool_instances(tmp_path, local_sandbox):
+def test_verl_loader_returns_the_tool_instances(tmp_path):
     tools = initialize_tools_from_config(str(EXAMPLE))
     assert [type(t) for t in tools] == [SandboxFusionTool] and tools[0].num_workers == 4
     assert tools[0].sandbox is not None  # no URL: the local sandbox
@@ -285,6 +240,36 @@ def test_a_bad_tool_yaml_is_one_config_error_naming_file_tool_and_key(tmp_path, 
     assert key_text in message and rule in message and "\n" not in message
 
 
-def test_an_unknown_isolation_level_names_the_valid_ones(local_sandbox):
+def test_an_unknown_isolation_level_names_the_valid_ones():
     with pytest.raises(ConfigError, match=r"config.isolation='walls': expected one of auto, namespaces, bwrap, none"):
         SandboxFusionTool({"isolation": "walls"})
+
+
+def test_over_http_to_posttrain_sandbox_serve():
+    """verl's YAML with a URL, served by posttrain's own SandboxFusion-compatible server (in this process)."""
+    from posttrain.sandbox import Limits, LocalSandbox
+    from posttrain.sandbox.server import make_handler
+
+    sandbox = LocalSandbox(Limits(timeout_s=5), num_workers=2)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(sandbox))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        tool = SandboxFusionTool({"sandbox_fusion_url": f"http://127.0.0.1:{httpd.server_address[1]}/run_code",
+                                  "default_timeout": 1})
+        response, _, metrics = _call(tool, "print(6*7)")
+        assert response.text.strip() == "42" and metrics == {}
+        response, _, metrics = _call(tool, "while True: pass")
+        assert metrics["sandbox_kill"] in ("timeout", "cpu") and metrics["tool_error"] == 1.0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        sandbox.close()
+
+
+def test_isolation_the_machine_cannot_give_refuses_to_start():
+    from posttrain.sandbox import isolation_available
+
+    if isolation_available().get("bwrap") is None:
+        pytest.skip("bubblewrap is available here")
+    with pytest.raises(ConfigError, match=r"config.isolation='bwrap': .*isolation: none"):
+        SandboxFusionTool({"isolation": "bwrap"})

@@ -16,11 +16,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-__all__ = ["RunOutcome", "post_run_code", "shared_limit", "API_RETRIES", "REQUEST_MARGIN_S"]
+__all__ = ["RunOutcome", "post_run_code", "shared_limit", "API_RETRIES", "REQUEST_MARGIN_S", "NOT_KILLED"]
 
 API_RETRIES = 3  # attempts when the server cannot be reached or answers 5xx (verl's client retries 3 times)
 REQUEST_MARGIN_S = 10.0  # the HTTP time-out is the run time-out plus this (verl's client adds 10 s)
 RETRY_PAUSE_S = 0.5
+NOT_KILLED = ("ok", "error", "sandbox_error")  # posttrain's sandbox statuses that are not a limit's kill
 
 
 @dataclass
@@ -75,7 +76,10 @@ def _outcome(answer: dict, timeout_s: float) -> RunOutcome:
         return RunOutcome(f"Error: the sandbox could not run the code: {answer.get('message') or 'no run result'}",
                           error=True)
     failed = answer.get("status") != "Success" or run.get("return_code") not in (0, None)
-    return RunOutcome(text, error=failed)
+    ours = answer.get("posttrain") or {}  # `posttrain sandbox serve` names the limit that ended the run
+    kill = ours.get("status") if ours.get("status") not in (None, *NOT_KILLED) else None
+    limit_line = f"[sandbox: {ours['limit_hit']}]" if kill and ours.get("limit_hit") else ""
+    return RunOutcome(text + limit_line, error=failed, kill=kill)
 
 
 _SHARED: dict[str, threading.BoundedSemaphore] = {}
