@@ -22,7 +22,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from posttrain.errors import ConfigError
-from posttrain.sandbox.limits import Limits, RunResult
+from posttrain.sandbox.limits import ISOLATION_CHOICES, Limits, RunResult
 from posttrain.sandbox.local import LANGUAGES, LocalSandbox
 
 MAX_REQUEST_BYTES = 16 << 20
@@ -108,23 +108,32 @@ def make_handler(sandbox: LocalSandbox) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    # cli_args is a leaf of argument types (stdlib only): the one import here from outside errors, for the
+    # command line alone, so every numeric flag refuses nonsense the way the other commands' flags do
+    from posttrain.cli_args import non_negative_int, positive_float, positive_int
+
     defaults = Limits()
-    parser = argparse.ArgumentParser(prog="posttrain sandbox serve",
-                                     description="Serve SandboxFusion's POST /run_code with posttrain's local sandbox.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--num-workers", type=int, default=4, help="runs at the same time; more requests wait")
-    parser.add_argument("--timeout-s", type=float, default=30.0, help="ceiling (and default) of a request's run_timeout")
-    parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb,
-                        help="ceiling (and default) of a request's memory_limit_MB")
-    parser.add_argument("--max-processes", type=int, default=defaults.max_processes)
-    parser.add_argument("--max-file-mb", type=int, default=defaults.max_file_mb)
-    parser.add_argument("--max-output-chars", type=int, default=defaults.max_output_chars)
-    parser.add_argument("--network", action="store_true", help="let the code use the network")
-    parser.add_argument("--isolation", default="auto", help="auto | namespaces | none (none: no network or "
-                                                              "file-system isolation)")
-    return parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="posttrain sandbox", description="posttrain's sandbox for model code.")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="serve")
+    serve_parser = actions.add_parser("serve", help="serve SandboxFusion's POST /run_code with the local sandbox",
+                                      description="Serve SandboxFusion's POST /run_code with posttrain's local "
+                                                  "sandbox; the limits are ceilings of each request's.")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    serve_parser.add_argument("--port", type=non_negative_int, default=8080, help="0: any free port (printed)")
+    serve_parser.add_argument("--num-workers", type=positive_int, default=4,
+                              help="runs at the same time; more requests wait")
+    serve_parser.add_argument("--timeout-s", type=positive_float, default=30.0,
+                              help="ceiling (and default) of a request's run_timeout, seconds")
+    serve_parser.add_argument("--memory-mb", type=positive_int, default=defaults.memory_mb,
+                              help="ceiling (and default) of a request's memory_limit_MB")
+    serve_parser.add_argument("--max-processes", type=positive_int, default=defaults.max_processes)
+    serve_parser.add_argument("--max-file-mb", type=positive_int, default=defaults.max_file_mb)
+    serve_parser.add_argument("--max-output-chars", type=positive_int, default=defaults.max_output_chars)
+    serve_parser.add_argument("--network", action="store_true", help="let the code use the network")
+    serve_parser.add_argument("--isolation", default="auto", choices=ISOLATION_CHOICES,
+                              help="auto | namespaces | none (none: no network or file-system isolation)")
+    return parser
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -157,13 +166,7 @@ def _stop_serving(signum: int, frame) -> None:
 
 def main(argv: list[str]) -> int:
     """`posttrain sandbox serve ...`."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: posttrain sandbox serve [--host 127.0.0.1] [--port 8080] [--num-workers 4] [limits]\n"
-              "  serve SandboxFusion's POST /run_code backed by the local sandbox; serve --help lists the options")
-        return 0 if argv else 2
-    if argv[0] != "serve":
-        raise ConfigError(f"posttrain sandbox: unknown action {argv[0]!r}; valid: serve")
-    return serve(parse_args(argv[1:]))
+    return serve(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
