@@ -6,12 +6,15 @@ the guard keys (``max_consecutive_invalid_tool_calls``, ``final_answer_pattern``
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Iterable, Sequence
 
 from posttrain.errors import ConfigError, DataError
 
 __all__ = ["check_multi_turn_setup", "check_rows", "check_guards", "AGENT_LOOPS"]
+
+logger = logging.getLogger(__name__)
 
 AGENT_LOOPS = ("tool_agent", "single_turn_agent")
 
@@ -28,7 +31,9 @@ def check_multi_turn_setup(config: Any, datasets: Iterable[Any], extra_tool_name
     if not mt.enable:
         return
     check_guards(mt)
-    tools = [t.name for t in load_tools_config(mt.tool_config_path)] if mt.tool_config_path else []
+    loaded = load_tools_config(mt.tool_config_path) if mt.tool_config_path else []
+    _warn_on_slower_tools(loaded, mt.tool_timeout_s)
+    tools = [t.name for t in loaded]
     interactions = list(load_interaction_config(mt.interaction_config_path)) if mt.interaction_config_path else []
     names = [*tools, *extra_tool_names] if check_tool_names else None
     for ds in datasets:
@@ -47,6 +52,17 @@ def check_guards(mt: Any) -> None:
         except re.error as err:
             raise ConfigError(f"{key}.final_answer_pattern={mt.final_answer_pattern!r} is not a regular expression "
                               f"({err})") from None
+
+
+def _warn_on_slower_tools(tools: Sequence[Any], loop_timeout_s: float) -> None:
+    """A tool whose own time-out (``default_timeout``, verl's code interpreter's key) is not below the
+    loop's never reports its own: the loop's time-out message replaces it."""
+    for tool in tools:
+        own = getattr(tool, "default_timeout", None)
+        if isinstance(own, (int, float)) and own >= loop_timeout_s:
+            logger.warning("tool %s: config.default_timeout=%g s is not below multi_turn.tool_timeout_s=%g s, so a "
+                           "run that uses its whole time is cut by the loop first; raise tool_timeout_s above it",
+                           tool.name, own, loop_timeout_s)
 
 
 def check_rows(rows: Sequence[dict], where: str, tool_names: Sequence[str] | None, interactions: Sequence[str]) -> None:

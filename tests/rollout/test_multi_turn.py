@@ -398,3 +398,14 @@ def test_code_interpreter_in_a_rollout_with_a_tiny_model(tok, monkeypatch):
     assert "<tool_response>\n42\n</tool_response>" in _texts(tok, out)[0]
     cols = out.non_tensor_batch
     assert (cols["multi_turn/valid_tool_calls"][0], cols["multi_turn/tool_errors"][0]) == (1, 0)
+
+
+def test_a_tool_time_out_not_below_the_loops_is_warned_about(caplog):
+    from posttrain.rollout.multi_turn_checks import _warn_on_slower_tools
+    from posttrain.tools.sandbox_fusion_tools import SandboxFusionTool
+
+    url = {"sandbox_fusion_url": "http://localhost:8080/run_code"}
+    _warn_on_slower_tools([SandboxFusionTool({**url, "default_timeout": 10}), CalculatorTool()], 30.0)
+    assert not caplog.records
+    _warn_on_slower_tools([SandboxFusionTool({**url, "default_timeout": 30})], 30.0)
+    assert "default_timeout=30 s is not below multi_turn.tool_timeout_s=30 s" in caplog.text
