@@ -45,7 +45,8 @@ def check_guards(mt: Any) -> None:
     key = "actor_rollout_ref.rollout.multi_turn"
     cap = mt.max_consecutive_invalid_tool_calls
     if cap is not None and cap < 1:
-        raise ConfigError(f"{key}.max_consecutive_invalid_tool_calls={cap!r}: expected an integer >= 1, or null for no cap")
+        raise ConfigError(f"{key}.max_consecutive_invalid_tool_calls={cap!r}: expected an integer >= 1, "
+                          "or null for no cap")
     if mt.final_answer_pattern:
         try:
             re.compile(mt.final_answer_pattern)

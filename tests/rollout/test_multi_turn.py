@@ -368,7 +368,8 @@ def test_without_a_pattern_only_a_blank_turn_is_void(tok):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("max_consecutive_invalid_tool_calls", 0, "max_consecutive_invalid_tool_calls=0: expected an integer >= 1, or null"),
+    ("max_consecutive_invalid_tool_calls", 0,
+     "max_consecutive_invalid_tool_calls=0: expected an integer >= 1, or null"),
     ("final_answer_pattern", "([", "final_answer_pattern='([' is not a regular expression"),
 ])
 def test_guard_keys_are_checked_at_start_up(key, value, message):

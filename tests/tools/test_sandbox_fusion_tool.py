@@ -273,3 +273,10 @@ def test_isolation_the_machine_cannot_give_refuses_to_start():
         pytest.skip("bubblewrap is available here")
     with pytest.raises(ConfigError, match=r"config.isolation='bwrap': .*isolation: none"):
         SandboxFusionTool({"isolation": "bwrap"})
+
+
+def test_a_second_global_rate_limit_of_another_size_is_shared_and_warned_about(caplog):
+    url = {"sandbox_fusion_url": "http://localhost:8080/run_code"}
+    first, second = SandboxFusionTool({**url, "rate_limit": 3}), SandboxFusionTool({**url, "rate_limit": 5})
+    assert first._in_flight is second._in_flight
+    assert "rate_limit=5: the process-wide limit (enable_global_rate_limit) already holds 3 calls" in caplog.text

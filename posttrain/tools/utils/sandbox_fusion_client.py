@@ -10,6 +10,7 @@ Only the standard library is used (``urllib`` in the caller's worker thread).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -17,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 
 __all__ = ["RunOutcome", "post_run_code", "shared_limit", "API_RETRIES", "REQUEST_MARGIN_S", "NOT_KILLED"]
+
+logger = logging.getLogger(__name__)
 
 API_RETRIES = 3  # attempts when the server cannot be reached or answers 5xx (verl's client retries 3 times)
 REQUEST_MARGIN_S = 10.0  # the HTTP time-out is the run time-out plus this (verl's client adds 10 s)
@@ -82,7 +85,7 @@ def _outcome(answer: dict, timeout_s: float) -> RunOutcome:
     return RunOutcome(text + limit_line, error=failed, kill=kill)
 
 
-_SHARED: dict[str, threading.BoundedSemaphore] = {}
+_SHARED: dict[str, tuple[int, threading.BoundedSemaphore]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
@@ -90,4 +93,8 @@ def shared_limit(size: int) -> threading.BoundedSemaphore:
     """The process's one limit on sandbox calls in flight (verl's named ``rate-limiter`` actor: the
     first tool to ask sets its size; later tools share it whatever their own ``rate_limit``)."""
     with _SHARED_LOCK:
-        return _SHARED.setdefault("rate-limiter", threading.BoundedSemaphore(size))
+        first, limit = _SHARED.setdefault("rate-limiter", (size, threading.BoundedSemaphore(size)))
+    if first != size:
+        logger.warning("rate_limit=%d: the process-wide limit (enable_global_rate_limit) already holds %d calls in "
+                       "flight, set by the first tool; this tool shares it", size, first)
+    return limit
