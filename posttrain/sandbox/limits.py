@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from posttrain.errors import ConfigError
 
@@ -50,9 +51,7 @@ class Limits:
         return self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1
 
     def replace(self, **changes) -> Limits:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return Limits(**values)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass

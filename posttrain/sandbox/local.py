@@ -32,6 +32,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -84,7 +85,7 @@ try:
     s.connect(("127.0.0.1", 9)); print("network")
 except OSError:
     pass
-for path in ("/posttrain-sandbox-probe", sys.argv and "/tmp/posttrain-sandbox-probe"):
+for path in ("/posttrain-sandbox-probe", "/tmp/posttrain-sandbox-probe"):
     try:
         open(path, "w").close(); print("writable", path)
     except OSError:
@@ -121,7 +122,7 @@ class LocalSandbox:
         self._workers: queue.Queue[int] = queue.Queue()
         for worker in range(num_workers):
             self._workers.put(worker)
-        self._async_slots: asyncio.Semaphore | None = None
+        self._async_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per event loop
         self._active: set[subprocess.Popen] = set()  # runs in flight, for `close`
         self._active_lock = threading.Lock()
         self.isolation = _describe(mode, limits)
@@ -138,15 +139,17 @@ class LocalSandbox:
         worker = self._workers.get()
         try:
             return _Run(self, worker, limits).execute(code, stdin)
+        except OSError as error:  # no temporary folder, no process: the sandbox failed, not the code
+            return RunResult("sandbox_error", "", "", None, 0.0, limit_hit=f"sandbox error: {error}")
         finally:
             self._workers.put(worker)
 
     async def run_async(self, code: str, language: str = "python", stdin: str = "",
                         limits: Limits | None = None) -> RunResult:
         """`run` in a thread, at most ``num_workers`` at a time."""
-        if self._async_slots is None:
-            self._async_slots = asyncio.Semaphore(self.num_workers)
-        async with self._async_slots:
+        loop = asyncio.get_running_loop()
+        slots = self._async_slots.setdefault(loop, asyncio.Semaphore(self.num_workers))
+        async with slots:
             return await asyncio.to_thread(self.run, code, language, stdin, limits)
 
     def close(self) -> None:
@@ -214,13 +217,14 @@ def _reachable_by_others(paths: tuple[str, ...]) -> bool:
     return True
 
 
-def _processes_of(uid: int) -> int:
+def _tasks_of(uid: int) -> int:
+    """Processes and threads running as ``uid`` (what RLIMIT_NPROC counts)."""
     count = 0
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 if os.stat(f"/proc/{name}").st_uid == uid:
-                    count += 1
+                    count += len(os.listdir(f"/proc/{name}/task"))
             except OSError:
                 pass
     return count
@@ -242,7 +246,7 @@ class _Run:
         start = time.monotonic()
         folder = tempfile.mkdtemp(prefix="posttrain-sandbox-")
         try:
-            Path(folder, "main.py").write_text(code, encoding="utf-8")
+            Path(folder, "main.py").write_bytes(code.encode("utf-8", errors="replace"))  # lone surrogates: "?"
             if self.uid is not None:
                 os.chown(folder, self.uid, self.uid)
             report = self._spawn_and_collect(folder, stdin.encode("utf-8"))
@@ -252,11 +256,11 @@ class _Run:
 
     def _config(self, folder: str, status_fd: int) -> str:
         limits = self.limits
-        nproc = limits.max_processes if self.uid is not None else limits.max_processes + _processes_of(os.getuid())
+        nproc = limits.max_processes if self.uid is not None else limits.max_processes + _tasks_of(os.getuid())
         return repr({
             "folder": folder, "status_fd": status_fd, "uid": self.uid, "timeout_s": limits.timeout_s,
             "mounts": self.sandbox.mode == "namespaces", "folder_mb": limits.max_folder_mb,
-            "reach": list(_interpreter_paths()), "site": list(_site_dirs()),
+            "reach": [*_interpreter_paths(), folder], "site": list(_site_dirs()),
             "limits": {"memory_mb": limits.memory_mb, "cpu_s": limits.cpu_seconds, "nproc": nproc,
                        "max_file_mb": limits.max_file_mb, "max_open_files": limits.max_open_files}})
 
@@ -391,7 +395,7 @@ def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str
         return "cpu", f"CPU time limit of {limits.cpu_seconds} s"
     if code == 0:
         return "ok", left
-    if "MemoryError" in tail or code == -signal.SIGSEGV and report.get("max_rss_kb", 0) << 10 > limits.memory_mb << 19:
+    if "MemoryError" in tail or "Cannot allocate memory" in tail:
         return "memory", f"memory limit of {limits.memory_mb} MB"
     if "File too large" in tail or code == -signal.SIGXFSZ:
         return "file_size", f"file size limit of {limits.max_file_mb} MB"
