@@ -9,13 +9,14 @@ import argparse
 import sys
 
 from posttrain.commands.pairs import add_pairs_parser
+from posttrain.commands.tool_prep import add_tool_arithmetic_parser
 from posttrain.data import prep as data_prep
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return data_prep.build_parser(add_pairs_parser)
+    return data_prep.build_parser(add_pairs_parser, add_tool_arithmetic_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ row), ``left`` (drops the prompt's first tokens) or ``right`` (drops the respons
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -127,6 +128,8 @@ class SFTDataset:
         kwargs = dict(cfg.apply_chat_template_kwargs or {})
         if cfg.multiturn.enable:
             tools = row.get(cfg.multiturn.tools_key)
+            if isinstance(tools, str):  # a JSON list: parquet keeps each tool's own parameters so
+                tools = json.loads(tools)  # (Arrow would merge the tools' parameter structs into one)
             if tools is not None:
                 kwargs["tools"] = tools.tolist() if isinstance(tools, np.ndarray) else tools
             thinking = row.get(cfg.multiturn.enable_thinking_key)
