@@ -10,8 +10,8 @@ cost ~10 ms of every call. It:
 2. becomes a child subreaper, so a descendant that double-forks is re-parented here, not to init;
 3. forks the model's process: its own session, the resource limits, an unprivileged uid when started as
    root, then the code runs in that process (no second interpreter start: that halves a call's cost);
-4. waits up to the wall-clock time-out, then kills whatever is left of the tree and writes one line
-   (exit status, CPU seconds, time-out, processes swept) to the status pipe the parent gave it.
+4. waits up to the wall-clock time-out (or until the parent dies), then kills whatever is left of the
+   tree and writes one line (exit status, CPU seconds, time-out, processes swept) to the status pipe.
 
 Being pid 1 of the pid namespace (namespaces mode) also means that when this process ends, the kernel
 kills every process still in the namespace: nothing the code started can outlive the call.
@@ -236,25 +236,31 @@ def _sweep(uid):
     return left
 
 
-def _wait(pid, timeout_s, wakeup):
-    """(wait status, rusage, timed out): the child's end, the time-out or the parent's SIGTERM (which
-    writes to ``wakeup``), whichever comes first."""
+def _wait(pid, timeout_s, wakeup, status_fd):
+    """(wait status, rusage, timed out): the child's end, the time-out, the parent's SIGTERM (which writes to
+    ``wakeup``) or the parent's death (its end of the status pipe closes), whichever comes first."""
     watcher = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(watcher, select.POLLIN)
+    poller.register(wakeup, select.POLLIN)
+    poller.register(status_fd, 0)  # a pipe's write end reports POLLERR once nobody can read it
     deadline = time.monotonic() + timeout_s
-    while not _stop_requested:
+    parent_gone = False
+    while not _stop_requested and not parent_gone:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        ready, _, _ = select.select([watcher, wakeup], [], [], remaining)
-        if watcher in ready:
+        events = dict(poller.poll(remaining * 1000))
+        if watcher in events:
             _, status, usage = os.wait4(pid, 0)
             return status, usage, False
+        parent_gone = status_fd in events
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     _, status, usage = os.wait4(pid, 0)
-    return status, usage, not _stop_requested
+    return status, usage, not (_stop_requested or parent_gone)
 
 
 def main():
@@ -275,14 +281,17 @@ def main():
         child = os.fork()
         if child == 0:
             _run_code(config, source, (status_fd, wakeup, wakeup_write))
-        status, usage, timed_out = _wait(child, config["timeout_s"], wakeup)
+        status, usage, timed_out = _wait(child, config["timeout_s"], wakeup, status_fd)
         left = _sweep(config["uid"]) - {child}
         report.update(returncode=os.waitstatus_to_exitcode(status), timed_out=timed_out,
                       stopped=bool(_stop_requested), cpu_s=usage.ru_utime + usage.ru_stime,
                       max_rss_kb=usage.ru_maxrss, swept=len(left))
     except Exception as error:  # reported to the parent as a sandbox error, never shown as the code's
         report["error"] = f"{type(error).__name__}: {error}"
-    os.write(status_fd, (repr(report) + "\n").encode())
+    try:
+        os.write(status_fd, (repr(report) + "\n").encode())
+    except BrokenPipeError:
+        pass  # the parent is gone; the code's processes are already killed
     os.close(status_fd)
 
 

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from posttrain.sandbox import isolation_available
-from posttrain.sandbox.local import FIRST_UID
+from posttrain.sandbox.local import FIRST_UID, MAX_WORKERS
 
 MARGIN_S = 3.0  # time-out plus this: interpreter start and the sweep on a busy 2-core machine
 
@@ -28,8 +28,17 @@ def needs_own_uid() -> None:
         pytest.skip("per-run uids need root; as a user RLIMIT_NPROC counts the user's processes")
 
 
-def processes_with(marker: str) -> list[int]:
-    """Processes whose command line holds ``marker``, or that run under a sandbox uid."""
+def sandbox_uids(owner_pid: int) -> range:
+    """The uids `LocalSandbox` gives the workers of process ``owner_pid`` (when root)."""
+    first = FIRST_UID + (owner_pid % (1 << 22)) * MAX_WORKERS
+    return range(first, first + MAX_WORKERS)
+
+
+def processes_with(marker: str, owner_pid: int | None = None) -> list[int]:
+    """Processes whose command line holds ``marker``, or that belong to a sandboxed run of ``owner_pid``
+    (this test process by default): running as one of its uids, or its runner (whose config names one)."""
+    uids = sandbox_uids(os.getpid() if owner_pid is None else owner_pid)
+    runner_tags = [f"'uid': {uid}," for uid in uids]
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
@@ -40,7 +49,7 @@ def processes_with(marker: str) -> list[int]:
             uid = os.stat(f"/proc/{name}").st_uid
         except OSError:
             continue
-        if (marker and marker in text) or uid >= FIRST_UID:
+        if (marker and marker in text) or uid in uids or any(tag in text for tag in runner_tags):
             found.append(int(name))
     return found
 

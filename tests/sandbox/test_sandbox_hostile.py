@@ -237,3 +237,28 @@ def test_background_children_outlive_a_plain_child_process():
     left = processes_with(marker)
     kill_all(left)
     assert left, "the control expected the plain child's background processes to survive"
+
+
+def test_a_run_does_not_outlive_a_killed_training_process():
+    needs_own_uid()  # the run is found by its uid
+    parent_code = ("from posttrain.sandbox import Limits, LocalSandbox\n"
+                   "sandbox = LocalSandbox(Limits(timeout_s=60))\n"  # after the start-up probe's own run
+                   "print('ready', flush=True)\n"
+                   "sandbox.run('import time\\ntime.sleep(60)')")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 30
+        while len(processes_with("", parent.pid)) < 3 and time.monotonic() < deadline:  # unshare, runner, code
+            time.sleep(0.05)
+        assert len(processes_with("", parent.pid)) == 3, "the sandboxed run never started"
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    deadline = time.monotonic() + MARGIN_S
+    while processes_with("", parent.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = processes_with("", parent.pid)
+    kill_all(left)
+    assert not left, "the sandboxed code outlived the process that started it"
