@@ -27,8 +27,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
                     make: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> torch.optim.Optimizer:
     """AdamW(lr, betas, weight_decay) from an ``optim`` config section (fp32 state).
 
-    The fused kernel when every parameter is a floating tensor on CPU or CUDA (4x faster than the
-    default ``foreach`` path on CPU: 0.08 s vs 0.34 s a step for SmolLM2-135M on 2 cores); same update.
+    The fused kernel when every parameter is a floating tensor on CPU or CUDA (several times faster
+    than the default ``foreach`` path on CPU: benchmarks/README.md); same update.
     ``make``: the AdamW class to build, when the placement keeps the moments elsewhere (it hands
     out the optimizer: `posttrain.workers.prepare.Placement.optimizer`).
     """
