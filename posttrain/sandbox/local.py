@@ -23,6 +23,7 @@ import ast
 import asyncio
 import os
 import queue
+import select
 import selectors
 import shutil
 import signal
@@ -43,8 +44,13 @@ __all__ = ["LANGUAGES", "LocalSandbox", "isolation_available"]
 
 LANGUAGES = ("python",)
 RUNNER_SOURCE = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
-FIRST_UID = 1_000_000  # per-worker uids start here: FIRST_UID + pid * 64 + worker, unused by any account
+FIRST_UID = 1_000_000  # run uids start here: FIRST_UID + pid * 64 + slot, unused by any account
 MAX_WORKERS = 64
+# A run's uid comes from a slot no other run of this process holds, whichever LocalSandbox starts it: two
+# runs sharing a uid would share RLIMIT_NPROC and could be killed by each other's sweep.
+_SLOTS: queue.Queue[int] = queue.Queue()
+for _slot in range(MAX_WORKERS):
+    _SLOTS.put(_slot)
 START_GRACE_S = 5.0  # parent's back-stop past the runner's own time-out: interpreter start, sweep, load
 WEAKER_KEY = "isolation: none (tool YAML) or --isolation none (posttrain sandbox serve)"
 
@@ -119,9 +125,7 @@ class LocalSandbox:
         self.limits = limits
         self.num_workers = num_workers
         self.mode = mode
-        self._workers: queue.Queue[int] = queue.Queue()
-        for worker in range(num_workers):
-            self._workers.put(worker)
+        self._workers = threading.BoundedSemaphore(num_workers)
         self._async_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per event loop
         self._active: set[subprocess.Popen] = set()  # runs in flight, for `close`
         self._active_lock = threading.Lock()
@@ -136,13 +140,14 @@ class LocalSandbox:
                              f"{', '.join(LANGUAGES)}", None, 0.0, limit_hit=None)
         limits = self.limits if limits is None else limits.replace(isolation=self.limits.isolation,
                                                                    network=self.limits.network)
-        worker = self._workers.get()
-        try:
-            return _Run(self, worker, limits).execute(code, stdin)
-        except OSError as error:  # no temporary folder, no process: the sandbox failed, not the code
-            return RunResult("sandbox_error", "", "", None, 0.0, limit_hit=f"sandbox error: {error}")
-        finally:
-            self._workers.put(worker)
+        with self._workers:
+            slot = _SLOTS.get()
+            try:
+                return _Run(self, slot, limits).execute(code, stdin)
+            except OSError as error:  # no temporary folder, no process: the sandbox failed, not the code
+                return RunResult("sandbox_error", "", "", None, 0.0, limit_hit=f"sandbox error: {error}")
+            finally:
+                _SLOTS.put(slot)
 
     async def run_async(self, code: str, language: str = "python", stdin: str = "",
                         limits: Limits | None = None) -> RunResult:
@@ -158,12 +163,12 @@ class LocalSandbox:
             for child in self._active:
                 _Run.stop(child, self.mode)
 
-    def uid_for(self, worker: int) -> int | None:
-        """The uid a worker's code runs as: one of its own when we are root (so RLIMIT_NPROC counts only
-        that run and files owned by root stay unwritable), else ours."""
+    def uid_for(self, slot: int) -> int | None:
+        """The uid the code of a run holding ``slot`` runs as: one of its own when we are root (so
+        RLIMIT_NPROC counts only that run and files owned by root stay unwritable), else ours."""
         if not _is_root() or (self.mode == "none" and not _reachable_by_others(_interpreter_paths())):
             return None
-        return FIRST_UID + (os.getpid() % (1 << 22)) * MAX_WORKERS + worker
+        return FIRST_UID + (os.getpid() % (1 << 22)) * MAX_WORKERS + slot
 
 
 def _choose_mode(limits: Limits) -> str:
@@ -233,10 +238,10 @@ def _tasks_of(uid: int) -> int:
 class _Run:
     """One call: folder, child, capped reading, classification, clean-up."""
 
-    def __init__(self, sandbox: LocalSandbox, worker: int, limits: Limits):
+    def __init__(self, sandbox: LocalSandbox, slot: int, limits: Limits):
         self.sandbox = sandbox
         self.limits = limits
-        self.uid = sandbox.uid_for(worker)
+        self.uid = sandbox.uid_for(slot)
         self.keep_bytes = limits.max_output_chars * 4 + 4  # a UTF-8 character is at most 4 bytes
         self.heads = {"stdout": bytearray(), "stderr": bytearray()}
         self.total_bytes = 0
@@ -244,7 +249,7 @@ class _Run:
 
     def execute(self, code: str, stdin: str) -> RunResult:
         start = time.monotonic()
-        folder = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+        folder = tempfile.mkdtemp(prefix=f"posttrain-sandbox-{os.getpid()}-")  # whose it is, in a listing
         try:
             Path(folder, "main.py").write_bytes(code.encode("utf-8", errors="replace"))  # lone surrogates: "?"
             if self.uid is not None:
@@ -339,14 +344,17 @@ class _Run:
         return True
 
     def _end(self, child: subprocess.Popen) -> None:
-        """Make sure the run's whole tree is gone: ask the runner to stop (it kills and sweeps), then kill."""
+        """Return only once the run's whole tree is gone: ask the runner to stop (it kills the code and
+        sweeps; in namespaces its exit ends the pid namespace before unshare can exit), else kill it."""
+        runner = _runner_pid(child, self.sandbox.mode)
         if child.poll() is None and self.stopped_for:
             self.stop(child, self.sandbox.mode)
         try:
             child.wait(timeout=START_GRACE_S)
         except subprocess.TimeoutExpired:
-            self._signal(child, signal.SIGKILL)
+            self._signal(child, signal.SIGKILL)  # unshare's death kills the runner (--kill-child)
             child.wait()
+        _wait_gone(runner)  # a killed runner's namespace is torn down after unshare has gone
         self._signal(child, signal.SIGKILL)  # anything left in the runner's group (the code has its own session)
         for pipe in (child.stdin, child.stdout, child.stderr):
             if pipe and not pipe.closed:
@@ -354,9 +362,15 @@ class _Run:
 
     @staticmethod
     def stop(child: subprocess.Popen, mode: str) -> None:
-        """Namespaces: kill unshare, whose death kills the runner (pid 1), which ends the pid namespace.
-        None: ask the runner (SIGTERM) to kill the code's session and sweep what it left."""
-        _Run._signal(child, signal.SIGTERM if mode == "none" else signal.SIGKILL)
+        """Ask the runner to stop (SIGTERM: it kills the code's session and sweeps what is left)."""
+        runner = _runner_pid(child, mode)
+        if runner is None:
+            _Run._signal(child, signal.SIGKILL)
+            return
+        try:
+            os.kill(runner, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
     @staticmethod
     def _signal(child: subprocess.Popen, signum: int) -> None:
@@ -377,6 +391,31 @@ class _Run:
         code = report.get("returncode")
         status, limit_hit = _classify(report, self.stopped_for, self.limits, stderr)
         return RunResult(status, stdout, stderr, code, round(wall_s, 4), limit_hit, cut_out or cut_err)
+
+
+def _runner_pid(child: subprocess.Popen, mode: str) -> int | None:
+    """The runner's pid: the child itself, or (namespaces) unshare's one child."""
+    if mode == "none":
+        return child.pid
+    try:
+        with open(f"/proc/{child.pid}/task/{child.pid}/children", encoding="ascii") as listing:
+            pids = listing.read().split()
+    except OSError:
+        return None
+    return int(pids[0]) if pids else None
+
+
+def _wait_gone(pid: int | None, timeout_s: float = START_GRACE_S) -> None:
+    if pid is None:
+        return
+    try:
+        watcher = os.pidfd_open(pid)
+    except OSError:  # already gone
+        return
+    try:
+        select.select([watcher], [], [], timeout_s)
+    finally:
+        os.close(watcher)
 
 
 def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str) -> tuple[str, str | None]:

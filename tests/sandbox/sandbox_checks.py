@@ -62,24 +62,27 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
-def sandbox_folders() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "posttrain-sandbox-*")))
+def sandbox_folders(owner_pid: int) -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"posttrain-sandbox-{owner_pid}-*")))
 
 
 class Leftovers:
-    """Context: fails when a run leaves a process (by marker or sandbox uid) or a temporary folder."""
+    """Context: fails when a run of ``owner_pid`` (this process by default) leaves a process (by marker,
+    sandbox uid or runner) or a temporary folder."""
 
-    def __init__(self, marker: str = ""):
+    def __init__(self, marker: str = "", owner_pid: int | None = None):
         self.marker = marker
+        self.owner_pid = os.getpid() if owner_pid is None else owner_pid
 
     def __enter__(self) -> Leftovers:
-        self.folders = sandbox_folders()
+        self.folders = sandbox_folders(self.owner_pid)
         return self
 
     def __exit__(self, *exc) -> None:
         if exc[0] is not None:
             return
-        left = processes_with(self.marker)
+        left = processes_with(self.marker, self.owner_pid)
         kill_all(left)
         assert not left, f"processes outlived the run: {left}"
-        assert sandbox_folders() <= self.folders, "the run's temporary folder was not removed"
+        new = sandbox_folders(self.owner_pid) - self.folders
+        assert not new, f"the run's temporary folder was not removed: {new}"

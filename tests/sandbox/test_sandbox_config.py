@@ -63,5 +63,5 @@ def test_run_async_runs_num_workers_calls_at_once():
 
     start = time.monotonic()
     results = asyncio.run(four())
-    assert [r.stdout for r in results] == ["ok\n"] * 4
+    assert [r.stdout for r in results] == ["ok\n"] * 4, results
     assert time.monotonic() - start < 3.5  # serial would take 4 s of sleeping alone

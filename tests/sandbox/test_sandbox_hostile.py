@@ -131,7 +131,7 @@ def test_writing_outside_the_folder_fails_and_leaves_the_target_unchanged(tmp_pa
 def test_printing_100_megabytes_is_stopped_at_the_output_cap():
     code = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\nprint('end')"
     result, elapsed = run(code, max_output_bytes=1 << 20, max_output_chars=1000, timeout_s=10.0)
-    assert result.status == "output" and "output limit of 1048576 bytes" in result.limit_hit
+    assert result.status == "output" and "output limit of 1048576 bytes" in result.limit_hit, result
     assert result.stdout == "x" * 1000 and result.truncated
     assert elapsed < 10.0 + MARGIN_S
 
@@ -139,7 +139,7 @@ def test_printing_100_megabytes_is_stopped_at_the_output_cap():
 def test_output_below_the_cap_is_kept_to_max_output_chars_and_the_run_completes():
     code = "import sys\nsys.stdout.write('é' * (2 << 20))\nprint('end')"  # 4 MB of UTF-8
     result, _ = run(code, max_output_bytes=8 << 20, max_output_chars=50, timeout_s=10.0)
-    assert result.status == "ok" and result.stdout == "é" * 50 and result.truncated
+    assert result.status == "ok" and result.stdout == "é" * 50 and result.truncated, result
     assert "(output truncated)" in result.as_tool_text()
 
 

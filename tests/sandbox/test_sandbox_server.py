@@ -21,10 +21,10 @@ from posttrain.sandbox.server import request_limits, response_for
 @pytest.fixture(scope="module")
 def server():
     """A server on a free port (``--port 0``), its URL read from the line it prints; stopped with SIGTERM."""
-    with Leftovers():
-        process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0",
-                                    "--timeout-s", "5", "--num-workers", "2", "--isolation", "auto"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0",
+                                "--timeout-s", "5", "--num-workers", "2", "--isolation", "auto"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with Leftovers(owner_pid=process.pid):  # the server's runs: its uids, runners and folders
         line = process.stdout.readline()
         found = re.search(r"POST (http://\S+/run_code)", line)
         assert found, line + process.stderr.read()
