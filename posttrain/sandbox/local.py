@@ -11,8 +11,8 @@ Isolation is chosen once per process (`isolation_available`) and is one of:
 - ``namespaces``: util-linux ``unshare`` puts the run in new pid, mount, and (``network=False``) network
   namespaces; every mount is read-only but the folder, a size-capped tmpfs; /proc shows only the run's
   processes; ending the namespace's pid 1 kills every process the code started. As root (this repository's
-  machines) the code also runs under a uid of its own per worker, so RLIMIT_NPROC holds and files owned by
-  root are not writable. Without root it needs unprivileged user namespaces (``--map-root-user``).
+  machines) the code also runs under a uid of its own per run in flight, so RLIMIT_NPROC holds and files
+  owned by root are not writable. Without root it needs unprivileged user namespaces (``--map-root-user``).
 - ``none``: resource limits, scrubbed environment, own session and the sweep only; the code can use the
   network, write where its uid may, and (as the same uid) read other processes' /proc entries.
 """
@@ -176,7 +176,7 @@ def _choose_mode(limits: Limits) -> str:
     if wanted == "none":  # the explicit choice of weaker isolation: network and file system stay open
         return "none"
     available = isolation_available()
-    if wanted in ("bwrap",):
+    if wanted == "bwrap":
         raise ConfigError(f"isolation: {wanted} is not available: {available[wanted]}; accept weaker isolation "
                           f"with {WEAKER_KEY}, or use isolation: namespaces")
     why_not = available["namespaces"]
@@ -193,7 +193,7 @@ def _describe(mode: str, limits: Limits) -> str:
             _is_root() and not _reachable_by_others(_interpreter_paths())) else ""
         return f"none (resource limits, scrubbed environment, process sweep; network and file system open{root_note})"
     spaces = "pid, mount" + ("" if limits.network else ", net") + ("" if _is_root() else ", user")
-    uid = "own uid per worker" if _is_root() else "user namespace"
+    uid = "own uid per run" if _is_root() else "user namespace"
     net = "network open" if limits.network else "no network"
     return f"namespaces (unshare: {spaces}; {net}; read-only file system but the folder; {uid})"
 
@@ -254,7 +254,7 @@ class _Run:
             Path(folder, "main.py").write_bytes(code.encode("utf-8", errors="replace"))  # lone surrogates: "?"
             if self.uid is not None:
                 os.chown(folder, self.uid, self.uid)
-            report = self._spawn_and_collect(folder, stdin.encode("utf-8"))
+            report = self._spawn_and_collect(folder, stdin.encode("utf-8", errors="replace"))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return self._result(report, time.monotonic() - start)
@@ -418,6 +418,13 @@ def _wait_gone(pid: int | None, timeout_s: float = START_GRACE_S) -> None:
         os.close(watcher)
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
 def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str) -> tuple[str, str | None]:
     """(status, limit in words) from the runner's report, why the parent stopped it, and stderr's tail."""
     if stopped_for == "output":
@@ -441,9 +448,10 @@ def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str
     if "Resource temporarily unavailable" in tail or "can't start new thread" in tail:
         return "processes", f"process limit of {limits.max_processes}"
     if code is not None and code < 0:
-        return "killed", f"killed by signal {signal.Signals(-code).name}"
+        return "killed", f"killed by signal {_signal_name(-code)}"
     if "Network is unreachable" in tail:
         return "error", "no network in the sandbox"
     if "Read-only file system" in tail or "No space left on device" in tail:
-        return "error", f"the file system is read-only outside the working folder (folder capped at {limits.max_folder_mb} MB)"
+        return "error", (f"the file system is read-only outside the working folder (folder capped at "
+                         f"{limits.max_folder_mb} MB)")
     return "error", left

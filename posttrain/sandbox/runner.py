@@ -66,7 +66,6 @@ def _make_reachable(paths, uid):
     for path in paths:
         parts = [p for p in path.split("/") if p]
         for depth in range(len(parts) - 1):
-            parent = "/" + "/".join(parts[:depth])
             entry = "/" + "/".join(parts[:depth + 1])
             if os.stat(entry).st_mode & 0o001:
                 continue
