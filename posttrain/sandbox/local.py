@@ -128,7 +128,8 @@ class LocalSandbox:
         self._workers = threading.BoundedSemaphore(num_workers)
         self._async_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per event loop
         self._active: set[subprocess.Popen] = set()  # runs in flight, for `close`
-        self._active_lock = threading.Lock()
+        self._active_lock = threading.Condition()
+        self._in_flight = 0
         self.isolation = _describe(mode, limits)
 
     # ------------------------------------------------------------------ public
@@ -142,12 +143,17 @@ class LocalSandbox:
                                                                    network=self.limits.network)
         with self._workers:
             slot = _SLOTS.get()
+            with self._active_lock:
+                self._in_flight += 1
             try:
                 return _Run(self, slot, limits).execute(code, stdin)
             except OSError as error:  # no temporary folder, no process: the sandbox failed, not the code
                 return RunResult("sandbox_error", "", "", None, 0.0, limit_hit=f"sandbox error: {error}")
             finally:
                 _SLOTS.put(slot)
+                with self._active_lock:
+                    self._in_flight -= 1
+                    self._active_lock.notify_all()
 
     async def run_async(self, code: str, language: str = "python", stdin: str = "",
                         limits: Limits | None = None) -> RunResult:
@@ -157,11 +163,13 @@ class LocalSandbox:
         async with slots:
             return await asyncio.to_thread(self.run, code, language, stdin, limits)
 
-    def close(self) -> None:
-        """Stop the runs in flight (each still cleans up after itself); for a server that shuts down."""
+    def close(self, timeout_s: float = 2 * START_GRACE_S) -> None:
+        """Stop the runs in flight and wait until each has cleaned up (processes, folder); for a server
+        that shuts down."""
         with self._active_lock:
             for child in self._active:
                 _Run.stop(child, self.mode)
+            self._active_lock.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
 
     def uid_for(self, slot: int) -> int | None:
         """The uid the code of a run holding ``slot`` runs as: one of its own when we are root (so

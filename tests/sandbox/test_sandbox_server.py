@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
 
 import pytest
-from sandbox_checks import Leftovers
+from sandbox_checks import Leftovers, processes_with
 
 from posttrain.sandbox import Limits, RunResult
 from posttrain.sandbox.server import request_limits, response_for
@@ -86,3 +88,27 @@ def test_response_for_maps_each_status():
     assert error["status"] == "Failed" and error["run_result"]["status"] == "Finished"
     broken = response_for(RunResult("sandbox_error", "", "", None, 0.0, "sandbox error: x"))
     assert broken["status"] == "SandboxError" and broken["run_result"] is None
+
+
+def test_stopping_the_server_ends_a_run_in_flight():
+    process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    with Leftovers(owner_pid=process.pid):
+        url = re.search(r"POST (http://\S+/run_code)", process.stdout.readline()).group(1)
+        caller = threading.Thread(target=lambda: _post_quietly(url, {"code": "import time\ntime.sleep(60)"}))
+        caller.start()
+        deadline = time.monotonic() + 20
+        while len(processes_with("", process.pid)) < 3 and time.monotonic() < deadline:  # unshare, runner, code
+            time.sleep(0.05)
+        assert len(processes_with("", process.pid)) == 3, "the run never started"
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        caller.join(timeout=30)
+        process.stdout.close()
+
+
+def _post_quietly(url: str, payload: dict) -> None:
+    try:
+        post(url, payload)
+    except (OSError, http.client.HTTPException):
+        pass  # the server went away mid-request, as intended
