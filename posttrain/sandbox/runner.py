@@ -17,13 +17,13 @@ Being pid 1 of the pid namespace (namespaces mode) also means that when this pro
 kills every process still in the namespace: nothing the code started can outlive the call.
 """
 
-import ctypes
 import os
 import resource
 import select
 import sys
 import time
 
+import _ctypes  # not ctypes (which imports functools, collections, ...: ~5-10 ms of every call)
 import _signal as signal  # the C module: `signal` imports enum, ~5 ms of every call
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -34,14 +34,36 @@ PR_SET_CHILD_SUBREAPER = 36
 KEPT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _stop_requested = []
+
+
+class _CInt(_ctypes._SimpleCData):
+    _type_ = "i"
+
+
+class _CULong(_ctypes._SimpleCData):
+    _type_ = "L"
+
+
+class _Libc:
+    _handle = _ctypes.dlopen(None, os.RTLD_NOW)
+
+
+class _LibcFunction(_ctypes.CFuncPtr):
+    """A libc function returning int that saves errno (what ctypes.CDLL(None, use_errno=True) makes)."""
+
+    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+    _restype_ = _CInt
+
+
+_libc_mount = _LibcFunction(("mount", _Libc))
+_libc_prctl = _LibcFunction(("prctl", _Libc))
 
 
 def _mount(source, target, fstype, flags, data=None):
     enc = (lambda s: None if s is None else s.encode())
-    if _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        err = ctypes.get_errno()
+    if _libc_mount(enc(source), enc(target), enc(fstype), _CULong(flags), enc(data)) != 0:
+        err = _ctypes.get_errno()
         raise OSError(err, f"mount {source or ''} on {target}: {os.strerror(err)}")
 
 
@@ -275,7 +297,8 @@ def main():
             source = main_file.read()
         if config["mounts"]:
             _isolate_file_system(config, source)
-        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if _libc_prctl(PR_SET_CHILD_SUBREAPER, *(_CULong(value) for value in (1, 0, 0, 0))) != 0:
+            raise OSError(_ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
         sys.stdout.flush()
         child = os.fork()
         if child == 0:
