@@ -95,13 +95,15 @@ class SandboxFusionTool(BaseTool):
         self._instance_dict: dict[str, dict[str, Any]] = {}
 
     def _local_sandbox(self, cfg: dict, where: str) -> Any:
-        """A LocalSandbox with the YAML's limits (ConfigError when its isolation is not available)."""
+        """A LocalSandbox with the YAML's limits (ConfigError when its isolation is not available). Its
+        runs at once are capped by the process's run slots (verl's retool YAML asks for 128 workers)."""
         from posttrain.sandbox import Limits, LocalSandbox
+        from posttrain.sandbox.local import MAX_WORKERS as LOCAL_RUNS_AT_ONCE
 
         isolation = _choice(cfg, "isolation", "auto", where, ISOLATION_LEVELS, "")
         limits = Limits(timeout_s=self.default_timeout, memory_mb=self.memory_limit_mb, isolation=isolation)
         try:
-            return LocalSandbox(limits, num_workers=self.num_workers)
+            return LocalSandbox(limits, num_workers=min(self.num_workers, LOCAL_RUNS_AT_ONCE))
         except ConfigError as err:
             raise ConfigError(f"{where}.isolation={isolation!r}: {err}") from None
 

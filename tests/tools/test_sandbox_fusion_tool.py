@@ -181,6 +181,14 @@ def test_without_a_url_the_code_runs_in_the_local_sandbox():
     assert metrics.get("tool_error") == 1.0
 
 
+def test_verl_retool_worker_counts_run_locally():
+    """verl's retool YAML asks for 128 workers and a rate limit of 128; the local sandbox runs at most its
+    process's run slots at once, the rest wait."""
+    tool = SandboxFusionTool({"num_workers": 128, "rate_limit": 128, "default_timeout": 5})
+    assert tool.num_workers == 128 and 1 <= tool.sandbox.num_workers <= 128
+    assert all(r[0].text.strip() == "3" for r in _calls(tool, ["print(1 + 2)"] * 4))
+
+
 def test_the_local_sandbox_time_out_is_a_kill_by_cause():
     tool = SandboxFusionTool({"default_timeout": 0.5, "isolation": "none"})
     start = time.monotonic()
