@@ -1,6 +1,6 @@
 """The program that runs inside the sandbox, around the model's code.
 
-`posttrain.sandbox.local` starts it as ``python -I -S -c <this file's text> <config>`` (under ``unshare``
+`posttrain.sandbox.local` starts it as ``python -I -S <this file, compiled> <config>`` (under ``unshare``
 when namespaces are on), so it imports nothing but the standard library and is never imported by the
 training process. The config and the report are Python literals, not JSON: importing json (and re) would
 cost ~10 ms of every call. It:
@@ -161,7 +161,7 @@ def _run_code(config, source, runner_fds):
             os.setuid(config["uid"])
         os.chdir(config["folder"])
         sys.argv = ["main.py"]
-        sys.path[:0] = [config["folder"]]
+        sys.path[0] = config["folder"]  # was the runner's own directory (or "" with -c)
         sys.path.extend(config["site"])
         code = _exec_main(source)
     finally:
