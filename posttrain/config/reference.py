@@ -85,6 +85,6 @@ def markdown_reference() -> str:
         typ = info.type.replace("|", "\\|")
         mine = f"`{_cell(format_value(builtin[info.key]))}`" if info.key in builtin else ""
         out.append(f"| `{info.key}` | {typ} | `{_cell(default)}` | {mine} | {info.doc} |")
-    from posttrain.config.sft_load import sft_markdown_reference  # the SFT / DPO trainers' own tree
+    from posttrain.config.sft_docs import sft_markdown_reference  # the SFT / DPO trainers' own tree
 
     return "\n".join(out) + "\n" + sft_markdown_reference()

@@ -2,10 +2,8 @@
 
 Loading follows the RL loader's rules (dotted overrides as verl scripts write them, YAML layers,
 unknown keys refused with "did you mean", types checked); `sft_problems` lists every inconsistency
-before any model loads. The trainers run on the RL workers: `rl_config_for` writes the tree as the
-RL config the worker builders read (`actor_rollout_ref.model.path` = `model.partial_pretrain`, the
-actor's optimizer and FSDP settings, `trainer.*`), so models, LoRA, FSDP2 ranks and checkpoints are
-the RL trainer's.
+before any model loads. The trainers run on the RL workers, built from the tree's role specs
+(`posttrain.config.sft_roles`), so models, LoRA, FSDP2 ranks and checkpoints are the RL trainer's.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from typing import Any, Iterable
 from posttrain.config.sft import TRUNCATION_MODES, DPOConfig, SFTConfig
 from posttrain.errors import ConfigError
 
-__all__ = ["load_dpo_config", "load_sft_config", "ranks", "rl_config_for", "sft_markdown_reference", "sft_problems",
-           "validate_sft_config"]
+__all__ = ["load_dpo_config", "load_sft_config", "ranks", "sft_problems", "validate_sft_config"]
 
 
 def _rl_key(key: str) -> str:
@@ -143,79 +140,3 @@ def validate_sft_config(config: SFTConfig) -> None:
     problems = sft_problems(config)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
-
-
-# ---------------------------------------------------------------------------------------------- on the RL workers
-def rl_config_for(config: SFTConfig, total_steps: int, *, reference: bool = False) -> Any:
-    """The RL config the worker builders read, from an SFT/DPO tree: the actor is the trained model,
-    its optimizer and schedule are `optim.*`, its micro-batch is `data.micro_batch_size_per_gpu`; a
-    reference is built when ``reference`` (DPO without precomputed log-probs: a frozen copy, or the
-    actor with its adapters disabled under LoRA). Batch sizes are per rank."""
-    from posttrain.config.schema import PostTrainConfig
-
-    rl = PostTrainConfig()
-    m, o, t = config.model, config.optim, config.trainer
-    arr = rl.actor_rollout_ref
-    mc = arr.model
-    mc.path = m.partial_pretrain
-    mc.trust_remote_code = m.trust_remote_code
-    mc.external_lib = m.external_lib
-    mc.override_config = dict(m.override_config)
-    mc.enable_gradient_checkpointing = m.enable_gradient_checkpointing
-    mc.use_remove_padding = config.use_remove_padding
-    mc.custom_chat_template = config.data.chat_template
-    mc.lora_rank, mc.lora_alpha, mc.target_modules = m.lora_rank, m.lora_alpha, m.target_modules
-    mc.exclude_modules, mc.lora_adapter_path = m.exclude_modules, m.lora_adapter_path
-    actor = arr.actor
-    actor.fsdp_config = m.fsdp_config
-    actor.use_remove_padding = config.use_remove_padding
-    actor.use_prefix_grouper = config.use_prefix_grouper
-    actor.ppo_micro_batch_size_per_gpu = config.data.micro_batch_size_per_gpu
-    actor.ppo_mini_batch_size = config.data.train_batch_size
-    actor.grad_clip = o.clip_grad
-    actor.use_kl_loss = reference
-    ao = actor.optim
-    ao.lr, ao.betas, ao.weight_decay = o.lr, list(o.betas), o.weight_decay
-    ao.lr_warmup_steps = o.lr_warmup_steps
-    ao.lr_warmup_steps_ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
-    ao.lr_scheduler_type, ao.min_lr_ratio, ao.total_training_steps = o.lr_scheduler, o.min_lr_ratio, total_steps
-    arr.ref.fsdp_config.mixed_precision.param_dtype = m.fsdp_config.mixed_precision.param_dtype
-    arr.ref.fsdp_config.model_dtype = m.fsdp_config.model_dtype
-    arr.ref.use_prefix_grouper = config.use_prefix_grouper
-    for section in (arr.rollout, arr.ref):
-        section.log_prob_micro_batch_size_per_gpu = config.data.micro_batch_size_per_gpu
-    arr.rollout.name = "hf"
-    tr = rl.trainer
-    tr.nnodes, tr.n_gpus_per_node, tr.device, tr.seed = t.nnodes, t.n_gpus_per_node, t.device, t.seed
-    tr.default_local_dir, tr.resume_mode, tr.start_over = t.default_local_dir, t.resume_mode, t.start_over
-    tr.resume_from_path = t.resume_from_path or t.resume_path
-    if t.resume_path and t.resume_mode == "auto":
-        tr.resume_mode = "resume_path"
-    tr.save_freq, tr.test_freq, tr.balance_batch = t.save_freq, t.test_freq, False
-    tr.max_actor_ckpt_to_keep = t.max_ckpt_to_keep
-    tr.project_name, tr.experiment_name, tr.run_dir = t.project_name, t.experiment_name, t.run_dir
-    return rl
-
-
-# ---------------------------------------------------------------------------------------------- docs
-def sft_markdown_reference() -> str:
-    """The SFT / DPO section of `docs/config.md` (appended to the RL reference)."""
-    from posttrain.config.docs import all_keys, format_value
-
-    out = ["", "# SFT and DPO trainers (`posttrain sft`, `posttrain dpo`, `python -m posttrain.trainer.fsdp_sft_trainer`)",
-           "", "Their own tree: verl's `sft_trainer.yaml` keys (DPO adds TRL's names). Keys marked (posttrain) are ours.",
-           "", "| key | type | default | meaning |", "|---|---|---|---|"]
-    seen = set()
-    dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key",
-                "data.on_bad_row", "dpo.", "use_prefix_grouper")
-    for cls, only in ((SFTConfig, None), (DPOConfig, dpo_only)):
-        for key, info in all_keys(cls).items():
-            if info.is_section or (only is None and key in seen):
-                continue
-            if only is not None and not key.startswith(only):
-                continue
-            label = f"`{key}` (DPO)" if only is not None else f"`{key}` (SFT, DPO)"
-            default = format_value(info.default).replace("|", "\\|")
-            out.append(f"| {label} | {info.type.replace('|', chr(92) + '|')} | `{default}` | {info.doc} |")
-            seen.add(key)
-    return "\n".join(out) + "\n"

@@ -3,12 +3,12 @@ critic and the reward model, each an FSDP2-sharded model — and the calls a `Ra
 
 One process per device (a Ray actor). The constructor joins the default process group from the
 environment the group set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and builds
-the roles with the one-process group's builder (`posttrain.workers.build.build_roles`), placed by
-`RankPlacement`: each model loaded on CPU and sharded over all ranks (``fsdp_config.fsdp_size`` for
+the roles from their specs (`posttrain.config.roles`) with the one-process group's builder
+(`posttrain.workers.build.build_roles`), placed by `RankPlacement`: each model loaded on CPU and sharded over all ranks (``fsdp_config.fsdp_size`` for
 HSDP), wrapped in the same `ActorWorker` / `RefWorker` / `CriticWorker`: construction and per-rank
 math are one code path. This class only places: the process group, the mesh, each role resident on
-the device for its phase, the actor gathered for generation. Batch sizes in ``config`` are per rank
-already (`posttrain.config.worker_config`).
+the device for its phase, the actor gathered for generation. Batch sizes in the specs are per rank
+already (`posttrain.config.worker_config`, or the SFT tree's own).
 
 With the hf engine, generation runs inside `gathered_for_generation`: the actor's shards are
 all-gathered once, and the decoding loop then runs without collectives, since ranks stop decoding
@@ -69,10 +69,10 @@ class RankPlacement:
 
 @bind_calls
 class RankWorker:
-    """The roles of one rank. Args: the worker config (per-rank sizes), the seed, the tokenizer, and
-    ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
+    """The roles of one rank. Args: the role specs (`posttrain.config.roles.RoleSpecs`, per-rank sizes),
+    the seed, the tokenizer, and ``device_type`` (``cpu`` with gloo, or ``cuda`` with NCCL)."""
 
-    def __init__(self, config: Any, seed: int, tokenizer: Any, device_type: str):
+    def __init__(self, specs: Any, seed: int, tokenizer: Any, device_type: str):
         from posttrain.host.allocator import keep_freed_memory, release_freed_memory
         from posttrain.distributed.fsdp import backend_for, build_mesh, init_distributed
         from posttrain.workers.build import build_roles
@@ -82,13 +82,12 @@ class RankWorker:
         # FSDP2 warns whenever a unit returns a view (the critic's value head does), because an in-place
         # op on it would skip a hook; posttrain's value and log-prob code never writes into those outputs.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        arr = config.actor_rollout_ref
-        self.rank, world = init_distributed(backend_for(device_type), timeout_s=arr.nccl_timeout)
+        self.rank, world = init_distributed(backend_for(device_type), timeout_s=specs.timeout_s)
         self.seed, self.world_size = seed, world
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         torch.manual_seed(seed + self.rank)  # each rank samples its own responses
-        mesh = build_mesh(device_type, world, arr.actor.fsdp_config.fsdp_size)
-        self.roles = build_roles(config, RankPlacement(mesh, self.device, self.rank, world), seed, tokenizer=tokenizer)
+        mesh = build_mesh(device_type, world, specs.actor.fsdp.fsdp_size)
+        self.roles = build_roles(specs, RankPlacement(mesh, self.device, self.rank, world), seed, tokenizer=tokenizer)
         self.actor, self.ref, self.critic, self.rm = self.roles.actor, self.roles.ref, self.roles.critic, self.roles.rm
         release_freed_memory()  # loading's transient copies back to the kernel (posttrain.host.allocator)
         self.memory = PhasePeaks()  # this rank's own resident memory, per phase (memory_metrics)

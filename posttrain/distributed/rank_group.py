@@ -29,17 +29,16 @@ class RankWorkerGroup:
     """``trainer.nnodes x trainer.n_gpus_per_node`` ranks placed by Ray, each a `RankWorker`.
 
     Args:
-        config: the full run config (`trainer.*`, `ray_kwargs.*` are read here).
-        worker_config: the same config with per-rank batch sizes (`posttrain.config.worker_config`).
+        config: the run config (`trainer.*`, `ray_kwargs.*` are read here).
+        specs: the roles every rank builds, with per-rank batch sizes (`posttrain.config.roles.RoleSpecs`).
         seed, tokenizer: handed to every rank.
     """
 
     writes = True  # the driver (the ranks write their shards into the checkpoints it seals)
 
-    def __init__(self, config: Any, worker_config: Any, seed: int, tokenizer: Any):
+    def __init__(self, config: Any, specs: Any, seed: int, tokenizer: Any):
         from omegaconf import OmegaConf
 
-        from posttrain.config import uses_critic, uses_reference
         from posttrain.distributed.cluster import connect, resolve_device
         from posttrain.distributed.rank import RankWorker
         from posttrain.distributed.ray_pool import RayActorPool
@@ -48,12 +47,12 @@ class RankWorkerGroup:
         device = resolve_device(t.device)
         ray_init = OmegaConf.to_container(OmegaConf.structured(config.ray_kwargs.ray_init), resolve=True)
         connect(ray_init, device)
-        self._ranks = RayActorPool(RankWorker, (worker_config, seed, tokenizer, device), nnodes=t.nnodes,
+        self._ranks = RayActorPool(RankWorker, (specs, seed, tokenizer, device), nnodes=t.nnodes,
                                      n_gpus_per_node=t.n_gpus_per_node, device=device,
                                      placement_timeout_s=t.ray_wait_register_center_timeout)
         self.world_size, self.seed = self._ranks.world_size, seed
-        self.has_ref, self.has_critic = uses_reference(config), uses_critic(config)
-        self.has_rm = bool(config.reward_model.enable)
+        self.has_ref, self.has_critic, self.has_rm = (specs.ref is not None, specs.critic is not None,
+                                                      specs.rm is not None)
         self.balance = bool(t.balance_batch)
         if t.save_freq > 0 or t.resume_mode != "disable":
             self.check_shared_folder(Path(t.default_local_dir).expanduser(), "trainer.default_local_dir")

@@ -52,13 +52,14 @@ def first_rank_says(value: Any) -> Any:
 class TorchrunGroup:
     """The `WorkerGroup` SFT and DPO calls on torchrun ranks (module docstring).
 
-    Args: the worker config (per-rank sizes), the seed, the tokenizer, ``trainer.device``.
+    Args: the role specs (`posttrain.config.roles.RoleSpecs`, per-rank sizes), the seed, the tokenizer,
+    ``trainer.device``.
     """
 
-    def __init__(self, config: Any, seed: int, tokenizer: Any, device: str):
+    def __init__(self, specs: Any, seed: int, tokenizer: Any, device: str):
         from posttrain.distributed.rank import RankWorker
 
-        self.worker = RankWorker(config, seed, tokenizer, device_type_for(device))
+        self.worker = RankWorker(specs, seed, tokenizer, device_type_for(device))
         self.rank, self.world_size, self.seed = dist.get_rank(), dist.get_world_size(), seed
         self.has_ref, self.has_critic, self.has_rm = self.worker.ref is not None, False, False
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import ConfigError, PostTrainConfig
+from posttrain.config.roles import RoleSpecs
 from posttrain.data import RLHFDataset, build_train_loader, build_val_loader
 from posttrain.data.arithmetic import default_dataset_files
 
@@ -144,31 +145,32 @@ def dapo_reward_options(config: PostTrainConfig) -> dict[str, Any]:
     return {"record_acc": True, "overlong": overlong}
 
 
-def build_workers(config: PostTrainConfig, worker_config: PostTrainConfig, device: torch.device, seed: int,
+def build_workers(config: PostTrainConfig, specs: RoleSpecs, device: torch.device, seed: int,
                   actor_module: Any = None, critic_module: Any = None, tokenizer: Any = None):
     """The worker group: the roles in this process (`LocalWorkerGroup`) for one rank, else one Ray
     actor per device (`RankWorkerGroup`, FSDP2-sharded models).
 
-    `worker_config` holds per-rank batch sizes (`posttrain.config.worker_config`).
+    ``config``: the run's ``trainer.*`` and ``ray_kwargs.*``; ``specs``: its roles, with per-rank batch
+    sizes (`posttrain.config.roles`: from `posttrain.config.worker_config`, or from the SFT tree).
     """
     if world_size(config) == 1:
-        return build_local_group(worker_config, device, seed, actor_module, critic_module, tokenizer)
+        return build_local_group(specs, device, seed, actor_module, critic_module, tokenizer)
     from posttrain.distributed.rank_group import RankWorkerGroup
 
-    return RankWorkerGroup(config, worker_config, seed, tokenizer)
+    return RankWorkerGroup(config, specs, seed, tokenizer)
 
 
-def build_local_group(config: PostTrainConfig, device: torch.device, seed: int, actor_module: Any = None,
+def build_local_group(specs: RoleSpecs, device: torch.device, seed: int, actor_module: Any = None,
                       critic_module: Any = None, tokenizer: Any = None):
-    """Every role of the run in this process (`posttrain.workers.build.build_roles`), placed by
+    """Every role in ``specs`` in this process (`posttrain.workers.build.build_roles`), placed by
     `posttrain.host.placement.InProcess` on ``device``, which the group also asks for each call's
-    residency. ``config`` holds per-rank batch sizes (`posttrain.config.worker_config`)."""
+    residency. Batch sizes in ``specs`` are per rank."""
     from posttrain.host.placement import InProcess
     from posttrain.workers.build import build_roles
     from posttrain.workers.group import LocalWorkerGroup
 
     placement = InProcess(device)
-    roles = build_roles(config, placement, seed, tokenizer=tokenizer, actor_module=actor_module,
+    roles = build_roles(specs, placement, seed, tokenizer=tokenizer, actor_module=actor_module,
                         critic_module=critic_module)
     return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed, placement=placement)
 

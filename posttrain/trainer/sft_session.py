@@ -5,10 +5,11 @@ state (global step, history, the signal that stopped it) and draws each batch, w
 supplies its ``train_step`` and ``validate``; the trainer reads that state through the session.
 
 Built in order, every check before a model loads: the model path and the data files, the
-tokenizer, the rows (``read_rows``: SFT rows or preference pairs), the loader, the RL config the
-workers are built from (`posttrain.config.sft_load.rl_config_for`), the checkpoint folder (locked,
-its rule applied), then the RL worker group: in this process, on Ray ranks, or, when ``torchrun``
-started this process as one of several ranks, this rank's share (`posttrain.distributed.torchrun`).
+tokenizer, the rows (``read_rows``: SFT rows or preference pairs), the loader, the role specs the
+workers are built from and the RL config the driver's parts read (`posttrain.config.sft_roles`), the
+checkpoint folder (locked, its rule applied), then the RL worker group: in this process, on Ray
+ranks, or, when ``torchrun`` started this process as one of several ranks, this rank's share
+(`posttrain.distributed.torchrun`).
 Under torchrun rank 0 alone locks the folder, and every rank shares its verdict.
 
 Checkpoints are RL checkpoints (``global_step_N/actor``, the loader's position), fingerprinted with
@@ -23,13 +24,13 @@ from typing import Any, Callable, Iterator
 from posttrain.batch import Batch
 from posttrain.checkpoint import CheckpointManager
 from posttrain.config.sft import SFTConfig
-from posttrain.config.sft_load import rl_config_for
+from posttrain.config.sft_roles import sft_role_specs
 from posttrain.data.loader import PromptLoader
 from posttrain.errors import ConfigError
 from posttrain.launch import launched_by_torchrun, torchrun_world_size
 from posttrain.trainer import preflight, resume, setup
 
-__all__ = ["SFTSession", "builtin_sft_files", "read_sft_rows"]
+__all__ = ["SFTSession", "builtin_sft_files", "read_sft_rows", "sft_fingerprint"]
 
 ReadRows = Callable[[Any, Any, SFTConfig, int], Any]
 """``read_rows(files, tokenizer, config, max_samples)`` -> a dataset with ``collate_fn``."""
@@ -76,8 +77,7 @@ class SFTSession:
         self.train_loader = PromptLoader(self.train_data, config.data.train_batch_size, shuffle=config.data.shuffle,
                                          seed=seed, drop_last=True, collate_fn=self.train_data.collate_fn)
         self.total_steps = t.total_training_steps or t.total_epochs * len(self.train_loader)
-        self.rl = rl_config_for(config, self.total_steps, reference=reference)
-        self.rl.algorithm.adv_estimator = "grpo"  # no critic
+        self.specs, self.rl = sft_role_specs(config, self.total_steps, reference=reference)
         self.rank = self._join_torchrun(world)
         self.device = setup.resolve_device(self.rl)
         self.checkpoints = CheckpointManager(Path(self.rl.trainer.default_local_dir).expanduser(), t.max_ckpt_to_keep)
@@ -106,7 +106,7 @@ class SFTSession:
             return 0
         from posttrain.distributed.torchrun import join
 
-        rank, _ = join(self.config.trainer.device, self.rl.actor_rollout_ref.nccl_timeout)
+        rank, _ = join(self.config.trainer.device, self.specs.timeout_s)
         self.rl.trainer.nnodes, self.rl.trainer.n_gpus_per_node = 1, world
         return rank
 
@@ -137,8 +137,8 @@ class SFTSession:
         if self.torchrun:
             from posttrain.distributed.torchrun import TorchrunGroup
 
-            return TorchrunGroup(self.rl, seed, self.tokenizer, self.config.trainer.device)
-        return setup.build_workers(self.rl, self.rl, self.device, seed, model, None, self.tokenizer)
+            return TorchrunGroup(self.specs, seed, self.tokenizer, self.config.trainer.device)
+        return setup.build_workers(self.rl, self.specs, self.device, seed, model, None, self.tokenizer)
 
     # ------------------------------------------------------------------ batches and checkpoints
     def batches(self, dataset: Any) -> Iterator[Batch]:
@@ -163,10 +163,15 @@ class SFTSession:
         return resume.restore_run(self.rl.trainer, self.workers, self.train_loader, None, self.fingerprint())
 
     def fingerprint(self) -> dict:
-        """What a resumed run must share with the one that saved: model, LoRA, batch size, stage."""
-        fp = resume.config_fingerprint(self.rl, vocab_size=len(self.tokenizer))
-        fp["adv_estimator"] = self.stage  # the RL key names the stage, so an RL run will not resume an SFT one
-        return fp
+        return sft_fingerprint(self.rl, len(self.tokenizer), self.stage)
+
+
+def sft_fingerprint(driver_config: Any, vocab_size: int, stage: str) -> dict:
+    """What a resumed run must share with the one that saved: model, LoRA, batch size, stage, read
+    from the driver's RL config (`posttrain.config.sft_roles.sft_driver_config`)."""
+    fp = resume.config_fingerprint(driver_config, vocab_size=vocab_size)
+    fp["adv_estimator"] = stage  # the RL key names the stage, so an RL run will not resume an SFT one
+    return fp
 
 
 def check_paths(config: SFTConfig, model: Any, tokenizer: Any) -> None:

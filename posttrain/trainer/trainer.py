@@ -32,6 +32,7 @@ from posttrain.host.allocator import release_freed_memory
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
+from posttrain.config.roles import rl_role_specs
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
 from posttrain.errors import PosttrainError
 from posttrain.host.resident import PhasePeaks
@@ -106,8 +107,8 @@ class RLTrainer:
             if optim.total_training_steps < 0:
                 optim.total_training_steps = self.total_steps
         preflight.check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
-        self.workers = setup.build_workers(config, wcfg, self.device, config.trainer.seed, actor_module, critic_module,
-                                           tokenizer)
+        self.workers = setup.build_workers(config, rl_role_specs(wcfg), self.device, config.trainer.seed, actor_module,
+                                           critic_module, tokenizer)
         release_freed_memory()  # loading's transient copies (the dequantised GGUF) back to the kernel
         algo = config.algorithm
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None

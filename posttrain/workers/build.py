@@ -21,7 +21,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.config import uses_critic, uses_reference
+from posttrain.config.roles import RoleSpec, RoleSpecs
 from posttrain.models.lora import lora_settings
 from posttrain.workers.actor import ActorWorker, LoraReference, RefWorker
 from posttrain.workers.critic import CriticWorker
@@ -45,64 +45,58 @@ class Roles:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
 
-def build_roles(config: Any, place: Placement, seed: int, *, tokenizer: Any = None, actor_module: Any = None,
+def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any = None, actor_module: Any = None,
                 critic_module: Any = None) -> Roles:
-    """Every role ``config`` asks for, placed by ``place``.
+    """Every role ``specs`` holds (`posttrain.config.roles`: from the RL or the SFT tree), placed by ``place``.
 
-    `config` holds per-rank batch sizes (`posttrain.config.worker_config`). The reference is loaded
-    from ``actor_rollout_ref.model.path`` like the actor; only when the caller hands in an in-memory
-    ``actor_module`` (tests, notebooks) is it a copy of that module's initial weights. ``tokenizer``:
-    the actor's (loaded from the model path when None); ``seed`` draws the LoRA adapters and seeds
-    the workers' shuffles.
+    Batch sizes in the specs are per rank. The reference is loaded from the actor's model path like
+    the actor; only when the caller hands in an in-memory ``actor_module`` (tests, notebooks) is it a
+    copy of that module's initial weights. ``tokenizer``: the actor's (loaded from the model path when
+    None); ``seed`` draws the LoRA adapters and seeds the workers' shuffles.
     """
-    arr = config.actor_rollout_ref
-    ref_in_actor = lora_settings(arr.model, "actor_rollout_ref.model") is not None
-    copy_initial = actor_module is not None and uses_reference(config) and not ref_in_actor
+    ref_in_actor = lora_settings(specs.actor.model, "actor_rollout_ref.model") is not None
+    copy_initial = actor_module is not None and specs.ref is not None and not ref_in_actor
     initial = copy.deepcopy(actor_module) if copy_initial else None
-    actor = _actor(config, place, seed, tokenizer, actor_module)
+    actor = _actor(specs.actor, place, seed, tokenizer, actor_module)
     roles = Roles(actor)
-    if uses_reference(config):
-        roles.ref = LoraReference(actor, arr.ref) if ref_in_actor else _reference(config, place, actor, initial)
-    if uses_critic(config):
-        roles.critic = _critic(config, place, seed, actor, critic_module)
-    if config.reward_model.enable:  # frozen, scored right after generation (posttrain.workers.reward_model)
-        roles.rm = _reward_model(config, place, actor)
+    if specs.ref is not None:
+        roles.ref = LoraReference(actor, specs.ref.section) if ref_in_actor else _reference(specs.ref, place, actor,
+                                                                                            initial)
+    if specs.critic is not None:
+        roles.critic = _critic(specs.critic, place, seed, actor, critic_module)
+    if specs.rm is not None:  # frozen, scored right after generation (posttrain.workers.reward_model)
+        roles.rm = _reward_model(specs.rm, place, actor, specs.actor.model.path)
     return roles
 
 
-def _actor(config: Any, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:
-    arr = config.actor_rollout_ref
-    ready = prepare("policy", arr.model, arr.actor.fsdp_config, place, section="actor_rollout_ref.model",
-                    module=module, seed=seed)
-    return ActorWorker(arr.model, arr.actor, arr.rollout, device=place.device, module=ready.module,
+def _actor(spec: RoleSpec, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:
+    ready = prepare("policy", spec.model, spec.fsdp, place, section="actor_rollout_ref.model", module=module,
+                    seed=seed)
+    return ActorWorker(spec.model, spec.section, spec.rollout, device=place.device, module=ready.module,
                        tokenizer=tokenizer, seed=seed, lora=ready.lora, param_dtype=ready.param_dtype,
                        placement=place)
 
 
-def _reference(config: Any, place: Placement, actor: ActorWorker, initial: Any) -> RefWorker:
+def _reference(spec: RoleSpec, place: Placement, actor: ActorWorker, initial: Any) -> RefWorker:
     """The frozen initial policy (no gradient checkpointing: the reference never trains)."""
-    arr = config.actor_rollout_ref
-    m = arr.model
-    ready = prepare("policy", m, arr.ref.fsdp_config, place, section="actor_rollout_ref.model",
+    ready = prepare("policy", spec.model, spec.fsdp, place, section="actor_rollout_ref.model",
                     fsdp_section="actor_rollout_ref.ref", module=initial, actor_dtype=actor.param_dtype,
                     forward_only=True)
-    return RefWorker(ready.module, arr.ref, arr.rollout, device=place.device, param_dtype=ready.param_dtype,
-                     remove_padding=bool(m.use_remove_padding))
+    return RefWorker(ready.module, spec.section, spec.rollout, device=place.device, param_dtype=ready.param_dtype,
+                     remove_padding=bool(spec.model.use_remove_padding))
 
 
-def _critic(config: Any, place: Placement, seed: int, actor: ActorWorker, module: Any) -> CriticWorker:
-    c = config.critic.model
-    ready = prepare("value", c, c.fsdp_config, place, section="critic.model", module=module, seed=seed,
+def _critic(spec: RoleSpec, place: Placement, seed: int, actor: ActorWorker, module: Any) -> CriticWorker:
+    ready = prepare("value", spec.model, spec.fsdp, place, section="critic.model", module=module, seed=seed,
                     actor_dtype=actor.param_dtype)
-    return CriticWorker(config.critic, device=place.device, module=ready.module, seed=seed, lora=ready.lora,
+    return CriticWorker(spec.section, device=place.device, module=ready.module, seed=seed, lora=ready.lora,
                         param_dtype=ready.param_dtype, placement=place)
 
 
-def _reward_model(config: Any, place: Placement, actor: ActorWorker) -> RewardModelWorker:
+def _reward_model(spec: RoleSpec, place: Placement, actor: ActorWorker, actor_path: str) -> RewardModelWorker:
     """Frozen and placed like the reference: on ranks each scores its own rows (data parallel)."""
-    rm = config.reward_model
-    ready = prepare("reward", rm.model, rm.model.fsdp_config, place, fsdp_section="reward_model.model",
+    ready = prepare("reward", spec.model, spec.fsdp, place, fsdp_section="reward_model.model",
                     actor_dtype=actor.param_dtype, forward_only=True)
-    return RewardModelWorker.from_config(rm, actor.tokenizer, config.actor_rollout_ref.model.path, ready.module,
+    return RewardModelWorker.from_config(spec.section, actor.tokenizer, actor_path, ready.module,
                                          device=place.device, param_dtype=ready.param_dtype,
                                          world_size=place.world_size)

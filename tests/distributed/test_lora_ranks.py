@@ -14,6 +14,7 @@ import torch
 
 from posttrain.batch import Batch
 from posttrain.config import derive_sizes, worker_config
+from posttrain.config.roles import rl_role_specs
 from posttrain.distributed.fsdp import run_local_ranks
 from helpers.tiny_run import tiny_config
 from helpers.tokenizer import build_tiny_tokenizer
@@ -48,9 +49,9 @@ def as_batch(tensors: dict, rows=None) -> Batch:
     return Batch.from_dict({k: v[idx] for k, v in tensors.items()})
 
 
-def per_rank_config(workdir, ranks: int):
+def per_rank_specs(workdir, ranks: int):
     config = tiny_config(workdir, LORA + [f"trainer.n_gpus_per_node={ranks}"])
-    return worker_config(config, derive_sizes(config))
+    return rl_role_specs(worker_config(config, derive_sizes(config)))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def _rank_job(rank: int, world: int, workdir: str, ckpt: str, one_process_ckpt: 
     from posttrain.distributed.rank import RankWorker
 
     tok = build_tiny_tokenizer()
-    worker = RankWorker(per_rank_config(workdir, world), 0, tok, "cpu")
+    worker = RankWorker(per_rank_specs(workdir, world), 0, tok, "cpu")
     initial = {n: full(p) for n, p in worker.actor.module.named_parameters() if not p.requires_grad}
     out = step(worker.actor, worker.ref, as_batch(make_batch(len(tok), tok.pad_token_id), UPDATE_ROWS[rank]))
     out["metrics"] = {k: torch.tensor(v) for k, v in out["metrics"].items()}
@@ -96,7 +97,7 @@ def one_process(tmp_path_factory, tok):
     from posttrain.trainer.setup import build_local_group
 
     work = tmp_path_factory.mktemp("one")
-    group = build_local_group(per_rank_config(work, 1), torch.device("cpu"), 0, tokenizer=tok)
+    group = build_local_group(per_rank_specs(work, 1), torch.device("cpu"), 0, tokenizer=tok)
     result = step(group.actor, group.ref, as_batch(make_batch(len(tok), tok.pad_token_id)))
     (work / "ckpt").mkdir()
     group.save_checkpoint(work / "ckpt")
@@ -107,7 +108,7 @@ def one_process(tmp_path_factory, tok):
 def two_ranks(tmp_path_factory, one_process):
     workdir, ckpt = tmp_path_factory.mktemp("ranks"), tmp_path_factory.mktemp("ckpt") / "global_step_1"
     ckpt.mkdir()
-    per_rank_config(workdir, 2)  # writes the tiny model and data once, before the ranks read them
+    per_rank_specs(workdir, 2)  # writes the tiny model and data once, before the ranks read them
     return run_local_ranks(_rank_job, 2, str(workdir), str(ckpt), str(one_process[2]), timeout_s=180), ckpt
 
 
@@ -151,7 +152,7 @@ def test_checkpoint_of_two_ranks_loads_into_one_process(two_ranks, tmp_path, tok
 
     results, ckpt = two_ranks
     assert (ckpt / "actor" / "dcp").is_dir() and (ckpt / "actor" / "lora_adapter" / "adapter_config.json").exists()
-    group = build_local_group(per_rank_config(tmp_path, 1), torch.device("cpu"), 0, tokenizer=tok)
+    group = build_local_group(per_rank_specs(tmp_path, 1), torch.device("cpu"), 0, tokenizer=tok)
     group.actor.load_checkpoint(ckpt / "actor")
     for name, p in group.actor.module.named_parameters():
         if ".lora_" in name:

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from types import SimpleNamespace
-
 from helpers.tokenizer import build_tiny_tokenizer
+from posttrain.config.roles import RoleSpec, RoleSpecs
 from posttrain.host.placement import InProcess
 from posttrain.workers.build import build_roles
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
@@ -32,11 +31,10 @@ def test_full_step_from_folder_bf16_checkpointing(ckpt):
     cfg.model.path, cfg.model.enable_gradient_checkpointing = path, True
     cfg.critic.model.path, cfg.critic.model.enable_gradient_checkpointing = path, True
     cfg.critic.enable = True
-    run = SimpleNamespace(actor_rollout_ref=SimpleNamespace(model=cfg.model, actor=cfg.actor, rollout=cfg.rollout,
-                                                            ref=cfg.ref),
-                          critic=cfg.critic, algorithm=SimpleNamespace(use_kl_in_reward=False),
-                          reward_model=SimpleNamespace(enable=False))
-    roles = build_roles(run, InProcess("cpu"), 0)  # every role loaded from the folder
+    specs = RoleSpecs(RoleSpec(cfg.model, cfg.actor.fsdp_config, cfg.actor, cfg.rollout),
+                      ref=RoleSpec(cfg.model, cfg.ref.fsdp_config, cfg.ref, cfg.rollout),
+                      critic=RoleSpec(cfg.critic.model, cfg.critic.model.fsdp_config, cfg.critic))
+    roles = build_roles(specs, InProcess("cpu"), 0)  # every role loaded from the folder
     actor, ref, critic = roles.actor, roles.ref, roles.critic
     assert actor.tokenizer.pad_token_id == tok.pad_token_id
 
