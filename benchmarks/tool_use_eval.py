@@ -10,7 +10,7 @@ the task's scorer); this script only reads its responses again with the rollout'
 
 - ``tool_call_rate``: the share of rows whose first assistant turn holds a ``<tool_call>`` block;
 - ``valid_call_fraction``: of all the blocks in all assistant turns, the share the parser accepts
-  (a JSON object naming an offered tool with arguments that fit its schema);
+  (a JSON object naming an offered tool with arguments that fit its schema); null without calls;
 - ``tool_error_fraction``: of all calls, the share whose tool answer was an ``Error: ...`` (invalid
   calls and calls the tool refused or failed);
 - ``accuracy``: the mean score (the ``#### N`` after the last turn equals the product);
@@ -53,8 +53,8 @@ def tool_use(rows: list[dict], schemas: dict) -> dict[str, float]:
         valid += sum(isinstance(c, ToolCall) for c in parsed)
         errors += sum(a.startswith("Error:") for a in answers)
     n = len(rows)
-    return {"n": n, "tool_call_rate": first_calls / n, "valid_call_fraction": valid / calls if calls else float("nan"),
-            "tool_error_fraction": errors / calls if calls else float("nan"), "calls_per_row": calls / n,
+    return {"n": n, "tool_call_rate": first_calls / n, "valid_call_fraction": valid / calls if calls else None,
+            "tool_error_fraction": errors / calls if calls else None, "calls_per_row": calls / n,
             "accuracy": sum(r["score"] for r in rows) / n,
             "any_call_rate": sum(r.get("tool_calls", 0) > 0 for r in rows) / n}
 

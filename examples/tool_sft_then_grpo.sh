@@ -6,7 +6,7 @@
 # after RL (benchmarks/tool_use_eval.py: greedy multi-turn rollouts through `posttrain eval`).
 #
 #   bash examples/tool_sft_then_grpo.sh                     # SmolLM2-135M-Instruct, ~20 min on 2 CPU cores
-#   SFT_STEPS=8 GRPO_STEPS=10 N_EVAL=64 bash examples/tool_sft_then_grpo.sh
+#   SFT_STEPS=4 GRPO_STEPS=6 N_EVAL=64 bash examples/tool_sft_then_grpo.sh
 #
 # key=value arguments after the script's name override the GRPO run's keys. Each stage's wall time and
 # the machine's load average (`uptime`) go to $OUT/timings.txt, the metrics to $OUT/tool_use.jsonl.
@@ -17,8 +17,8 @@ DATA=$OUT/data
 SFT_OUT=$OUT/sft
 GRPO_OUT=$OUT/grpo
 TOOLS=${TOOLS:-examples/tool_config/arithmetic_tools_config.yaml}
-SFT_STEPS=${SFT_STEPS:-8}
-GRPO_STEPS=${GRPO_STEPS:-10}
+SFT_STEPS=${SFT_STEPS:-4}
+GRPO_STEPS=${GRPO_STEPS:-6}
 N_EVAL=${N_EVAL:-64}
 mkdir -p "$OUT"
 stage() {  # stage NAME COMMAND...: run it, append its wall time and the load averages around it
