@@ -23,7 +23,8 @@ class Limits:
     user's other processes count too and `LocalSandbox` adds their number). ``max_output_bytes`` is how
     much one run may print in all before it is stopped (status "output"); below it, stdout and stderr are
     kept to ``max_output_chars`` characters each. ``max_folder_mb`` caps the working folder as a whole
-    (namespaces only; without them only ``max_file_mb``, per file, holds)."""
+    (namespaces only, where the folder is a tmpfs, i.e. RAM; without them only ``max_file_mb``, per file,
+    holds)."""
 
     timeout_s: float = 10.0
     cpu_s: int | None = None
