@@ -156,13 +156,19 @@ def test_rows_at_different_turns_generate_together(tok):
     assert out.non_tensor_batch["multi_turn/tool_calls"].tolist() == [1, 0]
 
 
-def test_failing_calls_become_messages(tok):
-    class Exploding(BaseTool):
-        async def execute(self, instance_id, parameters, **kwargs):
-            raise RuntimeError("disk on fire")
+def _failing_tool(name: str, message: str) -> BaseTool:
+    """A tool whose every call raises ``RuntimeError(message)``."""
 
-    boom = Exploding({}, {"type": "function", "function": {"name": "boom", "description": "x",
-                                                              "parameters": {"type": "object", "properties": {}}}})
+    class Failing(BaseTool):
+        async def execute(self, instance_id, parameters, **kwargs):
+            raise RuntimeError(message)
+
+    return Failing({}, {"type": "function", "function": {"name": name, "description": "x",
+                                                        "parameters": {"type": "object", "properties": {}}}})
+
+
+def test_failing_calls_become_messages(tok):
+    boom = _failing_tool("boom", "disk on fire")
     calls = ('<tool_call>{"name": "boom", "arguments": {}}</tool_call><tool_call>{oops}</tool_call>'
              '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>')
     out, _ = _rollout(tok, {"A:": [calls, "ok"]}, [boom, CalculatorTool()])
@@ -313,12 +319,7 @@ def test_the_invalid_call_cap_ends_a_trajectory(tok):
 
 
 def test_a_valid_call_resets_the_invalid_run_and_a_failing_tool_does_not_count(tok):
-    class Broken(BaseTool):
-        async def execute(self, instance_id, parameters, **kwargs):
-            raise RuntimeError("down")
-
-    broken = Broken({}, {"type": "function", "function": {"name": "broken", "description": "x",
-                                                          "parameters": {"type": "object", "properties": {}}}})
+    broken = _failing_tool("broken", "down")
     broken_call = '<tool_call>{"name": "broken", "arguments": {}}</tool_call>'
     out, _ = _rollout(tok, {"A:": [BAD, CALL, BAD, broken_call, BAD, "done"]}, [CalculatorTool(), broken],
                       max_consecutive_invalid_tool_calls=2)
