@@ -6,8 +6,14 @@
 # after RL (benchmarks/tool_use_eval.py: greedy multi-turn rollouts through `posttrain eval`).
 #
 #   bash examples/tool_sft_then_grpo.sh                     # SmolLM2-135M-Instruct, ~20 min on 2 CPU cores
-#   SFT_STEPS=4 GRPO_STEPS=6 N_EVAL=64 bash examples/tool_sft_then_grpo.sh
+#   SFT_STEPS=4 GRPO_STEPS=10 N_EVAL=64 bash examples/tool_sft_then_grpo.sh
 #
+# Measured on SmolLM2-135M-Instruct, 64 held-out rows, greedy (2 shared cores, load 1.4-5):
+#   stage                      tool-call rate  valid calls  accuracy  wall
+#   base                       0%              -            0%        -
+#   cold start (4 SFT steps)   90.6%           100%         75.0%     118 s
+#   RL (10 GRPO steps)         100%            100%         100%      657 s
+# (6 GRPO steps: 100% calls, 68.8% accuracy: greedy answers still echoed the <tool_response> block.)
 # key=value arguments after the script's name override the GRPO run's keys. Each stage's wall time and
 # the machine's load average (`uptime`) go to $OUT/timings.txt, the metrics to $OUT/tool_use.jsonl.
 set -ex
@@ -18,7 +24,7 @@ SFT_OUT=$OUT/sft
 GRPO_OUT=$OUT/grpo
 TOOLS=${TOOLS:-examples/tool_config/arithmetic_tools_config.yaml}
 SFT_STEPS=${SFT_STEPS:-4}
-GRPO_STEPS=${GRPO_STEPS:-6}
+GRPO_STEPS=${GRPO_STEPS:-10}
 N_EVAL=${N_EVAL:-64}
 mkdir -p "$OUT"
 stage() {  # stage NAME COMMAND...: run it, append its wall time and the load averages around it
