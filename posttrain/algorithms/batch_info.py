@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigWithBatchInfo", "global_batch_info", "summed_over_ranks"]
+__all__ = ["ConfigWithBatchInfo", "global_batch_info", "summed_over_ranks", "token_normalisers"]
 
 
 def summed_over_ranks(values: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -30,6 +30,12 @@ def global_batch_info(response_mask: torch.Tensor) -> dict[str, Any]:
     """``agg_loss`` normalisers of a mini-batch: ``response_mask`` ``[B, R]`` (this rank's rows)."""
     counts, dp_size = summed_over_ranks(torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]))
     return {"dp_size": dp_size, "batch_num_tokens": counts[0].item(), "global_batch_size": counts[1].item()}
+
+
+def token_normalisers(data: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """`global_batch_info` of a mini-batch's columns (its ``response_mask``): the token-level losses'
+    normalisers (PPO, SFT, the critic's value loss)."""
+    return global_batch_info(data["response_mask"])
 
 
 class ConfigWithBatchInfo:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from posttrain.algorithms.batch_info import ConfigWithBatchInfo, global_batch_info, summed_over_ranks
+from posttrain.algorithms.batch_info import ConfigWithBatchInfo, summed_over_ranks, token_normalisers
 from posttrain.algorithms.dpo import dpo_loss, dpo_metrics, pair_logps, simpo_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.losses import agg_loss
@@ -94,7 +94,7 @@ class Objective:
                           mini_batch_size=max(1, rows), shared_prefix=bool(cfg.use_prefix_grouper))
 
     def normalisers(self, data: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        return global_batch_info(data["response_mask"])
+        return token_normalisers(data)
 
     def entropy(self, cfg: Any) -> tuple[bool, bool]:
         """``(compute the entropy, with its gradient)``."""

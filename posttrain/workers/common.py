@@ -16,7 +16,6 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import compute_value_loss, masked_mean
-from posttrain.algorithms.batch_info import global_batch_info
+from posttrain.algorithms.batch_info import token_normalisers
 from posttrain.algorithms.objectives import StepMetricNames, ppo_loop
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import ValueModel, autocast_context, default_device, micro_batch_indices, response_hidden_states
@@ -31,11 +31,6 @@ __all__ = ["CriticWorker", "response_values"]
 
 _KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 _STEP_METRICS = StepMetricNames("critic/grad_norm", "critic/nonfinite_skipped", "critic/lr")
-
-
-def _token_normalisers(data: Any) -> dict[str, Any]:
-    """The value loss's ``agg_loss`` normalisers: the mini-batch's response tokens over all ranks."""
-    return global_batch_info(data["response_mask"])
 
 
 def response_values(model: ValueModel, input_ids, attention_mask, position_ids, responses,
@@ -131,7 +126,7 @@ class CriticWorker:
         ``values`` (old) and ``returns`` ``[N, R]``. The lr schedule advances once per call.
         """
         data = {k: batch[k] for k in (*_KEYS, "response_mask", "values", "returns")}
-        return run_update(data, ppo_loop(self.config), micro_step=self._micro_step, normalisers=_token_normalisers,
+        return run_update(data, ppo_loop(self.config), micro_step=self._micro_step, normalisers=token_normalisers,
                           names=_STEP_METRICS, module=self.module, optimizer=self.optimizer,
                           lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device)
 
