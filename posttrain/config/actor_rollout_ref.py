@@ -350,6 +350,12 @@ class RolloutConfig:
     """Engine reuses the KV cache of shared prompt prefixes (reset after every weight push)."""
     logprobs_mode: str = "processed_logprobs"
     """Which engine log-probs rollout_log_probs hold: processed_logprobs (after temperature and top-k/top-p) or raw_logprobs."""
+    nnodes: int = 1
+    """Machines of the rollout pool (actor_rollout_ref.hybrid_engine=False: rollout workers apart from the trainer)."""
+    n_gpus_per_node: int = 0
+    """Rollout workers per machine, each on its own device (on CPU: its own share of cores); 0: no rollout pool."""
+    total_rollout_steps: Optional[int] = None
+    """Prompts the rollout pool generates in the run (verl's fully-async key; null: trainer.total_training_steps x data.train_batch_size)."""
 
 
 @_cfg()
@@ -393,7 +399,7 @@ class ActorModelConfig:
 @_cfg()
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
-    """Actor and rollout share one set of weights on the same devices."""
+    """Actor and rollout share one set of weights on the same devices; False: a separate rollout pool generates while the trainer updates (async_training.*)."""
     nccl_timeout: int = 600
     """Collective timeout in seconds."""
     model: ActorModelConfig = field(default_factory=ActorModelConfig)

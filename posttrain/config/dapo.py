@@ -33,7 +33,7 @@ def dapo_problems(config: PostTrainConfig) -> Iterable[str]:
 def _filter_groups_problems(config: PostTrainConfig) -> Iterable[str]:
     fg, data = config.algorithm.filter_groups, config.data
     if not fg.enable:
-        if data.gen_batch_size != data.train_batch_size:
+        if data.gen_batch_size != data.train_batch_size and config.actor_rollout_ref.hybrid_engine:  # async: units
             yield (f"data.gen_batch_size={data.gen_batch_size} differs from data.train_batch_size="
                    f"{data.train_batch_size}, but only dynamic sampling draws prompts in generation rounds; set "
                    "algorithm.filter_groups.enable=True or leave data.gen_batch_size at data.train_batch_size")

@@ -11,6 +11,7 @@ from dataclasses import field
 from typing import Any, Optional
 
 from posttrain.config.actor_rollout_ref import ActorRolloutRefConfig, _cfg
+from posttrain.config.async_training import AsyncTrainingConfig
 from posttrain.config.critic import CriticConfig, RewardModelConfig
 
 
@@ -88,6 +89,8 @@ class DataConfig:
     """Custom dataset class."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for tokenizer.apply_chat_template."""
+    tool_config_path: Optional[str] = "${oc.select:actor_rollout_ref.rollout.multi_turn.tool_config_path,null}"
+    """Tool YAML whose schemas the chat template renders into every prompt (tools=...), as the rollout offers them; follows multi_turn.tool_config_path."""
     arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
     """(posttrain) The built-in arithmetic task, used where train_files / val_files are null."""
 
@@ -210,6 +213,8 @@ class TrainerConfig:
     """Devices (data-parallel ranks) per machine."""
     save_freq: int = -1
     """Save a checkpoint every this many steps (-1: never)."""
+    export_at_end: bool = False
+    """(posttrain) A finished run writes its final actor to hf_model/ in default_local_dir even when save_freq keeps no checkpoint (the built-in run sets it)."""
     esi_redundant_time: int = 0
     """Seconds reserved before an expiring job to save."""
     resume_mode: str = "auto"
@@ -286,3 +291,5 @@ class PostTrainConfig:
     """The training loop."""
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
     """Ray settings."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Asynchronous rollouts (verl's one-step-off and fully-async keys), with actor_rollout_ref.hybrid_engine=False."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from posttrain.config.async_training import async_problems, async_warnings
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
 from posttrain.errors import ConfigError
@@ -21,6 +22,10 @@ RESUME_MODES = ("auto", "disable", "resume_path")
 SCHEDULERS = ("constant", "cosine")
 DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+ASYNC_KEYS = ("async_training.staleness_threshold", "async_training.trigger_parameter_sync_step",
+              "async_training.require_batches", "actor_rollout_ref.rollout.nnodes",
+              "actor_rollout_ref.rollout.n_gpus_per_node", "actor_rollout_ref.rollout.total_rollout_steps")
+"""Checked by posttrain.config.async_training (0 rollout devices is valid with the hybrid engine)."""
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
@@ -110,63 +115,6 @@ def _check_ranges(config: PostTrainConfig) -> Iterable[str]:
     for key, ok, rule in checks:
         if not ok:
             yield f"{key}={get_key(config, key)!r} {rule}"
-    yield from _check_generic_ranges(config, {key for key, _, _ in checks} | {f"trainer.{k}" for k in TRAINER_COUNTS})
-
-
-# Generic ranges: every int/float key is checked by its name. Counts (sizes, lengths, steps, epochs,
-# ranks) must be >= 1; everything else numeric >= 0; fractions lie in [0, 1]. A key whose default is
-# negative (verl's -1 = "auto" / "off") also accepts that default. Keys checked one by one in
-# `_check_ranges` are left out here.
-_COUNT_WORDS = ("batch_size", "_per_gpu", "max_token_len", "_length", "epochs", "nnodes", "n_gpus_per_node",
-                "total_training_steps", "max_consecutive_nonfinite", "parallel_size", "max_num_seqs",
-                "max_num_batched_tokens", "horizon", "rollout_n", "max_assistant_turns", "max_parallel_calls", "n_train", "n_test", "digits",
-                "num_cpus", "max_concurrent", "memory_limit_mb", "fsdp_size", "max_model_len")
-_COUNT_NAMES = ("n",)
-_FRACTIONS = ("lr_warmup_steps_ratio", "min_lr_ratio", "gpu_memory_utilization", "over_sample_rate", "top_p")
-_FREE_SIGN = ("entropy_coeff",)  # a negative entropy coefficient is a legitimate (if rare) choice
-
-
-def _numeric_keys() -> list[tuple[str, Any]]:
-    """(key, default) of every int/float leaf (Optional ones too), in schema order."""
-    from posttrain.config.docs import all_keys, leaf_type
-
-    out = []
-    for key, info in all_keys().items():
-        if info.is_section:
-            continue
-        hint = leaf_type(key)
-        args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
-        base = args[0] if len(args) == 1 else hint
-        if base in (int, float):
-            out.append((key, info.default))
-    return out
-
-
-def _range_rule(key: str, default: Any) -> tuple[float, float | None, str]:
-    leaf = key.rsplit(".", 1)[-1]
-    if leaf in _FRACTIONS:
-        return 0.0, 1.0, "must be in [0, 1]"
-    if leaf in _COUNT_NAMES or any(word in leaf for word in _COUNT_WORDS):
-        return 1.0, None, "must be >= 1"
-    return 0.0, None, "must be >= 0"
-
-
-def _check_generic_ranges(config: PostTrainConfig, explicit: set[str]) -> Iterable[str]:
-    for key, default in _numeric_keys():
-        if key in explicit or key.rsplit(".", 1)[-1] in _FREE_SIGN:
-            continue
-        value = get_key(config, key)
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if isinstance(default, str) and default.startswith("${") and get_key(config, default[2:-1]) == value:
-            continue  # follows another key, which is checked (and named) itself
-        low, high, rule = _range_rule(key, default)
-        sentinel = default if isinstance(default, (int, float)) and not isinstance(default, bool) and default < 0 else None
-        if value == sentinel:
-            continue
-        if value != value or value < low or (high is not None and value > high):  # nan fails too
-            also = f" (or {sentinel}: {'off' if 'freq' in key else 'automatic'})" if sentinel is not None else ""
-            yield f"{key}={value!r} {rule}{also}"
 
 
 ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
@@ -320,12 +268,16 @@ def _check_lora(config: PostTrainConfig) -> Iterable[str]:
 
 def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
     """(errors, warnings) of a loaded config."""
+    from posttrain.config.ranges import RL_RANGES, named_keys, numeric_problems
+
     errors: list[str] = []
-    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems, _check_lora):
+    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems, _check_lora, async_problems):
         errors.extend(check(config))
+    # every number the checks above did not name (NaN and inf slip past their comparisons): its declared range
+    errors += numeric_problems(config, PostTrainConfig, RL_RANGES, skip=named_keys(errors) | set(ASYNC_KEYS))
     if not errors:  # size arithmetic is only meaningful once values are individually valid
         errors.extend(_check_conflicts(config))
-    return errors, find_warnings(config) + dapo_warnings(config)
+    return errors, find_warnings(config) + dapo_warnings(config) + async_warnings(config)
 
 
 def validate_config(config: PostTrainConfig) -> None:
