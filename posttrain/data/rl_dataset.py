@@ -21,6 +21,7 @@ __all__ = [
     "collate_prompts",
     "render_prompt",
     "encode_prompts",
+    "tool_schemas_of",
     "TRUNCATION_MODES",
 ]
 
@@ -29,30 +30,48 @@ logger = logging.getLogger(__name__)
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
-def render_prompt(tokenizer, messages: Sequence[dict], apply_chat_template_kwargs: dict | None = None) -> str:
+def render_prompt(tokenizer, messages: Sequence[dict], apply_chat_template_kwargs: dict | None = None,
+                  tools: Sequence[dict] | None = None) -> str:
     """The prompt text the model sees, ending where the assistant's answer starts.
 
     With a chat template: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-    tokenize=False)``. Without one (plain base-model tokenizers), a documented fallback: one
-    ``"{role}: {content}"`` line per message followed by ``"assistant:"``.
+    tokenize=False, tools=tools)`` (``tools``: OpenAI function schemas, which templates such as Qwen's
+    render as a tools block; a template that ignores them renders the same text). Without one (plain
+    base-model tokenizers), a documented fallback: one ``"{role}: {content}"`` line per message followed
+    by ``"assistant:"`` (tools are not rendered there).
     """
     if getattr(tokenizer, "chat_template", None):
         kwargs = dict(apply_chat_template_kwargs or {})
         for k in ("tokenize", "return_dict", "return_tensors", "add_generation_prompt"):
             kwargs.pop(k, None)
+        if tools:
+            kwargs.setdefault("tools", list(tools))  # data.apply_chat_template_kwargs.tools, if given, wins
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **kwargs)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def encode_prompts(
-    tokenizer, prompts: Sequence[Sequence[dict]], apply_chat_template_kwargs: dict | None = None
+    tokenizer, prompts: Sequence[Sequence[dict]], apply_chat_template_kwargs: dict | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> list[list[int]]:
     """Token ids of each rendered prompt; equal to ``apply_chat_template(..., tokenize=True)``, which
     also encodes the rendered text without adding special tokens (the template has them)."""
-    texts = [render_prompt(tokenizer, m, apply_chat_template_kwargs) for m in prompts]
+    texts = [render_prompt(tokenizer, m, apply_chat_template_kwargs, tools) for m in prompts]
     if not texts:
         return []
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def tool_schemas_of(tool_config_path: str | None) -> list[dict] | None:
+    """The OpenAI function schemas of the tools a tool YAML names, in file order, as the chat template
+    takes them (verl's ``data.tool_config_path``); None without a path. The rollout offers the same
+    tools, so the prompt must announce them: a template with a tools block (Qwen's) otherwise tells the
+    model of no tool at all."""
+    if not tool_config_path:
+        return None
+    from posttrain.tools.registry import load_tools_config  # the tool classes only when tools are named
+
+    return [tool.tool_schema.model_dump() for tool in load_tools_config(str(tool_config_path))]
 
 
 def _truncate(ids: list[int], max_len: int, mode: str) -> list[int]:
@@ -73,11 +92,14 @@ class RLHFDataset(Dataset):
         tokenizer: a Hugging Face tokenizer (with or without a chat template).
         data_config: the ``data`` config section; reads ``prompt_key``, ``reward_fn_key``,
             ``max_prompt_length``, ``filter_overlong_prompts``, ``truncation``, ``return_raw_chat``,
-            ``apply_chat_template_kwargs``.
+            ``apply_chat_template_kwargs``, ``tool_config_path`` (verl's key, which follows
+            ``actor_rollout_ref.rollout.multi_turn.tool_config_path``: the tools' schemas are passed to
+            the chat template, so prompts announce the tools the rollout offers and their length counts).
 
     Attributes:
         num_filtered: prompts dropped by ``filter_overlong_prompts`` (also logged as a warning).
         num_truncated: prompts cut to ``max_prompt_length`` by ``truncation``.
+        tool_schemas: the schemas rendered into every prompt (None: no tools).
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer, data_config):
@@ -92,6 +114,7 @@ class RLHFDataset(Dataset):
         self.truncation: str = data_config.truncation
         self.return_raw_chat: bool = data_config.return_raw_chat
         self.apply_chat_template_kwargs: dict = dict(data_config.apply_chat_template_kwargs or {})
+        self.tool_schemas = tool_schemas_of(_resolved(getattr(data_config, "tool_config_path", None)))
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={self.truncation!r}; expected one of {list(TRUNCATION_MODES)}")
         self.pad_token_id = _pad_id(tokenizer)
@@ -122,7 +145,8 @@ class RLHFDataset(Dataset):
         rows = read_rows(path)
         for i, row in enumerate(rows):
             validate_row(row, f"{path} row {i}", self.prompt_key, self.reward_fn_key)
-        ids_all = encode_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.apply_chat_template_kwargs)
+        ids_all = encode_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.apply_chat_template_kwargs,
+                                 self.tool_schemas)
         for i, (row, ids) in enumerate(zip(rows, ids_all)):
             if len(ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:
@@ -168,6 +192,13 @@ class RLHFDataset(Dataset):
     def collate_fn(self, items: Sequence[dict[str, Any]]) -> Batch:
         """Left-pad ``items`` into a :class:`Batch` (see :func:`collate_prompts`)."""
         return collate_prompts(items, self.pad_token_id)
+
+
+def _resolved(value: Any) -> Any:
+    """``value``, or None when it is an interpolation nobody resolved: a config section built directly
+    (``DataConfig()``, not through the loader) keeps the ``${...}`` text of a default that follows
+    another key, and there is no other key to follow."""
+    return None if isinstance(value, str) and value.startswith("${") else value
 
 
 def _pad_id(tokenizer) -> int:
