@@ -22,9 +22,9 @@ class Limits:
     as (a uid of its own per worker when the training process is root; otherwise the user's own, so the
     user's other processes count too and `LocalSandbox` adds their number). ``max_output_bytes`` is how
     much one run may print in all before it is stopped (status "output"); below it, stdout and stderr are
-    kept to ``max_output_chars`` characters each. ``max_folder_mb`` caps the working folder as a whole
-    (namespaces only, where the folder is a tmpfs, i.e. RAM; without them only ``max_file_mb``, per file,
-    holds)."""
+    kept to ``max_output_chars`` characters each. ``max_folder_mb`` caps the working folder as a whole,
+    and the run's own /dev/shm the same (namespaces only, where both are tmpfs, i.e. RAM: up to twice
+    this per run; without them only ``max_file_mb``, per file, holds)."""
 
     timeout_s: float = 10.0
     cpu_s: int | None = None

@@ -9,7 +9,8 @@ stderr are read as they come, keeping only the head; past ``max_output_bytes`` i
 Isolation is chosen once per process (`isolation_available`) and is one of:
 
 - ``namespaces``: util-linux ``unshare`` puts the run in new pid, mount, and (``network=False``) network
-  namespaces; every mount is read-only but the folder, a size-capped tmpfs; /proc shows only the run's
+  namespaces; every mount is read-only but the folder and /dev/shm, each a size-capped tmpfs of the run's
+  own (``max_folder_mb``; the host's /dev/shm is hidden); /proc shows only the run's
   processes; ending the namespace's pid 1 kills every process the code started. As root (this repository's
   machines) the code also runs under a uid of its own per run in flight, so RLIMIT_NPROC holds and files
   owned by root are not writable. Without root it needs unprivileged user namespaces (``--map-root-user``).
@@ -472,7 +473,10 @@ def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str
         return "killed", f"killed by signal {_signal_name(-code)}"
     if "Network is unreachable" in tail:
         return "error", "no network in the sandbox"
-    if "Read-only file system" in tail or "No space left on device" in tail:
-        return "error", (f"the file system is read-only outside the working folder (folder capped at "
-                         f"{limits.max_folder_mb} MB)")
+    if "Read-only file system" in tail:
+        return "error", "the file system is read-only outside the working folder and /dev/shm"
+    if "No space left on device" in tail:
+        return "error", f"no space left: the working folder and /dev/shm hold at most {limits.max_folder_mb} MB each"
+    if "Too many open files" in tail:
+        return "error", f"open-file limit of {limits.max_open_files}"
     return "error", left

@@ -6,7 +6,8 @@ training process. The config and the report are Python literals, not JSON: impor
 cost ~10 ms of every call. It:
 
 1. (namespaces) runs as root of fresh mount/pid/net namespaces: mounts a new /proc, a size-capped tmpfs
-   as the working folder, and remounts every other mount read-only;
+   as the working folder, remounts every other mount read-only, then mounts a fresh size-capped tmpfs of
+   the run's own on /dev/shm (multiprocessing's semaphores live there);
 2. becomes a child subreaper, so a descendant that double-forks is re-parented here, not to init;
 3. forks the model's process: its own session, the resource limits, an unprivileged uid when started as
    root, then the code runs in that process (no second interpreter start: that halves a call's cost);
@@ -122,10 +123,21 @@ def _isolate_file_system(config, source):
         # A mount hidden under a later one cannot be reached by path; one that still shows writable can.
         if _writable_mount(path):
             raise error
+    _mount_own_shm(config["folder_mb"], owner)
     with open(os.path.join(folder, "main.py"), "w", encoding="utf-8") as main:
         main.write(source)
     if config["uid"] is not None:
         os.chown(os.path.join(folder, "main.py"), owner, owner)
+
+
+def _mount_own_shm(size_mb, owner):
+    """A fresh, size-capped, writable /dev/shm of this run's own (POSIX semaphores and shared memory:
+    multiprocessing's locks and queues need it), mounted over the read-only one, which it hides: the
+    host's /dev/shm is neither readable nor writable from here. No /dev/shm to mount on: none."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           f"size={size_mb}m,mode=0700,uid={owner},gid={owner}")
 
 
 def _writable_mount(path):
