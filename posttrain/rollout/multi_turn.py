@@ -25,6 +25,16 @@ name verbatim and was not trained on ``tool``) gets verl's Qwen-style user turn 
 Failing calls (bad JSON, unknown tool, wrong arguments, a tool that raises or passes its time-out)
 become an ``Error: ...`` tool answer the model reads, and are counted as tool errors; never a crash.
 
+User code (every method of a tool or an interaction) runs in a daemon thread of its own
+(``posttrain.tools.user_code``) under a time-out: ``tool_timeout_s`` for tools, ``interaction_timeout_s``
+for interactions. A call that blocks (``time.sleep`` in an ``async`` method) or never returns is
+abandoned at its time-out and cannot stall the loop or keep the process alive. A tool's ``calc_reward``
+or ``release`` that raises, times out or returns a non-finite reward is counted in
+``multi_turn/tool_finish_errors`` (the reward is left out); an interaction method that does is counted in
+``multi_turn/interaction_errors`` (and ``interaction_timeouts``): a failed ``start_interaction`` leaves the
+trajectory without its interaction, a failed ``generate_response`` ends it on the model's turn, a failed
+``calculate_score`` leaves its score 0. Each is logged; none ends the run.
+
 Guards (off by default): ``max_consecutive_invalid_tool_calls`` ends a trajectory whose invalid calls
 (bad JSON, unknown tool, wrong arguments; a tool's ``invalid_tool_call`` metric) reach that many in a
 row, before their error turn is appended (verl's guard: a valid call resets the count, a tool that
@@ -36,7 +46,9 @@ SimpleTIR) zero loss weight: its ``response_mask`` becomes all 0, as the trainer
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -50,6 +62,7 @@ from posttrain.rollout.base import SamplingParams, with_uids
 from posttrain.rollout.tool_parser import ToolCall, ToolCallError, parse_tool_calls
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import ToolResponse
+from posttrain.tools.user_code import UserCodeTimeout, abandoned_calls, run_user_code
 
 __all__ = ["MultiTurnRollout", "ToolTurnRenderer", "truncate_text", "multi_turn_columns", "multi_turn_rewards",
            "METRIC_COLUMNS"]
@@ -62,7 +75,8 @@ METRIC_COLUMNS = ("multi_turn/turns", "multi_turn/assistant_turns", "multi_turn/
                   "multi_turn/valid_tool_calls", "multi_turn/invalid_tool_calls", "multi_turn/tool_timeouts",
                   *(f"multi_turn/sandbox_kills/{cause}" for cause in KILL_CAUSES),
                   "multi_turn/hit_turn_limit", "multi_turn/hit_length_limit", "multi_turn/hit_invalid_call_limit",
-                  "multi_turn/void_turns", "multi_turn/void_filtered")
+                  "multi_turn/void_turns", "multi_turn/void_filtered", "multi_turn/tool_finish_errors",
+                  "multi_turn/interaction_errors", "multi_turn/interaction_timeouts")
 REWARD_COLUMNS = ("multi_turn/tool_reward", "multi_turn/interaction_score")
 _SENTINEL = "\u2063posttrain-turn-end\u2063"
 
@@ -139,9 +153,13 @@ class _Trajectory:
     hit_turn_limit: bool = False
     hit_length_limit: bool = False
     hit_invalid_call_limit: bool = False
+    tool_finish_errors: int = 0
+    interaction_errors: int = 0
+    interaction_timeouts: int = 0
     tool_reward: float = 0.0
     interaction_score: float = 0.0
     done: bool = False
+    create_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one create() per tool and trajectory
 
 
 class MultiTurnRollout:
@@ -212,10 +230,7 @@ class MultiTurnRollout:
         return traj
 
     async def _run(self, trajs: list[_Trajectory], sampling: SamplingParams) -> None:
-        for t in trajs:
-            if t.interaction is not None:
-                kwargs = {k: v for k, v in self._interaction_kwargs(t).items() if k != "name"}
-                t.interaction_id = await t.interaction.start_interaction(None, **kwargs)
+        await asyncio.gather(*(self._start_interaction(t) for t in trajs if t.interaction is not None))
         limit = asyncio.Semaphore(max(1, int(self.config.max_parallel_calls)))
         try:
             while active := [t for t in trajs if not t.done]:
@@ -227,6 +242,44 @@ class MultiTurnRollout:
     @staticmethod
     def _interaction_kwargs(t: _Trajectory) -> dict:
         return t.interaction_kwargs
+
+    async def _start_interaction(self, t: _Trajectory) -> None:
+        """``start_interaction``; when it fails (counted) the trajectory goes on without its interaction."""
+        kwargs = {k: v for k, v in self._interaction_kwargs(t).items() if k != "name"}
+        ok, instance_id = await self._interaction_call(t, "start_interaction", None, **kwargs)
+        if ok:
+            t.interaction_id = instance_id
+        else:
+            t.interaction = None
+
+    async def _interaction_call(self, t: _Trajectory, method: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """``(True, result)`` of one interaction method, or ``(False, None)`` when it raised or passed
+        ``interaction_timeout_s`` (counted in the trajectory's interaction errors, and logged)."""
+        timeout = float(self.config.interaction_timeout_s)
+        what = f"interaction {getattr(t.interaction, 'name', type(t.interaction).__name__)}.{method}"
+        try:
+            call = functools.partial(getattr(t.interaction, method), *args, **kwargs)
+            return True, await run_user_code(call, timeout=timeout, what=what)
+        except UserCodeTimeout:
+            t.interaction_timeouts += 1
+            _log_abandoned(what, timeout, "interaction_timeout_s")
+        except Exception as err:  # the interaction's bug ends its part of this trajectory, not the run
+            logger.warning("%s raised %s: %s", what, type(err).__name__, err)
+        t.interaction_errors += 1
+        return False, None
+
+    async def _interaction_reply(self, t: _Trajectory) -> tuple[bool, str] | None:
+        """``(should_terminate, reply text)`` after the model's turn; None when the interaction failed."""
+        ok, out = await self._interaction_call(t, "generate_response", t.interaction_id, t.messages,
+                                               **self._interaction_kwargs(t))
+        if not ok:
+            return None
+        if not (isinstance(out, (tuple, list)) and len(out) == 4 and isinstance(out[1], str)):
+            logger.warning("interaction %s.generate_response returned %.200r; expected (should_terminate, "
+                           "response_text, turn_score, metadata)", getattr(t.interaction, "name", "?"), out)
+            t.interaction_errors += 1
+            return None
+        return bool(out[0]), _valid_text(out[1])
 
     def _generate_turn(self, active: list[_Trajectory], sampling: SamplingParams) -> None:
         """One assistant turn for every active row, in one engine call."""
@@ -265,8 +318,11 @@ class MultiTurnRollout:
             turn = self.renderer.tool_turn(answers, t.last_turn[-1])
             t.messages += [{"role": "tool", "content": a} for a in answers]
         elif not calls and t.interaction is not None:
-            stop, reply, _, _ = await t.interaction.generate_response(t.interaction_id, t.messages,
-                                                                     **self._interaction_kwargs(t))
+            answer = await self._interaction_reply(t)
+            if answer is None:  # the interaction failed (counted): the trajectory ends on the model's turn
+                t.done = True
+                return
+            stop, reply = answer
             if stop or at_limit:
                 t.hit_turn_limit, t.done = at_limit and not stop, True
                 return
@@ -312,40 +368,65 @@ class MultiTurnRollout:
         timeout = float(self.config.tool_timeout_s)
         async with limit:
             try:
-                text, metrics = await asyncio.wait_for(self._execute(t, call), timeout)
-            except asyncio.TimeoutError:
-                logger.warning("tool %s did not answer within %g s (multi_turn.tool_timeout_s)", call.name, timeout)
+                text, metrics = await self._execute(t, call, timeout)
+            except UserCodeTimeout:
+                _log_abandoned(f"tool {call.name}", timeout, "tool_timeout_s")
                 text, metrics = f"Error: {call.name} did not answer within {timeout:g} s", _TIMED_OUT
             except Exception as err:  # a tool's bug is the model's error message, and a logged count
                 logger.warning("tool %s raised %s: %s", call.name, type(err).__name__, err)
                 text, metrics = f"Error: {call.name} failed: {type(err).__name__}: {err}", _FAILED
         invalid = _count_tool_metrics(t, metrics)
-        answer = truncate_text(text, int(self.config.max_tool_response_length), self.config.tool_response_truncate_side)
+        answer = truncate_text(_valid_text(text), int(self.config.max_tool_response_length),
+                               self.config.tool_response_truncate_side)
         return answer, invalid
 
-    async def _execute(self, t: _Trajectory, call: ToolCall) -> tuple[str, dict]:
+    async def _execute(self, t: _Trajectory, call: ToolCall, timeout: float) -> tuple[str, dict]:
+        """The tool's answer text and metrics; its create() (first call) and execute() each get ``timeout``."""
         tool, kwargs = self.tools[call.name], t.tools_kwargs.get(call.name) or {}
-        if call.name not in t.instances:
-            created = await tool.create(None, **(kwargs.get("create_kwargs") or {}))
-            t.instances[call.name] = created[0] if isinstance(created, tuple) else created
-        response, step_reward, metrics = await tool.execute(t.instances[call.name], call.arguments,
-                                                            **(kwargs.get("execute_kwargs") or {}))
-        t.tool_reward += float(step_reward or 0.0)
-        return ToolResponse.of(response).text, dict(metrics or {})
+        async with t.create_lock:
+            if call.name not in t.instances:
+                create = functools.partial(tool.create, None, **(kwargs.get("create_kwargs") or {}))
+                created = await run_user_code(create, timeout=timeout, what=f"tool {call.name}.create")
+                t.instances[call.name] = created[0] if isinstance(created, tuple) else created
+        execute = functools.partial(tool.execute, t.instances[call.name], call.arguments,
+                                    **(kwargs.get("execute_kwargs") or {}))
+        response, step_reward, metrics = await run_user_code(execute, timeout=timeout, what=f"tool {call.name}.execute")
+        t.tool_reward += _finite(step_reward or 0.0, "step reward")
+        return str(ToolResponse.of(response).text or ""), dict(metrics or {})
 
     async def _finish(self, t: _Trajectory) -> None:
-        """Tool rewards (calc_reward), the interaction's score; instances released."""
+        """Tool rewards (calc_reward), the interaction's score; instances released. A failing method
+        is counted and logged; the others still run."""
         for name, instance in t.instances.items():
             tool, kwargs = self.tools[name], t.tools_kwargs.get(name) or {}
-            try:
-                t.tool_reward += float(await tool.calc_reward(instance, **(kwargs.get("calc_reward_kwargs") or {})))
-            finally:
-                await tool.release(instance, **(kwargs.get("release_kwargs") or {}))
+            reward = await self._tool_finish_call(t, name, "calc_reward", tool.calc_reward, instance,
+                                                  **(kwargs.get("calc_reward_kwargs") or {}))
+            if reward is not None:
+                t.tool_reward += reward
+            await self._tool_finish_call(t, name, "release", tool.release, instance, **(kwargs.get("release_kwargs") or {}))
         if t.interaction is not None and t.interaction_id is not None:
+            ok, score = await self._interaction_call(t, "calculate_score", t.interaction_id)
             try:
-                t.interaction_score = float(await t.interaction.calculate_score(t.interaction_id))
-            finally:
-                await t.interaction.finalize_interaction(t.interaction_id)
+                t.interaction_score = _finite(score, "score") if ok else 0.0
+            except ValueError as err:
+                logger.warning("interaction %s.calculate_score: %s", getattr(t.interaction, "name", "?"), err)
+                t.interaction_errors += 1
+            await self._interaction_call(t, "finalize_interaction", t.interaction_id)
+
+    async def _tool_finish_call(self, t: _Trajectory, name: str, method: str, fn: Any, *args: Any,
+                                **kwargs: Any) -> float | None:
+        """``calc_reward`` (its finite reward) or ``release`` (0.0); None when it failed (counted, logged)."""
+        timeout = float(self.config.tool_timeout_s)
+        what = f"tool {name}.{method}"
+        try:
+            out = await run_user_code(functools.partial(fn, *args, **kwargs), timeout=timeout, what=what)
+            return _finite(out, "reward") if method == "calc_reward" else 0.0
+        except UserCodeTimeout:
+            _log_abandoned(what, timeout, "tool_timeout_s")
+        except Exception as err:
+            logger.warning("%s raised %s: %s", what, type(err).__name__, err)
+        t.tool_finish_errors += 1
+        return None
 
     # ------------------------------------------------------------------ output
     def _assemble(self, rows: Batch, trajs: list[_Trajectory], sampling: SamplingParams) -> Batch:
@@ -383,6 +464,24 @@ _TIMED_OUT = {"tool_error": 1.0, "tool_timeout": 1.0}
 _FAILED = {"tool_error": 1.0}
 
 
+def _finite(value: Any, what: str) -> float:
+    """``value`` as a finite float; ValueError naming ``what`` otherwise (a NaN reward would poison the batch)."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"the {what} {number} is not a finite number")
+    return number
+
+
+def _valid_text(text: str) -> str:
+    """``text`` with what no tokenizer can encode (unpaired surrogates, e.g. from a JSON ``\\ud800``) replaced."""
+    return str(text).encode("utf-8", "replace").decode("utf-8")
+
+
+def _log_abandoned(what: str, timeout: float, key: str) -> None:
+    logger.warning("%s did not return within %g s (multi_turn.%s); the call is abandoned in its daemon thread "
+                   "(%d abandoned in this process so far; they end with it)", what, timeout, key, abandoned_calls())
+
+
 def _count_tool_metrics(t: _Trajectory, metrics: dict) -> bool:
     """Count a run call's errors, time-outs and sandbox kills; True when the tool calls it invalid."""
     t.tool_errors += int(bool(metrics.get("tool_error")))
@@ -410,6 +509,9 @@ def _columns(trajs: list[_Trajectory], filter_void: bool) -> dict[str, np.ndarra
         "multi_turn/hit_invalid_call_limit": [t.hit_invalid_call_limit for t in trajs],
         "multi_turn/void_turns": [t.void_turns for t in trajs],
         "multi_turn/void_filtered": [filter_void and t.void_turns > 0 for t in trajs],
+        "multi_turn/tool_finish_errors": [t.tool_finish_errors for t in trajs],
+        "multi_turn/interaction_errors": [t.interaction_errors for t in trajs],
+        "multi_turn/interaction_timeouts": [t.interaction_timeouts for t in trajs],
         "multi_turn/tool_reward": [t.tool_reward for t in trajs],
         "multi_turn/interaction_score": [t.interaction_score for t in trajs],
     }

@@ -1,12 +1,14 @@
 """Start-up checks of a multi-turn run: the tool and interaction config files load (classes import,
-schemas are valid), and every row's ``agent_name``, ``extra_info.tools_kwargs`` and
+schemas are valid, each configured class is a tool or an interaction), and every row's ``agent_name``, ``extra_info.tools_kwargs`` and
 ``extra_info.interaction_kwargs`` name loops, tools and interactions that exist. Each problem is
 one ConfigError / DataError naming the file, row and key, before any model loads or any step runs;
-the guard keys (``max_consecutive_invalid_tool_calls``, ``final_answer_pattern``) are checked too."""
+the time-outs and guard keys (``max_consecutive_invalid_tool_calls``, ``final_answer_pattern``) are
+checked too."""
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Iterable, Sequence
 
@@ -41,8 +43,14 @@ def check_multi_turn_setup(config: Any, datasets: Iterable[Any], extra_tool_name
 
 
 def check_guards(mt: Any) -> None:
-    """ConfigError when the invalid-call cap is below 1 or the final-answer pattern is not a regex."""
+    """ConfigError when a time-out is not a positive finite number of seconds, the invalid-call cap is
+    below 1 or the final-answer pattern is not a regex."""
     key = "actor_rollout_ref.rollout.multi_turn"
+    for name in ("tool_timeout_s", "interaction_timeout_s"):
+        value = getattr(mt, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f"{key}.{name}={value!r}: expected a positive, finite number of seconds "
+                              "(a call past it is abandoned and counted)")
     cap = mt.max_consecutive_invalid_tool_calls
     if cap is not None and cap < 1:
         raise ConfigError(f"{key}.max_consecutive_invalid_tool_calls={cap!r}: expected an integer >= 1, "

@@ -14,12 +14,13 @@ the function's type hints and its Google-style docstring, through ``transformers
 becomes ``{"type": "function", "function": {"name": "multiply", "description": "Multiply two
 integers.", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description":
 "the first factor."}, ...}, "required": ["a", "b"]}}}``. Parameters with defaults are optional.
-A function may be ``async``; a plain one runs in a worker thread so it cannot block the loop.
+A function may be ``async`` or plain; either runs in a daemon thread of its own
+(``posttrain.tools.user_code``), so it can neither block the loop nor keep a finished run's process alive.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import inspect
 import typing
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 from posttrain.errors import ConfigError
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from posttrain.tools.user_code import run_user_code
 
 __all__ = ["FunctionTool", "function_schema"]
 
@@ -96,8 +98,7 @@ class FunctionTool(BaseTool):
         self.fn = fn
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
-        if inspect.iscoroutinefunction(self.fn):
-            result = await self.fn(**parameters)
-        else:
-            result = await asyncio.to_thread(self.fn, **parameters)
+        # not asyncio.to_thread: its pool's threads are joined at exit, so a function that never returns
+        # would keep the process alive after fit() returned
+        result = await run_user_code(functools.partial(self.fn, **parameters), timeout=None, what=f"tool {self.name}")
         return ToolResponse(str(result)), 0.0, {}

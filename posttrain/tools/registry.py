@@ -10,7 +10,11 @@ from posttrain.errors import ConfigError
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import OpenAIFunctionToolSchema
 
-__all__ = ["import_class", "load_tools_config", "build_tools", "read_yaml_list"]
+__all__ = ["import_class", "checked_class", "load_tools_config", "build_tools", "read_yaml_list", "TOOL_METHODS"]
+
+# The documented tool protocol (``posttrain.tools.base_tool``): a class that does not subclass BaseTool
+# must define all of these to be accepted.
+TOOL_METHODS = ("create", "execute", "calc_reward", "release")
 
 
 def import_class(dotted: Any, where: str) -> type:
@@ -26,6 +30,21 @@ def import_class(dotted: Any, where: str) -> type:
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise ConfigError(f"{where}: class_name {dotted}: module {module_name} has no class {attr}")
+    return cls
+
+
+def checked_class(dotted: Any, where: str, base: type, methods: tuple[str, ...], kind: str) -> type:
+    """The class at ``dotted``, refused (ConfigError naming ``where``) unless it subclasses ``base`` or
+    defines every one of ``methods`` (the documented protocol). The check reads the class only: nothing
+    is constructed or called before it passes, so a config naming e.g. ``subprocess.Popen`` runs nothing."""
+    cls = import_class(dotted, where)
+    if issubclass(cls, base):
+        return cls
+    missing = [m for m in methods if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"{where}: class_name {dotted} is not {kind}: it is not a subclass of "
+                          f"{base.__module__}.{base.__qualname__} and lacks the method(s) {', '.join(missing)} of "
+                          f"the protocol ({', '.join(methods)}); nothing was constructed")
     return cls
 
 
@@ -52,9 +71,7 @@ def load_tools_config(path: str) -> list[BaseTool]:
         where = f"{path} tools[{i}]"
         if not isinstance(entry, dict) or "class_name" not in entry:
             raise ConfigError(f"{where}: each tool needs class_name (and config, tool_schema)")
-        cls = import_class(entry["class_name"], where)
-        if not (isinstance(cls, type) and issubclass(cls, BaseTool)) and not hasattr(cls, "execute"):
-            raise ConfigError(f"{where}: {entry['class_name']} is not a tool (no execute method)")
+        cls = checked_class(entry["class_name"], where, BaseTool, TOOL_METHODS, "a tool")
         schema = entry.get("tool_schema")
         schema = OpenAIFunctionToolSchema.from_dict(schema, f"{where}.tool_schema") if schema is not None else None
         config = entry.get("config") or {}
@@ -62,12 +79,16 @@ def load_tools_config(path: str) -> list[BaseTool]:
             raise ConfigError(f"{where}.config.type={config.get('type')!r}: only native tools are supported "
                               "(MCP tools are not)")
         try:
-            tools.append(cls(config, schema))
+            tool = cls(config, schema)
         except ConfigError as err:  # the tool checked its own config: its message names the key
             raise ConfigError(f"{where}: {err}") from None
         except Exception as err:
             raise ConfigError(f"{where}: {entry['class_name']}(config, tool_schema) failed: "
                               f"{type(err).__name__}: {err}") from None
+        if not isinstance(getattr(tool, "name", None), str) or getattr(tool, "tool_schema", None) is None:
+            raise ConfigError(f"{where}: {entry['class_name']} built a tool without a name and tool_schema "
+                              "(give the entry a tool_schema, or subclass posttrain.tools.base_tool.BaseTool)")
+        tools.append(tool)
     return _unique(tools, path)
 
 

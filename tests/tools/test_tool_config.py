@@ -2,6 +2,7 @@
 ConfigError naming the file, entry and key."""
 
 import asyncio
+import json
 import textwrap
 
 import pytest
@@ -177,3 +178,79 @@ def test_rows_naming_unknown_tools_interactions_or_loops_are_refused_at_start_up
         with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
             check_rows(good + [row], "train.parquet", ["calculator"], ["gsm8k"])
     check_rows(good + [cases[0][0]], "train.parquet", None, ["gsm8k"])  # tool names unchecked until trainer.tools
+
+
+# ---------------------------------------------------------------- a configured class is checked before it is called
+def _popen_payload(marker):
+    """A config whose keys, as Popen's argv, run a shell that creates ``marker`` (the reported attack)."""
+    return {"/bin/sh": 1, "-c": 1, f"touch {marker}": 1}
+
+
+def test_a_command_class_in_an_interaction_config_is_refused_before_it_runs(tmp_path):
+    import subprocess
+    import time
+
+    marker = tmp_path / "ran"
+    config = "".join(f"      {json.dumps(k)}: 1\n" for k in _popen_payload(marker))
+    path = _write(tmp_path, f"interaction:\n  - name: x\n    class_name: subprocess.Popen\n    config:\n{config}",
+                  "evil.yaml")
+    with pytest.raises(ConfigError, match=r"evil.yaml interaction\[0\]: class_name subprocess.Popen is not an "
+                                          r"interaction.*nothing was constructed"):
+        load_interaction_config(path)
+    time.sleep(0.5)
+    assert not marker.exists()
+    # negative control: the payload is real: constructed the way the loader would have, it runs the command
+    subprocess.Popen({**_popen_payload(marker), "name": "x"}).wait(10)
+    assert marker.exists()
+
+
+def test_a_command_class_in_a_tool_config_is_refused_before_it_runs(tmp_path):
+    import time
+
+    marker = tmp_path / "ran"
+    config = "".join(f"      {json.dumps(k)}: 1\n" for k in _popen_payload(marker))
+    path = _write(tmp_path, f"tools:\n  - class_name: subprocess.Popen\n    config:\n{config}")
+    with pytest.raises(ConfigError, match=r"tools\[0\]: class_name subprocess.Popen is not a tool.*execute"):
+        load_tools_config(path)
+    time.sleep(0.5)
+    assert not marker.exists()
+
+
+class ProtocolInteraction:
+    """An interaction by the documented protocol, without subclassing BaseInteraction."""
+
+    def __init__(self, config):
+        self.name = config["name"]
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return "i"
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return True, "", 0.0, {}
+
+    async def calculate_score(self, instance_id, **kwargs):
+        return 0.0
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        pass
+
+
+class HalfInteraction:
+    """Has generate_response only (the old check accepted it, after constructing it)."""
+
+    constructed = 0
+
+    def __init__(self, config):
+        HalfInteraction.constructed += 1
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return True, "", 0.0, {}
+
+
+def test_protocol_classes_are_accepted_and_partial_ones_refused_unconstructed(tmp_path):
+    good = _write(tmp_path, f"interaction:\n  - name: p\n    class_name: {__name__}.ProtocolInteraction\n", "p.yaml")
+    assert isinstance(load_interaction_config(good)["p"], ProtocolInteraction)
+    half = _write(tmp_path, f"interaction:\n  - name: h\n    class_name: {__name__}.HalfInteraction\n", "h.yaml")
+    with pytest.raises(ConfigError, match="lacks the method.*start_interaction, calculate_score, finalize_interaction"):
+        load_interaction_config(half)
+    assert HalfInteraction.constructed == 0
