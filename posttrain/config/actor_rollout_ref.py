@@ -249,6 +249,8 @@ class MultiTurnConfig:
     """Tool-call format in the model's text: hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)."""
     tool_timeout_s: float = 30.0
     """(posttrain) Seconds one tool call may take; past it the model reads an error message instead."""
+    interaction_timeout_s: float = 30.0
+    """(posttrain; verl has none) Seconds one call of an interaction's method may take; past it the call is abandoned and counted (multi_turn/interaction_timeouts)."""
     add_tool_rewards: bool = False
     """(posttrain) Add each trajectory's tool rewards (calc_reward) and interaction score to the reward function's score."""
     max_consecutive_invalid_tool_calls: Optional[int] = None
