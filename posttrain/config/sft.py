@@ -203,9 +203,9 @@ class SFTTrainerConfig:
     seed: int = 1
     """Seed of initialisation and shuffling."""
     save_freq: int = -1
-    """Save a checkpoint every this many steps, and at the last step (-1: never; the last save also exports hf_model/)."""
+    """Save a checkpoint every this many steps; the last step is always saved and exported as hf_model/ (verl's SFT trainer)."""
     test_freq: int = -1
-    """Validation loss every this many steps, and at the last step (-1: never)."""
+    """Validation loss every this many steps; the last step is always validated (verl's SFT trainer)."""
     nnodes: int = 1
     """Machines (Ray ranks; under torchrun the launcher's world size wins)."""
     n_gpus_per_node: int = 8
@@ -214,6 +214,8 @@ class SFTTrainerConfig:
     """cuda, cpu or auto (cuda when present)."""
     max_ckpt_to_keep: Optional[int] = None
     """Keep only the newest N checkpoints (null: all)."""
+    max_consecutive_nonfinite: int = 3
+    """(posttrain) Stop (exit code 3) after this many steps in a row whose update had a non-finite loss or gradient."""
     resume_mode: str = "auto"
     """auto (latest checkpoint if any), disable, or resume_path."""
     resume_from_path: Optional[str] = None

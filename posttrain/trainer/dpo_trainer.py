@@ -33,7 +33,6 @@ from posttrain.batch import Batch
 from posttrain.config.sft import DPOConfig
 from posttrain.config.sft_load import validate_sft_config
 from posttrain.errors import ConfigError
-from posttrain.trainer.run import RunLoop
 from posttrain.trainer.sft_session import SFTSession
 
 __all__ = ["DPOTrainer"]
@@ -120,7 +119,7 @@ class DPOTrainer:
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
-        return RunLoop(self.session).fit()
+        return self.session.run_loop().fit()
 
 
 def read_pairs(files: Any, tokenizer: Any, config: DPOConfig, max_samples: int) -> Any:

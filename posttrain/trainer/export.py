@@ -38,9 +38,13 @@ from posttrain.host.disk import os_error_of, write_failure_message
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.checkpoint.role import DCP_DIR, read_full_weights
 
-__all__ = ["export_actor", "main", "resolve_checkpoint"]
+__all__ = ["NonFiniteWeights", "export_actor", "main", "resolve_checkpoint"]
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteWeights(CheckpointError):
+    """The checkpoint's actor holds NaN or inf weights: a broken model is never exported."""
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -56,8 +60,21 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if latest is None:
             raise CheckpointError(f"{path} holds no complete checkpoint")
         return latest
-    raise CheckpointError(f"{path} is not a checkpoint: give a global_step_N folder, its actor/ subfolder, "
-                          "or a checkpoint root (trainer.default_local_dir)")
+    what = (f"{path} is not a checkpoint: give a global_step_N folder, its actor/ subfolder, or a checkpoint root "
+            "(trainer.default_local_dir)")
+    if path.is_dir() and _looks_like_a_run_folder(path):
+        exported = path / "hf_model"
+        use = f"; the finished run's model is {exported}" if (exported / "config.json").exists() else ""
+        raise CheckpointError(f"no checkpoint was saved here ({path}): trainer.save_freq=-1 keeps none (set "
+                              f"trainer.save_freq=N to save every N steps){use}. {what}")
+    raise CheckpointError(what)
+
+
+def _looks_like_a_run_folder(path: Path) -> bool:
+    """A checkpoint root a run claimed (its lock, a previous run moved aside, the final export) or an
+    empty folder, as a run with trainer.save_freq=-1 leaves it."""
+    names = {p.name for p in path.iterdir()}
+    return not names or bool(names & {".lock", "hf_model"}) or any(n.startswith("previous_run_") for n in names)
 
 
 def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
@@ -88,6 +105,7 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
         model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
         _load_strict(model, state, actor / MODEL_FILE)
 
+    _check_finite(model, actor)
     out = _check_output(Path(output_dir), step_dir)
 
     def write(folder: Path) -> None:
@@ -129,6 +147,16 @@ def merged_lora_model(role_dir: Path) -> torch.nn.Module:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         peft_model = PeftModel.from_pretrained(base, str(role_dir / ADAPTER_DIR))
     return peft_model.merge_and_unload()
+
+
+def _check_finite(model: torch.nn.Module, source: Path) -> None:
+    """Refuse weights holding NaN or inf (what an exploded update leaves), naming how many tensors."""
+    state = model.state_dict()
+    broken = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise NonFiniteWeights(f"{len(broken)} of the {len(state)} weight tensors of {source} hold NaN or inf "
+                               f"(first: {broken[0]}): the training diverged; export an earlier checkpoint "
+                               "(global_step_N) or train again with a lower learning rate")
 
 
 def _check_output(out: Path, step_dir: Path) -> Path:

@@ -1,9 +1,13 @@
 """The run loop every stage shares (RL, SFT, DPO): resume, the steps with their validate/save cadence,
-the tracker, SIGINT/SIGTERM, the save on a signal and the final export.
+the tracker, SIGINT/SIGTERM, the save on a signal, the stop on non-finite steps and the final export.
 
 A stage (`Stage`) supplies what differs: ``step()`` (draw the next batch and train on it),
 ``validate()``, and ``save_checkpoint()`` / ``restore()`` (its own state beside the workers', with its
-fingerprint). Under torchrun every process is a rank that runs this loop; the rank rules go through
+fingerprint). A stage whose ``saves_last_step`` is True (SFT, DPO: verl's SFT trainer) validates and
+saves at its last step whatever ``trainer.test_freq`` / ``trainer.save_freq`` say; an RL run saves there
+when ``trainer.save_freq`` saves, and with ``trainer.export_at_end`` (the built-in run) exports its final
+actor even when it keeps no checkpoint. Every finished run ends with one line naming its model folder
+(``hf_model/``) and how to use it, or saying that nothing was kept and which key keeps it. Under torchrun every process is a rank that runs this loop; the rank rules go through
 the worker group: only where ``workers.writes`` does the run log, lock the checkpoint folder, seal a
 checkpoint and export, and ``workers.agree_stop`` has the ranks stop after the same step.
 """
@@ -11,6 +15,7 @@ checkpoint and export, and ``workers.agree_stop`` has the ranks stop after the s
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -19,7 +24,9 @@ from posttrain.errors import SignalStop
 from posttrain.rewards.manager import RewardInterrupted, scoring_in_progress
 from posttrain.trainer import resume, setup
 
-__all__ = ["RunLoop", "Stage", "StepUndone", "startup_signals"]
+__all__ = ["NonFiniteGuard", "RunLoop", "Stage", "StepUndone", "startup_signals"]
+
+HF_MODEL = "hf_model"  # the final export, beside the checkpoints in trainer.default_local_dir
 
 
 class StepUndone(Exception):
@@ -72,6 +79,8 @@ class RunLoop:
         self.stop_signal: int | None = None
         self.phase = "start-up"
         self.saved_step: int | None = None  # the step this run last saved
+        self.model_dir: Path | None = None  # the exported hf_model/ of a finished run
+        self.resumed_step: int | None = None  # the step of the checkpoint this run resumed from
 
     def fit(self) -> list[dict[str, float]]:
         """Train until ``stage.total_steps``; returns the per-step metrics (also sent to ``trainer.logger``).
@@ -85,6 +94,7 @@ class RunLoop:
         s, cfg = self.stage, self.stage.config.trainer
         tracker = Tracking(cfg.logger if s.workers.writes else [], setup.run_dir(s.config), cfg.project_name,
                            cfg.experiment_name, config_dict(s.config), s.total_steps)
+        scratch = None
         try:
             with _StopOnSignals(self):
                 self.phase = "resume"
@@ -94,23 +104,72 @@ class RunLoop:
                     return s.history
                 self.phase = "train"
                 self._train(tracker)
+                if self._finished() and self._final_checkpoint() is None and _exports_at_end(s):
+                    scratch = self._save_scratch()  # while the workers are up
         finally:
             s.workers.shutdown()  # a failed rank must not leave the others waiting in a collective
             if self.on_exit is not None:
                 self.on_exit(self.stop_signal is not None)
             if s.workers.writes:
                 s.checkpoints.unlock()  # the folder's lock (one writer) ends with the run
-        if cfg.save_freq > 0 and s.global_step == s.total_steps and s.stopped_by is None and s.workers.writes:
-            resume.export_final(s.checkpoints)
+        if self._finished() and s.workers.writes:
+            self.model_dir = self._export(scratch)
         tracker.finish()
         return s.history
+
+    def _finished(self) -> bool:
+        s = self.stage
+        return s.global_step == s.total_steps and s.stopped_by is None and self.stop_signal is None
+
+    def _final_checkpoint(self) -> Path | None:
+        """The checkpoint of the last step, saved by this run or found on resume (None: none was saved)."""
+        s = self.stage  # decided alike on every rank (torchrun's ranks then save the scratch one together)
+        if s.total_steps in (self.saved_step, self.resumed_step):
+            return s.checkpoints.step_dir(s.total_steps)
+        return None
+
+    def _save_scratch(self) -> Any:
+        """The final state written to a scratch checkpoint folder inside ``trainer.default_local_dir``
+        (removed after the export), so that a run keeping no checkpoint still exports its model and
+        the next run in that folder starts over, as it would have."""
+        from posttrain.checkpoint import CheckpointManager
+
+        s = self.stage
+        real, scratch = s.checkpoints, CheckpointManager(s.checkpoints.root / f".final_export_{os.getpid()}")
+        s.checkpoints = scratch
+        try:
+            self._save()
+        finally:
+            s.checkpoints = real
+        return scratch
+
+    def _export(self, scratch: Any) -> Path | None:
+        """``hf_model/`` from the last step's checkpoint (or the scratch one), and the one line that says
+        where it is and how to use it; a model with a non-finite weight is refused (`NonFiniteError`)."""
+        import shutil
+
+        s = self.stage
+        source = scratch.step_dir(s.total_steps) if scratch is not None else self._final_checkpoint()
+        if source is None:
+            print(f"the trained model was not kept: trainer.save_freq={s.config.trainer.save_freq} saved no "
+                  "checkpoint (set trainer.save_freq=N to keep one every N steps and export hf_model/ at the end)",
+                  flush=True)
+            return None
+        try:
+            out = export_final_model(source, s.checkpoints.root / HF_MODEL)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch.root, ignore_errors=True)
+        print(f"model: {out} (Hugging Face folder) - evaluate it: posttrain eval --model {out} | train on it: "
+              f"posttrain train actor_rollout_ref.model.path={out}", flush=True)
+        return out
 
     def _restore(self) -> None:
         s = self.stage
         run = s.restore()
         if run is None:
             return
-        s.global_step = run.global_step
+        s.global_step = self.resumed_step = run.global_step
         if s.global_step >= s.total_steps:
             print(f"the checkpoint is at step {s.global_step} and this run has {s.total_steps} steps: nothing "
                   "left to train (raise trainer.total_training_steps or trainer.total_epochs to continue)", flush=True)
@@ -148,14 +207,14 @@ class RunLoop:
                 break
             metrics.update({f"{s.metric_prefix}/epoch": epoch, f"{s.metric_prefix}/global_step": s.global_step})
             last = s.global_step == s.total_steps
-            if cfg.test_freq > 0 and (s.global_step % cfg.test_freq == 0 or last) and not self._stopping():
+            if _due(cfg.test_freq, s.global_step, last, _saves_last(s)) and not self._stopping():
                 try:
                     metrics.update(s.validate())
                 except RewardInterrupted:
                     print("validation interrupted; saving the step without its validation metrics", flush=True)
             if self.check is not None:
                 self.check(metrics)
-            if cfg.save_freq > 0 and (s.global_step % cfg.save_freq == 0 or last):
+            if _due(cfg.save_freq, s.global_step, last, _saves_last(s)):
                 self._save()
             tracker.log(metrics, step=s.global_step)
             s.history.append({"step": s.global_step, **metrics})
@@ -181,10 +240,10 @@ class RunLoop:
         return path
 
     def _end_with_the_data(self) -> None:
-        """The last finished step is the run's last (saved, when trainer.save_freq saves, and exported)."""
+        """The last finished step is the run's last (saved when a last step is, and exported)."""
         s = self.stage
         s.total_steps = s.global_step
-        if s.config.trainer.save_freq > 0 and s.global_step > 0 and self.saved_step != s.global_step:
+        if (s.config.trainer.save_freq > 0 or _saves_last(s)) and s.global_step > 0 and self.saved_step != s.global_step:
             self._save()
 
     def _save_on_signal(self) -> None:
@@ -196,6 +255,65 @@ class RunLoop:
         # trainer.save_freq may have saved this step a moment ago
         path = self.stage.checkpoints.step_dir(step) if self.saved_step == step else self._save()
         resume.report_signal_stop(signum, step, path)
+
+
+def _saves_last(stage: Any) -> bool:
+    """verl's SFT trainer validates and saves at its last step whatever the frequencies say."""
+    return bool(getattr(stage, "saves_last_step", False))
+
+
+def _exports_at_end(stage: Any) -> bool:
+    return bool(getattr(stage.config.trainer, "export_at_end", False))
+
+
+def _due(freq: int, step: int, last: bool, always_last: bool) -> bool:
+    """Whether a ``trainer.*_freq`` event falls on ``step`` (every ``freq`` steps and the last; -1 never)."""
+    return (freq > 0 and (step % freq == 0 or last)) or (last and always_last)
+
+
+def export_final_model(step_dir: Path, out: Path) -> Path:
+    """The actor of ``step_dir`` as a Hugging Face folder ``out``; weights that are not finite end the
+    run with `NonFiniteError` (exit code 3) and nothing is written."""
+    from posttrain.trainer.export import NonFiniteWeights, export_actor
+
+    try:
+        return export_actor(step_dir, out)
+    except NonFiniteWeights as err:
+        from posttrain.trainer.trainer import NonFiniteError
+
+        raise NonFiniteError(f"the final model was not exported: {err}") from err
+
+
+class NonFiniteGuard:
+    """Stops a run after ``limit`` steps in a row whose update had a non-finite loss or gradient (a
+    ``*nonfinite_skipped`` metric above 0) or any non-finite metric (`NonFiniteError`, exit code 3).
+
+    Args:
+        limit: ``trainer.max_consecutive_nonfinite``.
+        hint: what to try, appended to the error.
+    """
+
+    def __init__(self, limit: int, hint: str, streak: int = 0):
+        self.limit, self.hint, self.streak = limit, hint, streak
+        self.last_finite: dict[str, float] = {}
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        import math
+
+        skipped = sum(v for k, v in metrics.items() if k.endswith("nonfinite_skipped"))
+        if skipped == 0 and all(math.isfinite(v) for v in metrics.values()):
+            self.streak, self.last_finite = 0, metrics
+            return
+        self.streak += 1
+        if self.streak >= self.limit:
+            from posttrain.trainer.trainer import NonFiniteError
+
+            bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+            shown = {k: round(v, 5) for k, v in self.last_finite.items() if "loss" in k or "grad_norm" in k}
+            raise NonFiniteError(
+                f"step {step}: {self.streak} steps in a row had a non-finite loss or gradient (limit "
+                f"trainer.max_consecutive_nonfinite={self.limit}; non-finite now: {', '.join(bad) or 'the update'}); "
+                f"last finite metrics: {shown}. Nothing more is trained or exported. {self.hint}")
 
 
 def config_dict(config: Any) -> dict:

@@ -29,6 +29,7 @@ from posttrain.data.loader import PromptLoader
 from posttrain.errors import ConfigError
 from posttrain.launch import launched_by_torchrun, torchrun_world_size
 from posttrain.trainer import preflight, resume, setup
+from posttrain.trainer.run import NonFiniteGuard, RunLoop
 
 __all__ = ["SFTSession", "builtin_sft_files", "read_sft_rows", "sft_fingerprint"]
 
@@ -53,6 +54,7 @@ class SFTSession:
     """
 
     metric_prefix = "train"  # the run loop logs train/epoch and train/global_step
+    saves_last_step = True  # verl's SFT trainer validates and saves at its last step, whatever the frequencies
 
     def __init__(self, config: SFTConfig, read_rows: ReadRows, default_files: DefaultFiles, *, stage: str,
                  reference: bool, trainer: Any, model: Any = None, tokenizer: Any = None):
@@ -60,6 +62,8 @@ class SFTSession:
         self.global_step = 0
         self.history: list[dict[str, float]] = []
         self.stopped_by: int | None = None
+        self.nonfinite = NonFiniteGuard(t.max_consecutive_nonfinite, "Lower optim.lr, or check the rows for "
+                                        "empty or overlong responses.")
         self.torchrun = launched_by_torchrun()  # every process a rank (module docstring of distributed.torchrun)
         world = torchrun_world_size() if self.torchrun else t.nnodes * t.n_gpus_per_node
         if model is not None and world > 1:
@@ -156,11 +160,18 @@ class SFTSession:
 
     def save_checkpoint(self) -> Path:
         """``global_step_N/actor`` (weights, optimizer, schedule) + the loader's position and RNG."""
-        return resume.save_run(self.checkpoints, self.workers, resume.RunState(self.global_step), self.train_loader,
-                               None, self.fingerprint())
+        run = resume.RunState(self.global_step, self.nonfinite.streak)
+        return resume.save_run(self.checkpoints, self.workers, run, self.train_loader, None, self.fingerprint())
 
     def restore(self) -> resume.RunState | None:
-        return resume.restore_run(self.rl.trainer, self.workers, self.train_loader, None, self.fingerprint())
+        run = resume.restore_run(self.rl.trainer, self.workers, self.train_loader, None, self.fingerprint())
+        if run is not None:
+            self.nonfinite.streak = run.nonfinite_streak
+        return run
+
+    def run_loop(self) -> RunLoop:
+        """The run loop over this session, stopping on non-finite steps (`NonFiniteGuard`)."""
+        return RunLoop(self, check=lambda metrics: self.nonfinite(self.global_step, metrics))
 
     def fingerprint(self) -> dict:
         return sft_fingerprint(self.rl, len(self.tokenizer), self.stage)

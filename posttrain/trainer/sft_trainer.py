@@ -23,7 +23,6 @@ from posttrain.algorithms.objectives import SFT
 from posttrain.batch import Batch
 from posttrain.config.sft import SFTConfig
 from posttrain.config.sft_load import validate_sft_config
-from posttrain.trainer.run import RunLoop
 from posttrain.trainer.sft_session import SFTSession, builtin_sft_files, read_sft_rows
 
 __all__ = ["SFTTrainer"]
@@ -72,4 +71,4 @@ class SFTTrainer:
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
-        return RunLoop(self.session).fit()
+        return self.session.run_loop().fit()
