@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
+import logging
 import os
 import py_compile
 import queue
@@ -44,6 +45,8 @@ from posttrain.errors import ConfigError
 from posttrain.sandbox.limits import Limits, RunResult
 
 __all__ = ["LANGUAGES", "LocalSandbox", "isolation_available"]
+
+logger = logging.getLogger(__name__)
 
 LANGUAGES = ("python",)
 RUNNER_PATH = Path(__file__).with_name("runner.py")
@@ -112,7 +115,9 @@ def _probe_namespaces() -> str | None:
         return f"unshare failed: {error}"
     if result.stdout.strip() != "probe ok":
         why = (result.stderr.strip().splitlines() or [result.stdout.strip() or result.status])[-1]
-        return f"a probe run under unshare did not come out isolated: {why[:200]}"
+        hint = "" if _is_root() else (" (not root: this needs unprivileged user namespaces, e.g. sysctl "
+                                      "kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0)")
+        return f"a probe run under unshare did not come out isolated: {why[:200]}{hint}"
     return None
 
 
@@ -123,6 +128,7 @@ class LocalSandbox:
         if not 1 <= num_workers <= MAX_WORKERS:
             raise ConfigError(f"sandbox num_workers={num_workers}: valid 1 to {MAX_WORKERS}")
         self._setup(limits, num_workers, _choose_mode(limits))
+        _announce(self.isolation)
 
     def _setup(self, limits: Limits, num_workers: int, mode: str) -> None:
         self.limits = limits
@@ -199,14 +205,26 @@ def _choose_mode(limits: Limits) -> str:
 
 
 def _describe(mode: str, limits: Limits) -> str:
+    """One line: the isolation active and, where it is weaker than root's namespaces, what does not hold."""
     if mode == "none":
-        root_note = "; as root with an interpreter others cannot reach, so max_processes does not hold" if (
+        root_note = "; running as root with an interpreter other uids cannot reach, so max_processes does not hold" if (
             _is_root() and not _reachable_by_others(_interpreter_paths())) else ""
-        return f"none (resource limits, scrubbed environment, process sweep; network and file system open{root_note})"
+        return ("none (holds: resource limits, wall-clock time-out, scrubbed environment, process sweep; NOT isolated: "
+                f"network, file system (writable wherever this uid may), other processes' /proc{root_note})")
     spaces = "pid, mount" + ("" if limits.network else ", net") + ("" if _is_root() else ", user")
-    uid = "own uid per run" if _is_root() else "user namespace"
+    uid = "own uid per run" if _is_root() else (
+        "user namespace: the code runs as your uid, so max_processes counts all your processes and threads")
     net = "network open" if limits.network else "no network"
-    return f"namespaces (unshare: {spaces}; {net}; read-only file system but the folder; {uid})"
+    return f"namespaces (unshare: {spaces}; {net}; read-only file system but the folder and /dev/shm; {uid})"
+
+
+@lru_cache(maxsize=None)
+def _announce(isolation: str) -> None:
+    """Say once per process which isolation runs model code, loudly when it is not namespaces."""
+    if isolation.startswith("none"):
+        logger.warning("sandbox isolation: %s", isolation)
+    else:
+        logger.info("sandbox isolation: %s", isolation)
 
 
 @lru_cache(maxsize=None)
