@@ -22,11 +22,17 @@ def run(config) -> int:
 def _train(config) -> int:
     from posttrain.trainer.report import summarize_run
     from posttrain.trainer.run import startup_signals
+    from posttrain.config.async_training import async_enabled
     from posttrain.trainer.trainer import RLTrainer
 
     try:
         with startup_signals():
-            trainer = RLTrainer(config)
+            if async_enabled(config):  # actor_rollout_ref.hybrid_engine=False: a separate rollout pool
+                from posttrain.trainer.async_trainer import AsyncRLTrainer
+
+                trainer = AsyncRLTrainer(config)
+            else:
+                trainer = RLTrainer(config)
         history = trainer.fit()
     except KeyboardInterrupt:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
@@ -37,14 +43,16 @@ def _train(config) -> int:
     return 0
 
 
-def train_cli(argv: list[str], builtin: bool) -> int:
-    parser = argparse.ArgumentParser(prog="posttrain train" if builtin else "python -m posttrain.trainer.main_ppo",
+def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.trainer.main_ppo",
+              entry_overrides: tuple[str, ...] = ()) -> int:
+    """``entry_overrides``: an entry point's own defaults (posttrain.experimental), before the user's."""
+    parser = argparse.ArgumentParser(prog="posttrain train" if builtin else prog,
                                      description="Train with RL. Overrides use verl's keys: key=value ...")
     parser.add_argument("--config", help="YAML config layered over the defaults (replaces the built-in run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
     base = BUILTIN_CONFIG if builtin and args.config is None else None
-    return run(load_config(args.config, args.overrides, base=base))
+    return run(load_config(args.config, [*entry_overrides, *args.overrides], base=base))
 
 
 def main(argv: list[str] | None = None) -> int:
