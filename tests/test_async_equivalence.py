@@ -47,6 +47,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+@pytest.mark.slow  # ~40 s on 2 busy cores (a Ray rollout worker starts, then the sync run)
 def test_staleness_zero_equals_sync_run_on_replayed_samples(tmp_path, ray_cluster):
     from posttrain.trainer.async_trainer import AsyncRLTrainer
     from posttrain.trainer.trainer import RLTrainer
@@ -87,3 +88,58 @@ def test_staleness_zero_equals_sync_run_on_replayed_samples(tmp_path, ray_cluste
     final_async = trainer.workers.actor.module.state_dict()
     final_sync = sync.workers.actor.module.state_dict()
     assert _max_diff(final_async, final_sync) < 1e-6
+
+
+@pytest.mark.slow  # two async runs (~60 s on 2 busy cores)
+def test_checkpoint_with_samples_in_flight_resumes_at_the_next_step(tmp_path, ray_cluster):
+    from posttrain.trainer.async_trainer import AsyncRLTrainer
+
+    one_step_off = ["async_training.staleness_threshold=1", "trainer.save_freq=2", "trainer.total_training_steps=3"]
+    first = AsyncRLTrainer(tiny_config(tmp_path, ASYNC + one_step_off + _runs_dirs(tmp_path, "ckpt")))
+    first.samples_used = []
+    history = first.fit()
+    assert [row["step"] for row in history] == [1, 2, 3]
+    saved = tmp_path / "ckpt" / "ckpt" / "global_step_2"
+    assert saved.exists()
+
+    resumed = AsyncRLTrainer(tiny_config(tmp_path, ASYNC + one_step_off + _runs_dirs(tmp_path, "ckpt") + [
+        "trainer.total_training_steps=4", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={saved}"]))
+    resumed.samples_used = []
+    later = resumed.fit()
+    assert [row["step"] for row in later] == [3, 4]  # continues after the saved step: none repeated or skipped
+    assert resumed.weight_version == 4  # restored version 2, then one push per update
+    # the batch in flight at the save (the first run's step 3) is generated again for step 3, not skipped
+    assert torch.equal(resumed.samples_used[0]["prompts"], first.samples_used[2]["prompts"])
+    assert not torch.equal(resumed.samples_used[1]["prompts"], first.samples_used[2]["prompts"])
+
+
+@pytest.mark.slow  # one LoRA async run (~40 s on 2 busy cores)
+def test_lora_adapter_reaches_the_rollout_worker_with_its_version(tmp_path, ray_cluster):
+    from posttrain.trainer.async_trainer import AsyncRLTrainer
+
+    lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.optim.lr=5e-2"]
+    trainer = AsyncRLTrainer(tiny_config(tmp_path, ASYNC + SYNC0 + lora + _runs_dirs(tmp_path, "lora")))
+    trainer.reward_fn = digit_count_reward
+    trainer.samples_used = []
+    try:
+        for step in (1, 2):
+            trainer.global_step = step
+            trainer.step()
+        assert trainer.last_sample_versions == [1]  # step 2's samples came from the adapter pushed after step 1
+        mine = {k: v.detach() for k, v in trainer.workers.actor.module.state_dict().items()}
+        theirs = trainer.pool.call(0, "weights")
+        adapters = [k for k in mine if ".lora_" in k]
+        assert adapters and max((mine[k] - theirs[k]).abs().max().item() for k in adapters) == 0.0
+        batch = trainer.samples_used[-1]
+        own = trainer.workers.actor.compute_log_prob(batch, calculate_entropy=False)[0]
+        torch.testing.assert_close(trainer.pool.call(0, "log_probs", batch), own, rtol=1e-5, atol=1e-5)
+
+        trainer._push = lambda: {}  # negative control: an update that is never pushed
+        trainer.global_step = 3
+        trainer.step()
+        own = trainer.workers.actor.compute_log_prob(batch, calculate_entropy=False)[0]
+        stale = trainer.pool.call(0, "log_probs", batch)
+        assert (stale - own).abs().max().item() > 1e-3
+    finally:
+        trainer.close()

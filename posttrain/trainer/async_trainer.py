@@ -107,6 +107,7 @@ class AsyncRLTrainer(RLTrainer):
         with timer("wait_rollout"):
             for seq in entry["seqs"]:
                 parts.append(self._take_fresh(seq))
+        self.last_sample_versions = [p.meta_info["weight_version"] for p in parts]
         for part in parts:
             for key in _UNIT_META:
                 part.meta_info.pop(key, None)
