@@ -28,6 +28,7 @@ from posttrain.distributed.weight_sync import (
     load_weights,
     push_trainer_weights,
     receive_into,
+    stage_weights,
     trainer_weights,
 )
 from posttrain.models.lora import LoraSettings, apply_lora
@@ -175,6 +176,37 @@ def test_tiny_llama_full_weights_tied_and_buffers():
     assert torch.equal(rollout["logits"], logits(reference))
 
 
+def _staged_rank(rank: int, port: int):
+    """The rollout worker receives on a second thread (as a Ray concurrency group would) while its main
+    thread keeps running forwards, stages the weights checked, and loads them afterwards."""
+    model = tiny_llama(seed=0 if rank == 0 else 1)
+    group = WeightSyncGroup.create("127.0.0.1", port, rank, 2, "gloo", timeout_s=TIMEOUT_S)
+    if rank == 0:
+        result = push_trainer_weights(group, model, 3)
+    else:
+        staged: dict = {}
+        versions: list = []
+        receiver = threading.Thread(target=lambda: versions.append(
+            group.receive(lambda named: staged.update(stage_weights(model, named)))))
+        receiver.start()
+        during = [logits(model) for _ in range(3)]  # generation goes on meanwhile, on the old weights
+        receiver.join(TIMEOUT_S)
+        unchanged = all(torch.equal(x, during[0]) for x in during)
+        loaded = load_weights(model, staged.items())
+        result = {"versions": versions, "unchanged": unchanged, "loaded": loaded, "state": state(model)}
+    group.close()
+    return result
+
+
+def test_receive_on_a_second_thread_stages_then_loads():
+    trainer, rollout = run_ranks(_staged_rank, 2, free_port())
+    assert "error" not in trainer and "error" not in rollout, (trainer, rollout)
+    assert rollout["versions"] == [3] and rollout["unchanged"]
+    assert rollout["loaded"] == trainer["weight_sync/tensors"]
+    for name, tensor in state(tiny_llama(0)).items():
+        assert torch.equal(rollout["state"][name], tensor), name
+
+
 # --------------------------------------------------------------------------- collective: LoRA adapters only
 def _lora_rank(rank: int, port: int):
     group = WeightSyncGroup.create("127.0.0.1", port, rank, 2, "gloo", timeout_s=TIMEOUT_S)
@@ -317,7 +349,12 @@ def test_load_weights_names_the_first_unknown_missing_or_misshapen_tensor():
     lora_target = lora_model(0, adapter_seed=1, trained=False)
     with pytest.raises(WeightSyncError, match="carries LoRA adapters"):
         load_weights(lora_target, source.items())
-    assert load_weights(target, source.items()) == len(source)
+    with pytest.raises(WeightSyncError, match=r"stage_weights: 'model.norm.weight' \(shape \[32\]\) never arrived"):
+        stage_weights(target, missing.items())
+    target = tiny_llama(1)  # the failed loads above copied what came before their error
+    staged = stage_weights(target, source.items())
+    assert not torch.equal(target.model.norm.weight, source["model.norm.weight"])  # staging copies nothing in
+    assert load_weights(target, staged.items()) == len(source)
     assert torch.equal(target.model.norm.weight, source["model.norm.weight"])
 
 

@@ -20,7 +20,8 @@ Two transports with one interface (``send(named_tensors, version)`` on the train
 Around them: :func:`trainer_weights` (what the trainer sends: every weight, or the LoRA adapter
 alone), :func:`load_weights` (copy into a rollout worker's own Hugging Face module, names and
 shapes checked), :func:`push_trainer_weights` (every trainer rank iterates, rank 0 sends) and
-:func:`receive_into` (load, then push into a vLLM engine when there is one).
+:func:`receive_into` (load, then push into a vLLM engine when there is one), :func:`stage_weights`
+(receive and check now, load later).
 
 Collectives are blocking and need every rank: the driver tells the trainer to ``send`` and every
 rollout worker to ``receive`` at the same time; each collective waits at most ``timeout_s``.
@@ -57,6 +58,7 @@ __all__ = [
     "load_weights",
     "push_trainer_weights",
     "receive_into",
+    "stage_weights",
     "trainer_weights",
 ]
 
@@ -181,6 +183,10 @@ class WeightSyncGroup:
         return cls(store, pg, rank=rank, world_size=world_size, backend=backend, device=target,
                    address=address, timeout_s=timeout_s)
 
+    def barrier(self) -> None:
+        """Wait until every rank of the group reaches this call (one small all-reduce)."""
+        self._status(0)
+
     def close(self) -> None:
         """Tear the group down (NCCL communicators are shut down; the store closes with rank 0's object)."""
         if self._pg is not None and self.backend == "nccl":
@@ -198,17 +204,22 @@ class WeightSyncGroup:
         """
         self._require(self.rank == 0, "send")
         start, sent, count, buckets = time.perf_counter(), 0, 0, 0
+        in_flight: tuple[Any, torch.Tensor] | None = None  # one broadcast runs while the next bucket is built
         try:
             for bucket in _buckets(named_tensors, bucket_bytes):
                 flat = _flatten(bucket, self.device)
-                self._send_header({"version": version, "dtype": _dtype_name(bucket[0][1].dtype),
-                                   "tensors": [[name, list(t.shape)] for name, t in bucket], "bytes": flat.numel()})
-                self._broadcast(flat)
+                header = {"version": version, "dtype": _dtype_name(bucket[0][1].dtype),
+                          "tensors": [[name, list(t.shape)] for name, t in bucket], "bytes": flat.numel()}
+                in_flight = self._finish(in_flight)
+                self._send_header(header)
+                in_flight = (self._broadcast(flat, wait=False), flat)
                 sent, count, buckets = sent + flat.numel(), count + len(bucket), buckets + 1
                 del flat, bucket
+            in_flight = self._finish(in_flight)
         except _CollectiveError:
             raise
         except Exception as err:  # the trainer's own tensors failed: receivers are told, then everyone stops
+            self._finish(in_flight)
             self._send_header({"version": version, "error": f"{type(err).__name__}: {err}"})
             self._status(0)
             raise
@@ -274,12 +285,22 @@ class WeightSyncGroup:
             raise _CollectiveError(f"weight sync {what} over {self.address} ({self.backend}, rank {self.rank} of "
                                    f"{self.world_size}) failed or timed out after {self.timeout_s:g} s: {err}") from err
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, wait: bool = True) -> Any:
+        """Broadcast from rank 0 into ``tensor``; ``wait=False`` returns the running work (or None)."""
         if tensor.numel() == 0:  # a bucket of empty tensors: nothing to move
-            return
+            return None
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._wait(self._pg.broadcast([tensor], options), "broadcast")
+        work = self._pg.broadcast([tensor], options)
+        if not wait:
+            return work
+        self._wait(work, "broadcast")
+        return None
+
+    def _finish(self, in_flight: tuple[Any, torch.Tensor] | None) -> None:
+        """Wait for a broadcast started with ``wait=False`` (its tensor is kept alive until then)."""
+        if in_flight is not None and in_flight[0] is not None:
+            self._wait(in_flight[0], "broadcast")
 
     def _send_header(self, header: dict) -> None:
         data = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(self.device)
@@ -666,6 +687,39 @@ def _unknown_name(name: str, tensor: torch.Tensor, module: nn.Module, targets: d
             f"{type(module).__name__} (it has {len(targets)} names, e.g. {sample}){hint}")
 
 
+class _NameCheck:
+    """The checks `load_weights` and `stage_weights` share: each name known, each shape the module's,
+    nothing missing at the end (a tied pair counts once)."""
+
+    def __init__(self, module: nn.Module, lora_only: bool, caller: str):
+        self.module, self.lora_only, self.caller = module, lora_only, caller
+        self.targets = _load_targets(module)
+        self.required = _required(module, lora_only)
+        self.filled: set[int] = set()
+
+    def target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The module's tensor that ``name`` fills; `WeightSyncError` naming it when it does not fit."""
+        target = self.targets.get(name)
+        if target is None:
+            raise WeightSyncError(_unknown_name(name, tensor, self.module, self.targets))
+        if self.lora_only and ".lora_" not in name:
+            raise WeightSyncError(f"{self.caller}(lora_only=True): received the base weight {name!r}; the trainer "
+                                  "sent full weights (send with lora_only=True too)")
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise WeightSyncError(f"{self.caller}: {name!r} arrived with shape {list(tensor.shape)}, "
+                                  f"{type(self.module).__name__} holds {list(target.shape)}")
+        self.filled.add(id(target))
+        return target
+
+    def finish(self) -> None:
+        missing = [name for key, name in self.required.items() if key not in self.filled]
+        if missing:
+            shape = list(self.targets[missing[0]].shape)
+            only = ", LoRA adapters only" if self.lora_only else ""
+            raise WeightSyncError(f"{self.caller}: {missing[0]!r} (shape {shape}) never arrived ({len(missing)} of "
+                                  f"{len(self.required)} expected tensors missing{only})")
+
+
 def load_weights(module: nn.Module, named: NamedTensors, *, lora_only: bool = False) -> int:
     """Copy ``named`` into ``module``'s parameters and buffers in place (dtype converted, device
     moved); returns how many tensors were copied.
@@ -675,30 +729,28 @@ def load_weights(module: nn.Module, named: NamedTensors, *, lora_only: bool = Fa
     one error names the first tensor that never arrived (``lora_only``: only adapter matrices are
     expected, and a base weight arriving is an error). A tied weight arrives under either name.
     """
-    targets = _load_targets(module)
-    required = _required(module, lora_only)
-    filled: set[int] = set()
+    check = _NameCheck(module, lora_only, "load_weights")
     count = 0
     with torch.no_grad():
         for name, tensor in named:
-            target = targets.get(name)
-            if target is None:
-                raise WeightSyncError(_unknown_name(name, tensor, module, targets))
-            if lora_only and ".lora_" not in name:
-                raise WeightSyncError(f"load_weights(lora_only=True): received the base weight {name!r}; the trainer "
-                                      "sent full weights (send with lora_only=True too)")
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise WeightSyncError(f"load_weights: {name!r} arrived with shape {list(tensor.shape)}, "
-                                      f"{type(module).__name__} holds {list(target.shape)}")
-            target.copy_(tensor)
-            filled.add(id(target))
+            check.target(name, tensor).copy_(tensor)
             count += 1
-    missing = [name for key, name in required.items() if key not in filled]
-    if missing:
-        shape = list(targets[missing[0]].shape)
-        raise WeightSyncError(f"load_weights: {missing[0]!r} (shape {shape}) never arrived ({len(missing)} of "
-                              f"{len(required)} expected tensors missing{', LoRA adapters only' if lora_only else ''})")
+    check.finish()
     return count
+
+
+def stage_weights(module: nn.Module, named: NamedTensors, *, lora_only: bool = False) -> dict[str, torch.Tensor]:
+    """``named`` as a dict, checked against ``module`` exactly as `load_weights` checks, nothing copied
+    into the module: for a rollout worker that receives while it generates and loads the dict
+    (``load_weights(module, staged.items())``) at its next task boundary. The tensors are the
+    received ones (a `WeightSyncGroup` allocates a fresh buffer per bucket, so keeping them is safe)."""
+    check = _NameCheck(module, lora_only, "stage_weights")
+    staged = {}
+    for name, tensor in named:
+        check.target(name, tensor)
+        staged[name] = tensor
+    check.finish()
+    return staged
 
 
 def receive_into(group: WeightSyncGroup | FileWeightSync, module: nn.Module, *, lora_only: bool = False,
