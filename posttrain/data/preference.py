@@ -21,7 +21,8 @@ them (TRL encodes prompt + response together and splits where they diverge). Wit
 
 Lengths: ``max_length`` bounds prompt + response (each of chosen and rejected); a longer pair
 follows ``truncation`` (verl's SFT key): ``error`` names the row, ``right`` cuts the ends of the
-responses, ``left`` cuts the start of the prompt (both responses keep the same prompt).
+responses, ``left`` cuts the start of the prompt (both responses keep the same prompt). One warning
+says how many pairs were cut.
 
 Bad rows (a missing column, a wrong type, an empty prompt / chosen / rejected, chosen equal to
 rejected, a mismatched prompt in the implicit form, a pair that does not fit) raise one
@@ -347,6 +348,9 @@ class PreferenceDataset(Dataset):
             self._add(row, f"{path} row {i}")
         if self.skipped:
             logger.warning("%s", self.skip_report())
+        if self.num_truncated:
+            logger.warning("cut %d of %d pairs to max_length=%d tokens (truncation=%s): %s", self.num_truncated,
+                           len(self.pairs), max_length, truncation, ", ".join(self.files))
         if not self.pairs:
             raise DataError(f"{', '.join(self.files)}: no usable preference pairs"
                             + (f" ({self.skip_report()})" if self.skipped else ""))

@@ -19,12 +19,15 @@ the tokens that are trained.
   conversation, so any template that extends its own output works.
 
 A row longer than ``data.max_length`` follows ``data.truncation``: ``error`` (names the file and
-row), ``left`` (drops the prompt's first tokens) or ``right`` (drops the response's last tokens).
+row), ``left`` (drops the prompt's first tokens) or ``right`` (drops the response's last tokens); one
+warning says how many rows were cut. A message whose role or content is not text (an int, a dict)
+is a DataError naming the file, row, message and field.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -36,6 +39,8 @@ from posttrain.batch import Batch
 from posttrain.data.schema import DataError, read_rows
 
 __all__ = ["SFTDataset", "SFTExample", "collate_examples", "column_value", "load_sft_rows"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,8 +88,26 @@ def _messages(value: Any, where: str) -> list[dict] | None:
     if isinstance(value, np.ndarray):
         value = value.tolist()
     if isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        for j, m in enumerate(value):
+            _check_message(m, f"{where}: message {j}")
         return [dict(m) for m in value]
     raise DataError(f"{where}: expected text or a list of {{role, content}} messages, got {type(value).__name__}")
+
+
+def _check_message(message: dict, where: str) -> None:
+    """DataError naming ``where`` and the field when a message's role or content is not text. Content
+    may also be a list of parts (``[{"type": "text", "text": ...}]``) or empty beside ``tool_calls``."""
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str):
+        raise DataError(f"{where}: field 'role' must be text (user, assistant, system, tool), got "
+                        f"{type(role).__name__} {role!r:.60}")
+    if isinstance(content, str) or (content is None and message.get("tool_calls") is not None):
+        return
+    if isinstance(content, np.ndarray):
+        content = content.tolist()
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        return
+    raise DataError(f"{where} ({role}): field 'content' must be text, got {type(content).__name__} {content!r:.60}")
 
 
 class SFTDataset:
@@ -103,6 +126,10 @@ class SFTDataset:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.examples = [self._example(path, i, row) for path, i, row in load_sft_rows(files, max_samples)]
         self.truncated = sum(1 for e in self.examples if getattr(e, "_truncated", False))
+        if self.truncated:
+            logger.warning("cut %d of %d rows to data.max_length=%d tokens (data.truncation=%s): %s",
+                           self.truncated, len(self.examples), data_config.max_length, data_config.truncation,
+                           ", ".join(map(str, [files] if isinstance(files, (str, os.PathLike)) else files)))
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -223,7 +223,7 @@ def test_truncation_modes():
     assert err.value.reason == "chosen == rejected"
 
 
-def test_dataset_applies_max_length(tmp_path, tok):
+def test_dataset_applies_max_length(tmp_path, tok, caplog):
     path = _write(tmp_path, [GOOD, {"prompt": "2+2?", "chosen": "four, I think", "rejected": "5"}])
     prompt_len = len(_ids(tok, USER_PROMPT))
     with pytest.raises(PreferenceRowError, match=rf"{path} row 1, column 'chosen': .* longer than max_length"):
@@ -231,8 +231,14 @@ def test_dataset_applies_max_length(tmp_path, tok):
     with pytest.raises(PreferenceRowError, match=rf"{path} row 0, column 'prompt': prompt is {prompt_len} tokens, "
                                                  "which leaves no room for a response within max_length"):
         PreferenceDataset(path, tok, max_length=prompt_len)
+    caplog.clear()
     ds = PreferenceDataset(path, tok, max_length=prompt_len + 4, truncation="right")
     assert ds.num_truncated == 1 and ds.pairs[1].chosen_ids == _ids(tok, ["four"])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cut ")]
+    assert said == [f"cut 1 of 2 pairs to max_length={prompt_len + 4} tokens (truncation=right): {path}"]
+    caplog.clear()
+    PreferenceDataset(path, tok, max_length=prompt_len + 40, truncation="right")  # nothing cut: nothing said
+    assert not [r for r in caplog.records if r.getMessage().startswith("cut ")]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -190,6 +190,47 @@ def test_truncation_right_keeps_the_prompt_and_cuts_the_answer(tmp_path):
     assert len(ex.prompt) + len(ex.response) == 50 and ex.response[-1] != EOS
 
 
+@pytest.mark.parametrize("truncation", ["left", "right"])
+def test_truncation_says_how_many_rows_were_cut_once(tmp_path, caplog, truncation):
+    rows = [{"question": "q" * 10, "answer": "x" * 40}, {"question": "q", "answer": "a"},
+            {"question": "q" * 12, "answer": "x" * 45}]  # ~20 tokens of template around each question
+    dataset(tmp_path, rows, max_length=60, truncation=truncation)
+    cut = [r for r in caplog.records if "cut " in r.getMessage()]
+    assert len(cut) == 1 and cut[0].getMessage().startswith(
+        f"cut 2 of 3 rows to data.max_length=60 tokens (data.truncation={truncation})")
+    caplog.clear()
+    dataset(tmp_path, rows[1:2], max_length=60, truncation=truncation)  # negative control: nothing cut, nothing said
+    assert not [r for r in caplog.records if "cut " in r.getMessage()]
+
+
+MULTI = SFTMultiTurnConfig(enable=True)
+
+
+@pytest.mark.parametrize("messages, multiturn, message", [
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": 5}], MULTI,
+     r"column 'messages': message 1 \(assistant\): field 'content' must be text, got int 5"),
+    ([{"role": "user", "content": {"text": "a"}}, {"role": "assistant", "content": "b"}], MULTI,
+     r"message 0 \(user\): field 'content' must be text, got dict"),
+    ([{"role": 1, "content": "a"}, {"role": "assistant", "content": "b"}], MULTI, r"message 0: field 'role' must be text"),
+    ([{"role": "user", "content": 7}], SFTMultiTurnConfig(), r"column 'question': message 0 \(user\): field 'content'"),
+])
+def test_message_fields_that_are_not_text_name_file_row_message_and_field(tmp_path, messages, multiturn, message):
+    good = {"question": "fine", "answer": "ok", "messages": [{"role": "user", "content": "a"},
+                                                            {"role": "assistant", "content": "b"}]}
+    bad = {**good, "messages": messages} if multiturn.enable else {**good, "question": messages}
+    with pytest.raises(DataError, match=message) as err:
+        dataset(tmp_path, [good, bad], multiturn=multiturn)
+    assert f"{tmp_path / 'rows.jsonl'}: row 1" in str(err.value)
+
+
+def test_an_assistant_message_with_tool_calls_may_have_no_content(tmp_path):
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "2"}, {"role": "assistant", "content": "b"}]
+    ds = dataset(tmp_path, [{"messages": messages}], multiturn=MULTI)
+    assert chars(ds[0].response)[-2:] == ["b", "<|im_end|>"]
+
+
 def test_config_errors_name_the_key_before_anything_loads(tmp_path):
     from posttrain.config.sft_load import load_sft_config
     from posttrain.errors import ConfigError
