@@ -79,6 +79,9 @@ METRIC_COLUMNS = ("multi_turn/turns", "multi_turn/assistant_turns", "multi_turn/
                   "multi_turn/interaction_errors", "multi_turn/interaction_timeouts")
 REWARD_COLUMNS = ("multi_turn/tool_reward", "multi_turn/interaction_score")
 _SENTINEL = "\u2063posttrain-turn-end\u2063"
+# Interaction and end-of-trajectory calls running at once (each is a thread with its own event loop, three
+# file descriptors): enough for any batch to proceed, few enough that a large one cannot exhaust the fds.
+LIFECYCLE_PARALLEL = 64
 
 
 def truncate_text(text: str, limit: int, side: str) -> str:
@@ -230,6 +233,7 @@ class MultiTurnRollout:
         return traj
 
     async def _run(self, trajs: list[_Trajectory], sampling: SamplingParams) -> None:
+        self._lifecycle = asyncio.Semaphore(LIFECYCLE_PARALLEL)  # of this loop
         await asyncio.gather(*(self._start_interaction(t) for t in trajs if t.interaction is not None))
         limit = asyncio.Semaphore(max(1, int(self.config.max_parallel_calls)))
         try:
@@ -259,7 +263,8 @@ class MultiTurnRollout:
         what = f"interaction {getattr(t.interaction, 'name', type(t.interaction).__name__)}.{method}"
         try:
             call = functools.partial(getattr(t.interaction, method), *args, **kwargs)
-            return True, await run_user_code(call, timeout=timeout, what=what)
+            async with self._lifecycle:
+                return True, await run_user_code(call, timeout=timeout, what=what)
         except UserCodeTimeout:
             t.interaction_timeouts += 1
             _log_abandoned(what, timeout, "interaction_timeout_s")
@@ -419,7 +424,8 @@ class MultiTurnRollout:
         timeout = float(self.config.tool_timeout_s)
         what = f"tool {name}.{method}"
         try:
-            out = await run_user_code(functools.partial(fn, *args, **kwargs), timeout=timeout, what=what)
+            async with self._lifecycle:
+                out = await run_user_code(functools.partial(fn, *args, **kwargs), timeout=timeout, what=what)
             return _finite(out, "reward") if method == "calc_reward" else 0.0
         except UserCodeTimeout:
             _log_abandoned(what, timeout, "tool_timeout_s")

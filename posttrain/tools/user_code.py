@@ -63,10 +63,11 @@ class _ThreadedCall:
         self.cancelled = False
 
     def run(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = None  # made only for an awaitable: a loop holds three file descriptors while it lives
         try:
             result = self.fn()
             if inspect.isawaitable(result):
+                loop = asyncio.new_event_loop()
                 result = loop.run_until_complete(self._task_on(loop, result))
         except BaseException as err:  # noqa: BLE001 - every failure of user code is reported, none escapes
             self._settle(None, err if isinstance(err, Exception) else RuntimeError(f"{type(err).__name__}: {err}"))
@@ -75,7 +76,8 @@ class _ThreadedCall:
         finally:
             with self.lock:
                 self.loop = None
-            loop.close()
+            if loop is not None:
+                loop.close()
 
     def _task_on(self, loop: asyncio.AbstractEventLoop, awaitable: Any) -> asyncio.Future:
         with self.lock:
