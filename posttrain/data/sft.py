@@ -150,20 +150,29 @@ class SFTDataset:
             prompt, response, mask = self._single_turn(row, where)
         return self._fit(SFTExample(prompt, response, mask, f"{os.path.basename(path)}:{index}"), where)
 
-    def _template(self, messages: list[dict], row: dict, generation_prompt: bool) -> str:
+    def _template(self, messages: list[dict], row: dict, generation_prompt: bool, where: str) -> str:
+        """The chat template's text; a row it cannot render is a DataError naming ``where``."""
         cfg = self.config
         kwargs = dict(cfg.apply_chat_template_kwargs or {})
         if cfg.multiturn.enable:
             tools = row.get(cfg.multiturn.tools_key)
             if isinstance(tools, str):  # a JSON list: parquet keeps each tool's own parameters so
-                tools = json.loads(tools)  # (Arrow would merge the tools' parameter structs into one)
+                try:  # (Arrow would merge the tools' parameter structs into one)
+                    tools = json.loads(tools)
+                except (ValueError, RecursionError) as err:
+                    raise DataError(f"{where}: column {cfg.multiturn.tools_key!r} is not a JSON list of tool "
+                                    f"schemas ({type(err).__name__}: {str(err)[:200]})") from None
             if tools is not None:
                 kwargs["tools"] = tools.tolist() if isinstance(tools, np.ndarray) else tools
             thinking = row.get(cfg.multiturn.enable_thinking_key)
             if thinking is not None:
                 kwargs["enable_thinking"] = bool(thinking)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt, **kwargs)
+        except Exception as err:  # the template's own refusal (e.g. roles that must alternate)
+            raise DataError(f"{where}: the chat template cannot render this row's messages "
+                            f"({type(err).__name__}: {str(err)[:300]})") from None
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -179,7 +188,7 @@ class SFTDataset:
         messages = _messages(prompt, f"{where}: column {cfg.prompt_key!r}") or [{"role": "user", "content": str(prompt)}]
         if not str(messages[-1]["content"]).strip() and len(messages) == 1:
             raise DataError(f"{where}: column {cfg.prompt_key!r} is empty")
-        prompt_ids = self._ids(self._template(messages, row, True))
+        prompt_ids = self._ids(self._template(messages, row, True, where))
         response_ids = self._ids(response) + [self.tokenizer.eos_token_id]
         return prompt_ids, response_ids, [1] * len(response_ids)
 
@@ -191,12 +200,12 @@ class SFTDataset:
         first = next((i for i, m in enumerate(messages or []) if m["role"] == "assistant"), None)
         if first is None:
             raise DataError(f"{where}: column {key!r} has no assistant message: nothing to train on")
-        prompt_text = self._template(messages[:first], row, True)
+        prompt_text = self._template(messages[:first], row, True, where)
         ids, mask, done = [], [], prompt_text
         for i in range(first, len(messages)):
             if messages[i]["role"] == "assistant":
-                before = self._template(messages[:i], row, True)  # up to this message's generation prompt
-                after = self._template(messages[:i + 1], row, False)
+                before = self._template(messages[:i], row, True, where)  # up to this message's generation prompt
+                after = self._template(messages[:i + 1], row, False, where)
                 _check_prefix(done, before, where, i)
                 ids += self._ids(before[len(done):])
                 mask += [0] * (len(ids) - len(mask))

@@ -223,6 +223,12 @@ def test_message_fields_that_are_not_text_name_file_row_message_and_field(tmp_pa
     assert f"{tmp_path / 'rows.jsonl'}: row 1" in str(err.value)
 
 
+def test_a_tools_column_that_is_not_json_names_the_row(tmp_path):
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(DataError, match=r"rows.jsonl: row 0: column 'tools' is not a JSON list .*JSONDecodeError"):
+        dataset(tmp_path, [{"messages": messages, "tools": "[{oops"}], multiturn=MULTI)
+
+
 def test_an_assistant_message_with_tool_calls_may_have_no_content(tmp_path):
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [call]},
