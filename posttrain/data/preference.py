@@ -237,10 +237,16 @@ def tokenize_pair(tokenizer, prompt: str | list[dict], chosen: str | list[dict],
             chosen = [{"role": "assistant", "content": chosen}]
             rejected = [{"role": "assistant", "content": rejected}]
         kwargs = _template_kwargs(apply_chat_template_kwargs)
-        prompt_text = render_prompt(tokenizer, prompt, kwargs)
-        pair = PreferencePair(_encode(tokenizer, prompt_text),
-                              _response_ids(tokenizer, prompt, prompt_text, chosen, where, keys[1], kwargs),
-                              _response_ids(tokenizer, prompt, prompt_text, rejected, where, keys[2], kwargs))
+        try:
+            prompt_text = render_prompt(tokenizer, prompt, kwargs)
+            pair = PreferencePair(_encode(tokenizer, prompt_text),
+                                  _response_ids(tokenizer, prompt, prompt_text, chosen, where, keys[1], kwargs),
+                                  _response_ids(tokenizer, prompt, prompt_text, rejected, where, keys[2], kwargs))
+        except PreferenceRowError:
+            raise
+        except Exception as err:  # the template's own refusal (e.g. roles that must alternate): this row's fault
+            raise PreferenceRowError(f"{where}: the chat template cannot render this pair ({type(err).__name__}: "
+                                     f"{str(err)[:300]})", "chat template") from None
     if pair.chosen_ids == pair.rejected_ids:
         raise PreferenceRowError(f"{where}, columns {keys[1]!r} and {keys[2]!r}: chosen and rejected encode to the "
                                  "same tokens (the pair carries no preference)", "chosen == rejected")

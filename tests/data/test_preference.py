@@ -308,3 +308,18 @@ def test_collated_pairs_share_prompts_and_give_the_plain_forward_log_probs(tmp_p
         assert torch.allclose(lp[row, :n].double(), expected, atol=1e-5)
         assert torch.allclose(shared[row, :n].double(), expected, atol=1e-5)
         assert lp[row, n:].abs().sum() == 0
+
+
+def test_a_pair_the_chat_template_refuses_is_a_row_error(tmp_path):
+    picky = build_tiny_tokenizer()
+    picky.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                           "{{ raise_exception('no system messages') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    system = {"role": "system", "content": "be brief"}
+    rows = [{"prompt": [USER], "chosen": [_assistant("4")], "rejected": [_assistant("5")]},
+            {"prompt": [system, USER], "chosen": [_assistant("4")], "rejected": [_assistant("5")]}]
+    path = _write(tmp_path, rows)
+    with pytest.raises(PreferenceRowError, match=rf"{path} row 1: the chat template cannot render this pair "
+                                                 r"\(TemplateError: no system messages\)"):
+        PreferenceDataset(path, picky)
+    kept = PreferenceDataset(path, picky, on_bad_row="skip")  # counted like any bad row
+    assert len(kept) == 1 and kept.skipped == {"chat template": 1}
