@@ -232,9 +232,24 @@ class RolloutPool:
         from posttrain.distributed.weight_sync import push_trainer_weights
 
         refs = [w.receive_weights.options(concurrency_group=_SYNC).remote() for w in self.workers]
-        metrics = push_trainer_weights(self.group, module, version, lora_only=lora_only)
+        try:
+            metrics = push_trainer_weights(self.group, module, version, lora_only=lora_only)
+        except Exception:
+            self._name_failed_worker(refs, "receive weights")  # a dead worker is the cause: say which
+            raise
         self._get(refs, "receive weights")
         return metrics
+
+    def _name_failed_worker(self, refs: list, what: str, wait_s: float = 10.0) -> None:
+        """Raise `RolloutWorkerError` for the first of ``refs`` that failed within ``wait_s``, if any."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - named and re-raised
+                raise RolloutWorkerError(self._failure(refs.index(ref), what, err)) from None
 
     # ---------------------------------------------------------------- work
     def submit(self, prompts: Any, tag: Any) -> int:

@@ -77,6 +77,8 @@ class AsyncRLTrainer(RLTrainer):
             self.pool.shutdown()
             raise
         self.threads.enabled = False  # this process's share is fixed: the pool's workers hold the rest
+        print(_describe_pool(self.pool, device, trainer_cpus), flush=True)
+        print(self.budget.describe(), flush=True)
         source = "recompute" if config.async_training.compute_prox_log_prob else "rollout"
         self.sizes = dataclasses.replace(self.sizes, old_log_probs_from=source)
         self.weight_version = 0
@@ -206,6 +208,12 @@ class AsyncRLTrainer(RLTrainer):
     def close(self) -> None:
         """End the rollout workers (`fit` does it when it returns)."""
         self.pool.shutdown()
+
+
+def _describe_pool(pool: Any, device: str, trainer_cpus: int | None) -> str:
+    where = "; ".join(f"rollout worker {i.index} pid {i.pid} node {i.ip}" for i in pool.info)
+    share = f", the trainer keeps {trainer_cpus} core(s)" if trainer_cpus else ""
+    return f"rollout pool: {len(pool.info)} worker(s) on {device}{share}: {where}"
 
 
 def _check_async_setup(config: PostTrainConfig, actor_module: Any) -> None:
