@@ -42,7 +42,7 @@ def _apply_deprecated(config: SFTConfig) -> SFTConfig:
     d = config.data
     if d.micro_batch_size is not None:
         world = ranks(config)
-        if d.micro_batch_size <= 0 or d.micro_batch_size % world:
+        if d.micro_batch_size <= 0 or world <= 0 or d.micro_batch_size % world:
             raise ConfigError(f"data.micro_batch_size={d.micro_batch_size} (deprecated: rows over all ranks) must be "
                               f"a positive multiple of the {world} ranks; or set data.micro_batch_size_per_gpu")
         d.micro_batch_size_per_gpu = d.micro_batch_size // world
@@ -72,6 +72,7 @@ def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = (
 # ---------------------------------------------------------------------------------------------- checks
 def sft_problems(config: SFTConfig) -> list[str]:
     """Every inconsistency of the tree, each naming its key and what would be valid."""
+    from posttrain.config.ranges import SFT_RANGES, named_keys, numeric_problems
     from posttrain.config.validate import trainer_problems
 
     d, m, o, t = config.data, config.model, config.optim, config.trainer
@@ -83,16 +84,17 @@ def sft_problems(config: SFTConfig) -> list[str]:
                        d.micro_batch_size_per_gpu), ("data.max_length", d.max_length)):
         if not isinstance(value, int) or value <= 0:
             out.append(f"{key}={value!r} must be a positive integer")
-    if isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and d.train_batch_size % world:
+    if isinstance(d.train_batch_size, int) and d.train_batch_size > 0 and world > 0 and d.train_batch_size % world:
         out.append(f"data.train_batch_size={d.train_batch_size} must be divisible by the ranks ({world}: torchrun's "
                    "WORLD_SIZE, or trainer.nnodes x trainer.n_gpus_per_node)")
     if o.lr <= 0:
         out.append(f"optim.lr={o.lr} must be positive")
     if o.lr_scheduler not in ("cosine", "constant"):
         out.append(f"optim.lr_scheduler={o.lr_scheduler!r}; valid: cosine, constant")
-    ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
+    ratio_key = "warmup_steps_ratio" if o.warmup_steps_ratio is not None else "lr_warmup_steps_ratio"  # the one used
+    ratio = getattr(o, ratio_key)
     if not 0.0 <= ratio < 1.0:
-        out.append(f"optim.lr_warmup_steps_ratio={ratio} must be in [0, 1)")
+        out.append(f"optim.{ratio_key}={ratio} must be in [0, 1)")
     if len(o.betas) != 2:
         out.append(f"optim.betas={o.betas} must hold two numbers")
     if o.clip_grad < 0:
@@ -112,7 +114,8 @@ def sft_problems(config: SFTConfig) -> list[str]:
         out.append("trainer.default_hdfs_dir: remote checkpoint copies are not supported; set null")
     if isinstance(config, DPOConfig):
         out += _dpo_problems(config)
-    return out
+    # every number the checks above did not name (NaN and inf slip past their comparisons): its declared range
+    return out + numeric_problems(config, type(config), SFT_RANGES, skip=named_keys(out))
 
 
 def _dpo_problems(config: DPOConfig) -> list[str]:

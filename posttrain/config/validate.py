@@ -13,6 +13,7 @@ from posttrain.config.async_training import async_problems, async_warnings
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
 from posttrain.errors import ConfigError
+from posttrain.config.ranges import get_key
 from posttrain.config.schema import PostTrainConfig
 
 ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
@@ -57,13 +58,6 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": ("disable", "strict", "ignore_strippable"),
         "actor_rollout_ref.rollout.agent.default_agent_loop": ("tool_agent", "single_turn_agent"),
     }
-
-
-def get_key(config: Any, key: str) -> Any:
-    """The value at dotted ``key`` (``algorithm.adv_estimator``) of a loaded config."""
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
 
 
 def _check_choices(config: PostTrainConfig) -> Iterable[str]:
