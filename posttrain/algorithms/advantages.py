@@ -62,11 +62,13 @@ class EstimatorSpec:
         return self.fn(*args, **kwargs)
 
 
-_ADV_ESTIMATORS: dict[str, EstimatorSpec | AdvantageFn] = {}
-"""The one registry: name -> `EstimatorSpec` (callable like its function). A plain function placed
-straight into it (as verl's tests and users do with ``ADV_ESTIMATOR_REGISTRY``) is an estimator
-that declares no needs."""
-ADV_ESTIMATOR_REGISTRY = _ADV_ESTIMATORS
+ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageFn] = {}
+"""The one registry, as verl has it: name -> the registered function. A function placed straight into
+it (as verl's tests and users do) is an estimator like a decorated one, declaring no needs."""
+
+_DECLARED: dict[str, EstimatorSpec] = {}
+"""What `register_adv_est` was told about each name's function. It describes the registry's entry only
+while that entry is still the same function: an entry replaced straight in the dict declares nothing."""
 
 
 def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
@@ -75,38 +77,44 @@ def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: boo
     """Decorator registering an advantage estimator under `name` (str or an Enum with `.value`),
     with what it needs from the run (see `EstimatorSpec`); verl's one-argument form works too.
 
-    Registering a name twice with a different function raises ValueError.
+    Registering the same function again is accepted; a different function under a taken name raises
+    ValueError (verl's rule).
     """
     key = getattr(name, "value", name)
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        existing = _ADV_ESTIMATORS.get(key)
-        existing = getattr(existing, "fn", existing)
+        existing = ADV_ESTIMATOR_REGISTRY.get(key)
         if existing is not None and existing is not fn:
-            raise ValueError(f"advantage estimator {key!r} is already registered to {existing.__qualname__}")
-        _ADV_ESTIMATORS[key] = EstimatorSpec(key, fn, needs_critic, needs_groups, needs_greedy_baseline, summary)
+            raise ValueError(f"advantage estimator {key!r} is already registered to "
+                             f"{getattr(existing, '__qualname__', existing)!r}, not {fn.__qualname__}")
+        ADV_ESTIMATOR_REGISTRY[key] = fn
+        _DECLARED[key] = EstimatorSpec(key, fn, needs_critic, needs_groups, needs_greedy_baseline, summary)
         return fn
 
     return decorator
 
 
 def get_adv_estimator_fn(name: str) -> AdvantageFn:
-    """The estimator registered under `name`; ValueError listing the valid names otherwise."""
-    return adv_estimator_spec(name).fn
+    """The function registered under `name` (the registry's entry itself); ValueError listing the
+    valid names otherwise."""
+    key = getattr(name, "value", name)
+    if key not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"unknown advantage estimator {key!r}; registered: {registered_adv_estimators()}")
+    return ADV_ESTIMATOR_REGISTRY[key]
 
 
 def adv_estimator_spec(name: str) -> EstimatorSpec:
-    """The registration of `name` (its function and needs); ValueError listing the valid names otherwise."""
+    """The registration of `name`: its function and what it declared it needs (nothing, for a function
+    placed straight into the registry); ValueError listing the valid names otherwise."""
     key = getattr(name, "value", name)
-    if key not in _ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {key!r}; registered: {registered_adv_estimators()}")
-    entry = _ADV_ESTIMATORS[key]
-    return entry if isinstance(entry, EstimatorSpec) else EstimatorSpec(key, entry)
+    fn = get_adv_estimator_fn(key)
+    declared = _DECLARED.get(key)
+    return declared if declared is not None and declared.fn is fn else EstimatorSpec(key, fn)
 
 
 def registered_adv_estimators() -> tuple[str, ...]:
     """Names of all registered advantage estimators, sorted (for config validation messages)."""
-    return tuple(sorted(_ADV_ESTIMATORS))
+    return tuple(sorted(ADV_ESTIMATOR_REGISTRY))
 
 
 class EstimatorsWith:
@@ -121,7 +129,7 @@ class EstimatorsWith:
 
     def __contains__(self, name: object) -> bool:
         key = getattr(name, "value", name)
-        return key in _ADV_ESTIMATORS and bool(getattr(adv_estimator_spec(key), self.need))
+        return key in ADV_ESTIMATOR_REGISTRY and bool(getattr(adv_estimator_spec(key), self.need))
 
     def __iter__(self):
         return iter(self.names())

@@ -42,44 +42,52 @@ class PolicyLossSpec:
         return self.fn(*args, **kwargs)
 
 
-_POLICY_LOSSES: dict[str, PolicyLossSpec | PolicyLossFn] = {}
-"""The one registry: name -> `PolicyLossSpec` (callable like its function). A plain function placed
-straight into it (verl's ``POLICY_LOSS_REGISTRY``) reads no extra keys."""
-POLICY_LOSS_REGISTRY = _POLICY_LOSSES
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {}
+"""The one registry, as verl has it: name -> the registered function. A function placed straight into
+it (as verl users do) is a loss like a decorated one, reading no extra keys."""
+
+_DECLARED: dict[str, PolicyLossSpec] = {}
+"""What `register_policy_loss` was told about each name's function; it describes the registry's entry
+only while that entry is still the same function."""
 
 
 def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str = "a registered policy loss",
                          ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` with what it reads and does (`PolicyLossSpec`);
-    verl's one-argument form works too. A different function under a taken name raises."""
+    verl's one-argument form works too. The same function again is accepted; a different function
+    under a taken name raises ValueError (verl would replace the loss silently)."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        existing = _POLICY_LOSSES.get(name)
-        existing = getattr(existing, "fn", existing)
+        existing = POLICY_LOSS_REGISTRY.get(name)
         if existing is not None and existing is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered to {existing.__qualname__}")
-        _POLICY_LOSSES[name] = PolicyLossSpec(name, fn, tuple(keys), summary)
+            raise ValueError(f"policy loss {name!r} is already registered to "
+                             f"{getattr(existing, '__qualname__', existing)!r}, not {fn.__qualname__}")
+        POLICY_LOSS_REGISTRY[name] = fn
+        _DECLARED[name] = PolicyLossSpec(name, fn, tuple(keys), summary)
         return fn
 
     return decorator
 
 
-def policy_loss_spec(name: str) -> PolicyLossSpec:
-    """The registration of `name`; ValueError listing the valid names otherwise."""
-    if name not in _POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss mode {name!r}; registered: {registered_policy_losses()}")
-    entry = _POLICY_LOSSES[name]
-    return entry if isinstance(entry, PolicyLossSpec) else PolicyLossSpec(name, entry)
-
-
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """The loss registered under `name`; ValueError listing the valid names otherwise."""
-    return policy_loss_spec(name).fn
+    """The function registered under `name` (the registry's entry itself); ValueError listing the
+    valid names otherwise."""
+    if name not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"unknown policy loss mode {name!r}; registered: {registered_policy_losses()}")
+    return POLICY_LOSS_REGISTRY[name]
+
+
+def policy_loss_spec(name: str) -> PolicyLossSpec:
+    """The registration of `name`: its function and the keys it declared (none, for a function placed
+    straight into the registry); ValueError listing the valid names otherwise."""
+    fn = get_policy_loss_fn(name)
+    declared = _DECLARED.get(name)
+    return declared if declared is not None and declared.fn is fn else PolicyLossSpec(name, fn)
 
 
 def registered_policy_losses() -> tuple[str, ...]:
     """Names of all registered policy losses, sorted."""
-    return tuple(sorted(_POLICY_LOSSES))
+    return tuple(sorted(POLICY_LOSS_REGISTRY))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -366,8 +366,14 @@ def test_every_estimator_accepts_the_uniform_call():
 # --------------------------------------------------------------------------------- registry
 
 
+def _private_registry(monkeypatch):
+    """This test's registrations go into copies of the registry and its declarations."""
+    for name in ("ADV_ESTIMATOR_REGISTRY", "_DECLARED"):
+        monkeypatch.setattr(adv_mod, name, dict(getattr(adv_mod, name)))
+
+
 def test_registry_rules(monkeypatch):
-    monkeypatch.setattr(adv_mod, "_ADV_ESTIMATORS", dict(adv_mod._ADV_ESTIMATORS))
+    _private_registry(monkeypatch)
 
     def mine(**kwargs):
         return None, None
@@ -391,7 +397,7 @@ def test_a_registered_estimator_declares_its_needs_once(monkeypatch):
     from posttrain.diff import _estimator_consequence
     from posttrain.trainer.trainer import GREEDY_BASELINE_ESTIMATORS
 
-    monkeypatch.setattr(adv_mod, "_ADV_ESTIMATORS", dict(adv_mod._ADV_ESTIMATORS))
+    _private_registry(monkeypatch)
 
     @register_adv_est("my_grouped", needs_groups=True, needs_greedy_baseline=True, summary="my grouped baseline")
     def my_grouped(**kwargs):

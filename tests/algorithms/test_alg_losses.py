@@ -272,8 +272,14 @@ def test_masked_positions_never_change_policy_losses(name, mode):
         assert torch.equal(metrics_a[key], metrics_b[key]), key
 
 
+def _private_registry(monkeypatch):
+    """This test's registrations go into copies of the registry and its declarations."""
+    for name in ("POLICY_LOSS_REGISTRY", "_DECLARED"):
+        monkeypatch.setattr(pl_mod, name, dict(getattr(pl_mod, name)))
+
+
 def test_policy_loss_registry_rules(monkeypatch):
-    monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
+    _private_registry(monkeypatch)
 
     def mine(*args, **kwargs):
         return torch.tensor(0.0), {}
@@ -320,7 +326,7 @@ def test_a_policy_loss_declares_the_keys_it_reads(monkeypatch):
     from posttrain.config import ConfigError, load_config
     from posttrain.diff import consequences
 
-    monkeypatch.setattr(pl_mod, "_POLICY_LOSSES", dict(pl_mod._POLICY_LOSSES))
+    _private_registry(monkeypatch)
     builtin = "posttrain/config/builtin.yaml"
     assert policy_loss_spec("sapo").keys == ("tau_pos", "tau_neg")
     with pytest.raises(ConfigError, match=r"loss_mode=sapo reads actor_rollout_ref.actor.tau_pos"):
