@@ -40,4 +40,5 @@ posttrain train \
     actor_rollout_ref.actor.ppo_mini_batch_size=4 \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
     trainer.experiment_name=arithmetic_dapo_smollm2 \
-    trainer.total_training_steps=15 $@
+    trainer.default_local_dir=checkpoints/examples/dapo_smollm2_arithmetic \
+    trainer.total_training_steps=15 "$@"

@@ -4,12 +4,12 @@
 #   1. the built-in task's prompts as a parquet (the RL built-in run's train/test split: same seed, sizes)
 #   2. `posttrain prep pairs`: N samples per training prompt, scored by the rule reward; chosen = a
 #      correct answer, rejected = a wrong one for the same prompt
-#   3. `posttrain dpo` on those pairs, 4. `posttrain eval` on the held-out split
+#   3. `posttrain dpo` on those pairs, with the greedy held-out accuracy before and after (its own report)
 # PAIRS=<file> skips steps 1-2 and uses pairs already written. key=value arguments override dpo keys.
 # The timed target (README): held-out flexible accuracy +10 points or more, the `posttrain dpo` line <= 5 min.
 set -ex
 MODEL=${MODEL:-smollm2-135m-instruct}
-OUT=${OUT:-checkpoints/posttrain/arithmetic_dpo_smollm2}
+OUT=${OUT:-checkpoints/examples/dpo_smollm2_arithmetic}   # this example's own folder
 DATA=${DATA:-$OUT/data}
 PROMPTS=${PROMPTS:-256}           # training prompts sampled for pairs
 SAMPLES=${SAMPLES:-4}             # samples per prompt
@@ -22,7 +22,7 @@ if [ -z "${PAIRS:-}" ]; then
     PAIRS="$DATA/pairs.parquet"
 fi
 
-posttrain eval --model "$MODEL" --batch-size 64                   # before
+# the held-out accuracy before and after: printed by `posttrain dpo` itself; the model: $OUT/hf_model
 time posttrain dpo \
     model.partial_pretrain="$MODEL" \
     data.train_files="$PAIRS" \
@@ -42,7 +42,5 @@ time posttrain dpo \
     trainer.logger=[console,file] \
     trainer.project_name=posttrain \
     trainer.experiment_name=arithmetic_dpo_smollm2 \
-    trainer.save_freq=1000 \
     trainer.default_local_dir="$OUT" \
     "$@"
-posttrain eval --model "$OUT/hf_model" --batch-size 64                         # after

@@ -33,11 +33,11 @@ python3 -m posttrain.trainer.main_ppo \
     algorithm.use_kl_in_reward=False \
     trainer.critic_warmup=0 \
     trainer.logger='[console,wandb]' \
-    trainer.project_name='verl_example_gsm8k' \
+    trainer.project_name='verl_grpo_example_gsm8k' \
     trainer.experiment_name='deepseek_llm_7b_function_rm' \
     trainer.n_gpus_per_node=8 \
     trainer.nnodes=1 \
     trainer.save_freq=20 \
     trainer.test_freq=1 \
     trainer.use_legacy_worker_impl=auto \
-    trainer.total_epochs=15 $@
+    trainer.total_epochs=15 "$@"

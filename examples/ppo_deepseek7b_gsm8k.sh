@@ -43,4 +43,4 @@ python3 -m posttrain.trainer.main_ppo \
     trainer.save_freq=20 \
     trainer.test_freq=1 \
     trainer.use_legacy_worker_impl=auto \
-    trainer.total_epochs=15 $@
+    trainer.total_epochs=15 "$@"

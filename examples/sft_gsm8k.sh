@@ -20,7 +20,7 @@ python -m posttrain.trainer.fsdp_sft_trainer \
     data.max_length=512 \
     data.truncation=right \
     model.partial_pretrain=smollm2-135m-instruct \
-    trainer.default_local_dir=checkpoints/gsm8k-sft/gsm8k-sft-smollm2-lora \
+    trainer.default_local_dir=checkpoints/examples/sft_gsm8k \
     trainer.project_name=gsm8k-sft \
     trainer.experiment_name=gsm8k-sft-smollm2-lora \
     trainer.logger=[console,file] \

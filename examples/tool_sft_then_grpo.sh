@@ -18,7 +18,7 @@
 # the machine's load average (`uptime`) go to $OUT/timings.txt, the metrics to $OUT/tool_use.jsonl.
 set -ex
 MODEL=${MODEL:-smollm2-135m-instruct}
-OUT=${OUT:-checkpoints/posttrain/tool_arithmetic}        # this pipeline's own folders
+OUT=${OUT:-checkpoints/examples/tool_sft_then_grpo}        # this pipeline's own folders
 DATA=$OUT/data
 SFT_OUT=$OUT/sft
 GRPO_OUT=$OUT/grpo

@@ -48,6 +48,7 @@ class ConsoleBackend:
 
     def __init__(self, total_steps: int | None):
         self.total, self.start = total_steps, time.monotonic()
+        self.first_step: int | None = None  # the first step this process trained (a resumed run's is not 1)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         shown = [k for k in self.HEADLINE if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
@@ -58,7 +59,10 @@ class ConsoleBackend:
         if not self.total or step <= 0:
             return ""
         elapsed = time.monotonic() - self.start
-        eta = elapsed / step * max(self.total - step, 0)
+        if self.first_step is None:
+            self.first_step = step
+        done_here = step - self.first_step + 1  # the ETA's pace: this process's steps, not the resumed ones
+        eta = elapsed / done_here * max(self.total - step, 0)
         width = 20
         filled = int(width * min(step / self.total, 1.0))
         return f"/{self.total} [{'#' * filled}{'.' * (width - filled)}] {_hms(elapsed)} elapsed, ETA {_hms(eta)}"

@@ -36,6 +36,10 @@ def test_blog_scripts_key_differences(blog_diff):
         "critic.model.path": ("deepseek-ai/deepseek-llm-7b-chat", "~/models/deepseek-llm-7b-chat"),
         "critic.model.use_remove_padding": (True, False),
         "critic.ppo_micro_batch_size_per_gpu": (32, None),
+        # verl's GRPO scripts name their own project, so the two runs keep separate checkpoint folders
+        "trainer.project_name": ("verl_example_gsm8k", "verl_grpo_example_gsm8k"),
+        "trainer.default_local_dir": ("checkpoints/verl_example_gsm8k/deepseek_llm_7b_function_rm",
+                                      "checkpoints/verl_grpo_example_gsm8k/deepseek_llm_7b_function_rm"),
     }
     # present in one script only: the other side takes the default, and says so
     n = diffs["actor_rollout_ref.rollout.n"]
@@ -48,7 +52,7 @@ def test_blog_scripts_key_differences(blog_diff):
 
 
 def test_blog_scripts_grouped_by_section(blog_diff):
-    assert list(blog_diff.by_section()) == ["algorithm", "data", "actor", "rollout", "reference", "critic"]
+    assert list(blog_diff.by_section()) == ["algorithm", "data", "actor", "rollout", "reference", "critic", "trainer"]
     assert section_of("actor_rollout_ref.model.path") == "actor" and section_of("actor_rollout_ref.ref.strategy") == "reference"
 
 

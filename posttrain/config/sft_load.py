@@ -14,7 +14,13 @@ from typing import Any, Iterable
 from posttrain.config.sft import TRUNCATION_MODES, DPOConfig, SFTConfig
 from posttrain.errors import ConfigError
 
-__all__ = ["load_dpo_config", "load_sft_config", "ranks", "sft_problems", "validate_sft_config"]
+__all__ = ["BUILTIN_DPO", "BUILTIN_SFT", "load_dpo_config", "load_sft_config", "ranks", "sft_problems",
+           "validate_sft_config"]
+
+# The built-in runs `posttrain sft` / `posttrain dpo` (and `posttrain plan sft|dpo`) start from when
+# no --config is given; --config FILE and the python -m entry point start from verl's defaults.
+BUILTIN_SFT = Path(__file__).resolve().parent / "sft_builtin.yaml"
+BUILTIN_DPO = Path(__file__).resolve().parent / "dpo_builtin.yaml"
 
 
 def _rl_key(key: str) -> str:

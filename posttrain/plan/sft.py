@@ -70,17 +70,18 @@ def describe(config: Any, stage: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from posttrain.config.sft_load import load_dpo_config, load_sft_config
+    from posttrain.config.sft_load import BUILTIN_DPO, BUILTIN_SFT, load_dpo_config, load_sft_config
     from posttrain.errors import ConfigError
 
     stage, rest = argv[0], argv[1:]
     parser = argparse.ArgumentParser(prog=f"posttrain plan {stage}", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config layered over the defaults")
+    parser.add_argument("--config", help="YAML config layered over verl's defaults (without it: the built-in run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(rest)
     loader = load_sft_config if stage == "sft" else load_dpo_config
+    base = None if args.config else BUILTIN_SFT if stage == "sft" else BUILTIN_DPO  # as `posttrain sft|dpo` start
     try:
-        config = loader(args.config, args.overrides, validate=False)
+        config = loader(args.config, args.overrides, base=base, validate=False)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

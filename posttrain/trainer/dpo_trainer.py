@@ -119,7 +119,7 @@ class DPOTrainer:
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
-        return self.session.run_loop().fit()
+        return self.session.fit()
 
 
 def read_pairs(files: Any, tokenizer: Any, config: DPOConfig, max_samples: int) -> Any:

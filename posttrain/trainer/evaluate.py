@@ -33,7 +33,7 @@ from typing import Any
 
 from posttrain.config import BUILTIN_CONFIG
 
-__all__ = ["evaluate", "main", "resolve_model"]
+__all__ = ["build_parser", "evaluate", "main", "resolve_model"]
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -223,7 +223,7 @@ def format_result(res: dict[str, Any], show: int = 0) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from posttrain.cli_args import non_negative_int, positive_int
 
     parser = argparse.ArgumentParser(
@@ -242,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print the first K responses")
     parser.add_argument("--json", action="store_true", help="print the result (with every response) as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (over the built-in config)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     data, overrides = [], list(args.overrides)
     for item in args.data or []:  # `--data a.parquet key=value`: the override is not a file
         (overrides if "=" in item and not Path(item).expanduser().exists() else data).append(item)

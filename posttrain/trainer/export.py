@@ -38,7 +38,7 @@ from posttrain.host.disk import os_error_of, write_failure_message
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.checkpoint.role import DCP_DIR, read_full_weights
 
-__all__ = ["NonFiniteWeights", "export_actor", "main", "resolve_checkpoint"]
+__all__ = ["NonFiniteWeights", "build_parser", "export_actor", "main", "resolve_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +228,16 @@ def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source:
                               f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain export",
                                      description="Write a checkpoint's actor as a Hugging Face model folder.")
     parser.add_argument("checkpoint", help="global_step_N folder, its actor/ subfolder, or a checkpoint root (latest)")
     parser.add_argument("--output", "-o", required=True, help="folder to write (config, safetensors, tokenizer)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         out = export_actor(args.checkpoint, args.output)
     except CheckpointError as err:

@@ -1,25 +1,34 @@
 """Entry points of the SFT and DPO trainers.
 
-    python -m posttrain.trainer.fsdp_sft_trainer key=value ...   # verl's sft_trainer.yaml defaults
-    posttrain sft [key=value ...]                                # the built-in SFT run, then overrides
-    posttrain dpo key=value ...                                  # the DPO tree (TRL's dpo.* names)
+    posttrain sft [key=value ...]                                # the built-in SFT run, then the overrides
+    posttrain dpo key=value ...                                  # the built-in DPO run, then the overrides
+    posttrain sft|dpo --config FILE [key=value ...]              # verl's sft_trainer.yaml defaults, FILE, overrides
+    python -m posttrain.trainer.fsdp_sft_trainer key=value ...   # verl's sft_trainer.yaml defaults, then overrides
 
-A verl SFT launch script runs with `verl` replaced by `posttrain`; ranks come from
-``trainer.nnodes x trainer.n_gpus_per_node`` (Ray). User errors print one ``error:`` line.
+As with `posttrain train`: the built-in runs (`posttrain/config/sft_builtin.yaml`, `dpo_builtin.yaml`)
+are one process on CPU, and a verl SFT launch script runs with `verl` replaced by `posttrain` (ranks
+from ``trainer.nnodes x trainer.n_gpus_per_node``, Ray). `posttrain sft` on the built-in rows and
+`posttrain dpo` also report the greedy held-out accuracy on the built-in arithmetic task before and
+after training (``--no-heldout-eval`` skips it). User errors print one ``error:`` line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+from typing import Any
 
-BUILTIN_SFT = Path(__file__).resolve().parent.parent / "config" / "sft_builtin.yaml"
+from posttrain.config.sft_load import BUILTIN_DPO, BUILTIN_SFT
+
+STARTS = ("key=value overrides land on the built-in run ({builtin}: SmolLM2-135M-Instruct, one process on CPU); "
+          "--config FILE starts from verl's sft_trainer.yaml defaults instead, as `python -m "
+          "posttrain.trainer.fsdp_sft_trainer` does")
 
 
-def _run(trainer_cls, config) -> int:
+def _run(trainer_cls, config, heldout: bool) -> int:
     from posttrain.trainer.run import startup_signals
 
+    before = heldout_accuracy(config.model.partial_pretrain, config) if heldout else None
     try:
         with startup_signals():
             trainer = trainer_cls(config)
@@ -28,6 +37,8 @@ def _run(trainer_cls, config) -> int:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130
     _summary(history)
+    if before is not None and trainer.session.model_dir is not None:
+        _report_heldout(before, heldout_accuracy(str(trainer.session.model_dir), config), trainer.global_step)
     return 128 + int(trainer.stopped_by) if trainer.stopped_by is not None else 0
 
 
@@ -38,29 +49,68 @@ def _summary(history: list[dict]) -> None:
             print(f"{key}: {points[0][1]:.4f} at step {points[0][0]} -> {points[-1][1]:.4f} at step {points[-1][0]}")
 
 
+def heldout_accuracy(model: str, config: Any) -> dict[str, float]:
+    """Greedy accuracy of ``model`` on the built-in arithmetic task's held-out split (`posttrain eval`'s
+    data; the split ``data.arithmetic.*`` names when the config has one, as the SFT tree does)."""
+    from posttrain.trainer.evaluate import evaluate
+
+    task = getattr(config.data, "arithmetic", None)
+    keys = ("digits", "n_train", "n_test", "seed", "prompt_style")
+    overrides = [f"data.arithmetic.{k}={getattr(task, k)}" for k in keys if task is not None]
+    dtype = config.model.fsdp_config.mixed_precision.param_dtype
+    overrides.append(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={dtype}")
+    result = evaluate(model, batch_size=64, overrides=overrides)
+    overall = result["overall"]
+    flexible = [v["flexible_accuracy"] for v in result["per_source"].values() if "flexible_accuracy" in v]
+    return {"n": overall["n"], "accuracy": overall["accuracy"], **({"flexible": flexible[0]} if flexible else {})}
+
+
+def _report_heldout(before: dict[str, float], after: dict[str, float], step: int) -> None:
+    line = (f"held-out accuracy (built-in arithmetic task, {after['n']} questions, greedy): "
+            f"{before['accuracy']:.1%} at step 0 -> {after['accuracy']:.1%} at step {step} "
+            f"({(after['accuracy'] - before['accuracy']) * 100:+.1f} points)")
+    if "flexible" in before and "flexible" in after:
+        line += (f"; flexible {before['flexible']:.1%} -> {after['flexible']:.1%} "
+                 f"({(after['flexible'] - before['flexible']) * 100:+.1f} points)")
+    print(line, flush=True)
+
+
+def _parser(prog: str, description: str, builtin: Any) -> argparse.ArgumentParser:
+    starts = STARTS.format(builtin=f"posttrain/config/{builtin.name}") if builtin else \
+        "starts from verl's sft_trainer.yaml defaults, then --config FILE, then the key=value overrides"
+    parser = argparse.ArgumentParser(prog=prog, description=f"{description} {starts}.")
+    parser.add_argument("--config", help="YAML config layered over verl's defaults (replaces the built-in run)")
+    if builtin is not None:
+        parser.add_argument("--heldout-eval", action=argparse.BooleanOptionalAction, default=None,
+                            help="greedy held-out accuracy on the built-in arithmetic task before and after "
+                                 "(default: on for the built-in rows, and for posttrain dpo)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    return parser
+
+
 def sft_cli(argv: list[str], builtin: bool) -> int:
     from posttrain.config.sft_load import load_sft_config
     from posttrain.trainer.sft_trainer import SFTTrainer
 
-    parser = argparse.ArgumentParser(prog="posttrain sft" if builtin else "python -m posttrain.trainer.fsdp_sft_trainer",
-                                     description="Supervised fine-tuning with verl's SFT keys: key=value ...")
-    parser.add_argument("--config", help="YAML config layered over the defaults (replaces the built-in run)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser = _parser("posttrain sft" if builtin else "python -m posttrain.trainer.fsdp_sft_trainer",
+                     "Supervised fine-tuning with verl's SFT keys.", BUILTIN_SFT if builtin else None)
     args = parser.parse_args(argv)
     base = BUILTIN_SFT if builtin and args.config is None else None
-    return _run(SFTTrainer, load_sft_config(args.config, args.overrides, base=base))
+    config = load_sft_config(args.config, args.overrides, base=base)
+    heldout = getattr(args, "heldout_eval", False)
+    return _run(SFTTrainer, config, config.data.train_files is None if heldout is None else heldout)
 
 
 def dpo_cli(argv: list[str]) -> int:
     from posttrain.config.sft_load import load_dpo_config
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
-    parser = argparse.ArgumentParser(prog="posttrain dpo", description="Offline DPO on preference pairs (prompt, "
-                                     "chosen, rejected); the SFT keys plus dpo.* (TRL's names).")
-    parser.add_argument("--config", help="YAML config layered over the defaults")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser = _parser("posttrain dpo", "Offline DPO on preference pairs (prompt, chosen, rejected): the SFT keys "
+                     "plus dpo.* (TRL's names).", BUILTIN_DPO)
     args = parser.parse_args(argv)
-    return _run(DPOTrainer, load_dpo_config(args.config, args.overrides))
+    base = BUILTIN_DPO if args.config is None else None
+    config = load_dpo_config(args.config, args.overrides, base=base)
+    return _run(DPOTrainer, config, True if args.heldout_eval is None else args.heldout_eval)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,8 +47,12 @@ def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.t
               entry_overrides: tuple[str, ...] = ()) -> int:
     """``entry_overrides``: an entry point's own defaults (posttrain.experimental), before the user's."""
     parser = argparse.ArgumentParser(prog="posttrain train" if builtin else prog,
-                                     description="Train with RL. Overrides use verl's keys: key=value ...")
-    parser.add_argument("--config", help="YAML config layered over the defaults (replaces the built-in run)")
+                                     description="Train with RL. Overrides use verl's keys: key=value ... "
+                                     + ("key=value overrides land on the built-in run (posttrain/config/builtin.yaml: "
+                                        "SmolLM2-135M-Instruct, one process on CPU); --config FILE starts from verl's "
+                                        "defaults instead, as `python -m posttrain.trainer.main_ppo` does." if builtin
+                                        else "Starts from verl's defaults, then --config FILE, then the overrides."))
+    parser.add_argument("--config", help="YAML config layered over verl's defaults (replaces the built-in run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
     base = BUILTIN_CONFIG if builtin and args.config is None else None

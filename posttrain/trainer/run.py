@@ -20,13 +20,19 @@ import signal
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from posttrain.errors import SignalStop
+from posttrain.errors import PosttrainError, SignalStop
 from posttrain.rewards.manager import RewardInterrupted, scoring_in_progress
 from posttrain.trainer import resume, setup
 
-__all__ = ["NonFiniteGuard", "RunLoop", "Stage", "StepUndone", "startup_signals"]
+__all__ = ["NonFiniteError", "NonFiniteGuard", "RunLoop", "Stage", "StepUndone", "startup_signals"]
 
 HF_MODEL = "hf_model"  # the final export, beside the checkpoints in trainer.default_local_dir
+
+
+class NonFiniteError(PosttrainError, RuntimeError):
+    """Several steps in a row produced non-finite losses or gradients, or the final weights are not finite."""
+
+    exit_code = 3
 
 
 class StepUndone(Exception):
@@ -114,6 +120,9 @@ class RunLoop:
                 s.checkpoints.unlock()  # the folder's lock (one writer) ends with the run
         if self._finished() and s.workers.writes:
             self.model_dir = self._export(scratch)
+        if s.workers.writes:  # every stage's memory figure, one method: the process tree's peak (issue 41)
+            from posttrain.host.process_tree import run_peak_metrics
+            tracker.log(run_peak_metrics(getattr(getattr(s, "memory", None), "run_peak", 0)), step=s.global_step)
         tracker.finish()
         return s.history
 
@@ -279,8 +288,6 @@ def export_final_model(step_dir: Path, out: Path) -> Path:
     try:
         return export_actor(step_dir, out)
     except NonFiniteWeights as err:
-        from posttrain.trainer.trainer import NonFiniteError
-
         raise NonFiniteError(f"the final model was not exported: {err}") from err
 
 
@@ -306,8 +313,6 @@ class NonFiniteGuard:
             return
         self.streak += 1
         if self.streak >= self.limit:
-            from posttrain.trainer.trainer import NonFiniteError
-
             bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
             shown = {k: round(v, 5) for k, v in self.last_finite.items() if "loss" in k or "grad_norm" in k}
             raise NonFiniteError(

@@ -62,6 +62,7 @@ class SFTSession:
         self.global_step = 0
         self.history: list[dict[str, float]] = []
         self.stopped_by: int | None = None
+        self.model_dir: Path | None = None  # hf_model/ of a finished run
         self.nonfinite = NonFiniteGuard(t.max_consecutive_nonfinite, "Lower optim.lr, or check the rows for "
                                         "empty or overlong responses.")
         self.torchrun = launched_by_torchrun()  # every process a rank (module docstring of distributed.torchrun)
@@ -169,9 +170,14 @@ class SFTSession:
             self.nonfinite.streak = run.nonfinite_streak
         return run
 
-    def run_loop(self) -> RunLoop:
-        """The run loop over this session, stopping on non-finite steps (`NonFiniteGuard`)."""
-        return RunLoop(self, check=lambda metrics: self.nonfinite(self.global_step, metrics))
+    def fit(self) -> list[dict[str, float]]:
+        """The run loop over this session, stopping on non-finite steps (`NonFiniteGuard`); a finished
+        run's exported model folder is then `model_dir`."""
+        loop = RunLoop(self, check=lambda metrics: self.nonfinite(self.global_step, metrics))
+        try:
+            return loop.fit()
+        finally:
+            self.model_dir = loop.model_dir
 
     def fingerprint(self) -> dict:
         return sft_fingerprint(self.rl, len(self.tokenizer), self.stage)

@@ -71,4 +71,4 @@ class SFTTrainer:
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
-        return self.session.run_loop().fit()
+        return self.session.fit()

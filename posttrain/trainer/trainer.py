@@ -34,7 +34,6 @@ from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, descri
                               validate_config, worker_config)
 from posttrain.config.roles import rl_role_specs
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
-from posttrain.errors import PosttrainError
 from posttrain.host.resident import PhasePeaks
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        place_on_last_token)
@@ -45,18 +44,12 @@ from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
-from posttrain.trainer.run import RunLoop, StepUndone
+from posttrain.trainer.run import NonFiniteError, RunLoop, StepUndone  # NonFiniteError: importable here too
 from posttrain.trainer.validation import run_validation
 
 # Estimators whose baseline is the reward of a greedy response to the same prompt (ReMax): declared
 # with their registration (`register_adv_est(..., needs_greedy_baseline=True)`), read live.
 GREEDY_BASELINE_ESTIMATORS = EstimatorsWith("needs_greedy_baseline")
-
-
-class NonFiniteError(PosttrainError, RuntimeError):
-    """Several steps in a row produced non-finite losses or gradients."""
-
-    exit_code = 3
 
 
 class RLTrainer:
