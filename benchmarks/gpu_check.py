@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                          # CUDA: FSDP2 world size 1 (NCCL), bf16
     python benchmarks/gpu_check.py --json gpu_check.json    # also write the summary to a file
     python benchmarks/gpu_check.py --tiny                   # CPU smoke test (gloo, fp32, tiny model)
+    python benchmarks/gpu_check.py --checks weight_sync     # only the trainer -> rollout weight sync
 
 Needs torch, transformers and posttrain only (no Ray, no vLLM, no downloads): the model is
 ``Qwen2ForCausalLM`` built from a Qwen2.5-0.5B-shaped ``Qwen2Config`` with random weights, and
@@ -31,6 +32,14 @@ gradient checkpointing not counted, as for MFU): ``2 x`` matmul parameters per t
 (decoder layers on every token; ``lm_head`` only where logits are taken: generated tokens and
 scored response tokens), plus attention scores ``4 x layers x hidden x context`` per token;
 ``3 x`` a forward for forward + backward.
+
+``weight_sync`` (issue 39, `posttrain.distributed.weight_sync`): a trainer process pushes the same
+random model to a rollout process that built it with other values, through a ``WeightSyncGroup``:
+NCCL from ``cuda:0`` to ``cuda:1`` when two GPUs are visible; with one GPU, gloo with both models on
+it (NCCL refuses two ranks on one device, "Duplicate GPU detected"), and ``nccl`` is reported as
+skipped; ``--tiny``: gloo on CPU. Cases ``fp32`` (every weight) and ``bf16`` (cast on the trainer,
+what a bf16 engine takes): median seconds of ``--sync-reps`` pushes until the receiver has loaded,
+bytes, GB/s, and ``bit_equal`` (a float64 digest of every weight as sent, compared across processes).
 """
 
 from __future__ import annotations
@@ -63,6 +72,12 @@ from posttrain.distributed.fsdp import (  # noqa: E402
     offload_optimizer,
     resident_for_phase,
     shard_model,
+)
+from posttrain.distributed.weight_sync import (  # noqa: E402
+    WeightSyncGroup,
+    push_trainer_weights,
+    receive_into,
+    trainer_weights,
 )
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.workers import ActorWorker  # noqa: E402
@@ -106,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=16, help="rows per micro-batch (log-prob and update)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU, for the fraction")
     p.add_argument("--json", type=Path, help="also write the summary here")
+    p.add_argument("--checks", default="fsdp,weight_sync", help="comma list of fsdp, weight_sync")
+    p.add_argument("--sync-reps", type=int, default=3, help="timed weight pushes per case (after one warm-up)")
     args = p.parse_args(argv)
     if args.tiny:
         args.prompts, args.n, args.prompt_len, args.response_len, args.micro = 2, 2, 8, 6, 2
@@ -284,20 +301,98 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("no CUDA device: run with --tiny for the CPU smoke test")
     if device == "cpu":
         torch.set_num_threads(min(torch.get_num_threads(), 2))
-    start_process_group(device)
-    mesh = build_mesh(device, 1)
+    checks = args.checks.split(",")
     summary = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-               "params": sum(p.numel() for p in build_model("meta", args.tiny).parameters()),
-               "work": vars(Work(args.prompts, args.n, args.prompt_len, args.response_len, args.micro)),
-               "peak_tflops": args.peak_tflops,
-               "settings": [run_setting(name, args, device, mesh) for name in args.settings.split(",")]}
-    summary["table"] = [table_row(r) for r in summary["settings"]]
+               "params": sum(p.numel() for p in build_model("meta", args.tiny).parameters())}
+    if "weight_sync" in checks:  # first: its processes are spawned before this one holds a process group
+        summary["weight_sync"] = weight_sync_check(args)
+    if "fsdp" in checks:
+        start_process_group(device)
+        mesh = build_mesh(device, 1)
+        summary.update({"work": vars(Work(args.prompts, args.n, args.prompt_len, args.response_len, args.micro)),
+                        "peak_tflops": args.peak_tflops,
+                        "settings": [run_setting(name, args, device, mesh) for name in args.settings.split(",")]})
+        summary["table"] = [table_row(r) for r in summary["settings"]]
+        torch.distributed.destroy_process_group()
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-    torch.distributed.destroy_process_group()
     return summary
+
+
+# --------------------------------------------------------------------------- weight sync (issue 39)
+def weight_sync_plan(tiny: bool) -> dict:
+    """Backend and devices of the two processes (module docstring, ``weight_sync``)."""
+    gpus = 0 if tiny else torch.cuda.device_count()
+    if gpus >= 2:
+        return {"backend": "nccl", "devices": ["cuda:0", "cuda:1"], "nccl": "ran"}
+    if gpus == 1:
+        return {"backend": "gloo", "devices": ["cuda:0", "cuda:0"],
+                "nccl": "skipped: one GPU (NCCL refuses two ranks on one device); gloo with both models on it"}
+    return {"backend": "gloo", "devices": ["cpu", "cpu"], "nccl": "skipped: --tiny (CPU)"}
+
+
+def sync_digest(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, list[float]]:
+    """float64 sum and sum of squares of every weight as sent (identical on both sides when all arrived)."""
+    out = {}
+    for name, t in trainer_weights(model, dtype=dtype):
+        t = t.to(torch.float64)
+        out[name] = [float(t.sum()), float((t * t).sum())]
+    return out
+
+
+def weight_sync_rank(rank: int, port: int, plan: dict, args: argparse.Namespace, out_dir: str) -> None:
+    """Rank 0 pushes its model ``--sync-reps`` + 1 times per case; rank 1 (other values) loads it."""
+    device = plan["devices"][rank]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    torch.set_num_threads(1)
+    model = build_model(device, args.tiny)
+    if rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # other values everywhere: a tensor that does not arrive breaks bit_equal
+    group = WeightSyncGroup.create("127.0.0.1", port, rank, 2, plan["backend"], timeout_s=300,
+                                   device=device if plan["backend"] == "nccl" else None)
+    results, version = {}, 0
+    for case, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        seconds = []
+        for _ in range(args.sync_reps + 1):
+            version += 1
+            if rank == 0:
+                seconds.append(push_trainer_weights(group, model, version, dtype=dtype)["weight_sync/seconds"])
+            else:
+                receive_into(group, model)
+        sent = sum(t.numel() * t.element_size() for _, t in trainer_weights(model, dtype=dtype))
+        results[case] = {"seconds": seconds[1:], "bytes": sent, "digest": sync_digest(model, dtype)}
+    group.close()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def weight_sync_check(args: argparse.Namespace) -> dict:
+    """Two spawned processes (CUDA cannot be forked); their figures and whether every weight arrived."""
+    import socket
+    import statistics
+    import tempfile
+
+    import torch.multiprocessing as torch_mp
+
+    plan = weight_sync_plan(args.tiny)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="gpu-check-sync-") as out:
+        torch_mp.start_processes(weight_sync_rank, nprocs=2, join=True, start_method="spawn",
+                                 args=(port, plan, args, out))
+        trainer, rollout = (torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in (0, 1))
+    cases = {}
+    for case, result in trainer.items():
+        median = statistics.median(result["seconds"])
+        cases[case] = {"median_s": round(median, 4), "seconds": [round(x, 4) for x in result["seconds"]],
+                       "bytes": result["bytes"], "GB_per_s": round(result["bytes"] / median / 1e9, 3),
+                       "bit_equal": result["digest"] == rollout[case]["digest"]}
+    return {**plan, "cases": cases}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ Modules (import the one you need; this package itself imports nothing heavy, and
     split      splitting a driver batch over ranks, balancing tokens, combining what comes back
     fsdp       init_distributed, build_mesh, shard_model (FSDP2), gathered_for_generation,
                offload helpers, the gradient-averaging rule that is correct on gloo and NCCL
+    weight_sync  trainer -> rollout weights (async rollouts): a stateless gloo/NCCL group or a folder of
+               safetensors files; trainer_weights (full or LoRA adapters), load_weights
     dcp        save_sharded / load_sharded (torch.distributed.checkpoint, loadable at any world
                size, never unpickles code), full_state_dict_for_export
 """

@@ -189,8 +189,9 @@ class WeightSyncGroup:
 
     def close(self) -> None:
         """Tear the group down (NCCL communicators are shut down; the store closes with rank 0's object)."""
-        if self._pg is not None and self.backend == "nccl":
-            self._pg.shutdown()
+        if self._pg is not None and self.backend == "nccl":  # frees the communicator now, not at exit
+            shutdown = getattr(self._pg, "shutdown", None) or getattr(self._pg, "_shutdown")
+            shutdown()
         self._pg = None
         self._store = None
 
@@ -244,7 +245,8 @@ class WeightSyncGroup:
     # ---------------------------------------------------------------- receiving
     def receive(self, apply: Callable[[Iterator[tuple[str, torch.Tensor]]], Any]) -> int:
         """Receive one version: ``apply`` gets an iterator of ``(name, tensor)`` (views into the
-        received bucket, on this group's device) and must consume all of it. Returns the version.
+        received bucket, on this group's device; each bucket is a fresh buffer, so ``apply`` may keep
+        them) and must consume all of it. Returns the version.
 
         When ``apply`` raises (or leaves tensors unconsumed) the rest of the transfer is still
         received, the error is reported to the trainer, and a `WeightSyncError` is raised here.
@@ -492,13 +494,24 @@ class FileWeightSync:
                 raise WeightSyncError(f"{self.folder}: no weight version newer than {self.version} within "
                                       f"{timeout_s:g} s (newest: {latest})")
             time.sleep(self.poll_s)
-        folder = self._version_dir(latest)
         with ExitStack() as stack:
-            files = _open_parts(folder, stack)
-            names = [entry[0] for entry in _read_manifest(folder, files)]
+            latest, files, names = self._open_version(latest, stack)
             apply(((name, files[name].get_tensor(name)) for name in names))
         self.version = latest
         return latest
+
+    def _open_version(self, latest: int, stack: ExitStack) -> tuple[int, dict[str, Any], list[str]]:
+        """Open every file of version ``latest`` and check them against its manifest; when the sender
+        deleted that version meanwhile (``keep`` newer ones written), the newest one instead."""
+        while True:
+            folder = self._version_dir(latest)
+            files = _open_parts(folder, stack)
+            if folder.is_dir():  # still there after opening: the open files stay readable from now on
+                return latest, files, [entry[0] for entry in _read_manifest(folder, files)]
+            newest = self.latest()
+            if newest is None or newest <= latest:
+                raise WeightSyncError(f"{folder}: the version file names it but the folder is gone")
+            latest = newest
 
 
 def _write_atomically(path: Path, text: str) -> None:
