@@ -89,10 +89,32 @@ def check_rows(rows: Sequence[dict], where: str, tool_names: Sequence[str] | Non
         if unknown:
             raise DataError(f"{where} row {i}: extra_info.tools_kwargs names unknown tool(s) {unknown}; configured tools: "
                             f"{sorted(tool_names) or 'none'} (actor_rollout_ref.rollout.multi_turn.tool_config_path)")
+        _check_tool_kwargs(tools_kwargs, f"{where} row {i}: extra_info.tools_kwargs")
         inter = extra.get("interaction_kwargs")
+        if inter is not None and not isinstance(inter, dict):
+            raise DataError(f"{where} row {i}: extra_info.interaction_kwargs must be a mapping {{name, ...}}, got "
+                            f"{type(inter).__name__}")
         if inter:
             name = inter.get("name") if isinstance(inter, dict) else None
             if not interactions or (name is not None and name not in interactions):
                 raise DataError(f"{where} row {i}: extra_info.interaction_kwargs.name={name!r} is not configured; "
                                 f"interactions: {sorted(interactions) or 'none'} "
                                 "(actor_rollout_ref.rollout.multi_turn.interaction_config_path)")
+
+
+TOOL_KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+
+
+def _check_tool_kwargs(tools_kwargs: dict, where: str) -> None:
+    """Each tool's entry is a mapping of TOOL_KWARGS_KEYS to mappings (the loop passes them as keywords)."""
+    for tool, entry in tools_kwargs.items():
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            raise DataError(f"{where}.{tool} must be a mapping of {', '.join(TOOL_KWARGS_KEYS)}, got {type(entry).__name__}")
+        for key, value in entry.items():
+            if key not in TOOL_KWARGS_KEYS:
+                raise DataError(f"{where}.{tool}.{key}: not a key the loop reads ({', '.join(TOOL_KWARGS_KEYS)})")
+            if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+                raise DataError(f"{where}.{tool}.{key} must be a mapping of keyword arguments, got "
+                                f"{type(value).__name__}")

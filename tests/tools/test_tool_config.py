@@ -173,6 +173,12 @@ def test_rows_naming_unknown_tools_interactions_or_loops_are_refused_at_start_up
         ({"extra_info": {"tools_kwargs": {"calc": {}}}}, "train.parquet row 1: extra_info.tools_kwargs names unknown tool(s) ['calc']"),
         ({"extra_info": {"interaction_kwargs": {"name": "chat"}}}, "row 1: extra_info.interaction_kwargs.name='chat' is not configured"),
         ({"agent_name": "react_agent"}, "row 1: agent_name='react_agent' is not a loop"),
+        ({"extra_info": {"tools_kwargs": {"calculator": "x"}}}, "row 1: extra_info.tools_kwargs.calculator must be a mapping"),
+        ({"extra_info": {"tools_kwargs": {"calculator": {"create": {}}}}},
+         "row 1: extra_info.tools_kwargs.calculator.create: not a key the loop reads"),
+        ({"extra_info": {"tools_kwargs": {"calculator": {"create_kwargs": [1]}}}},
+         "row 1: extra_info.tools_kwargs.calculator.create_kwargs must be a mapping of keyword arguments, got list"),
+        ({"extra_info": {"interaction_kwargs": "gsm8k"}}, "row 1: extra_info.interaction_kwargs must be a mapping"),
     ]
     for row, message in cases:
         with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
