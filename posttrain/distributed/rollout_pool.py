@@ -114,13 +114,14 @@ class RolloutWorker:
                                              timeout_s=timeout_s)
 
     def receive_weights(self) -> int:
-        """Take one push (runs beside a generation): copied aside, loaded at the next unit boundary, where
-        `weight_sync.load_weights` checks every name and shape (an error fails that unit, naming this worker)."""
+        """Take one push (runs beside a generation): checked by `weight_sync.stage_weights` as it arrives (a
+        wrong name or shape fails the push, reported to the trainer), loaded at the next unit boundary."""
+        from posttrain.distributed.weight_sync import stage_weights
+
         received: dict[str, Any] = {}
 
         def stash(named) -> None:
-            for name, tensor in named:
-                received[name] = tensor.detach().clone()
+            received.update(stage_weights(self.actor.module, named, lora_only=self.lora_only))
 
         version = self._group.receive(stash)
         with self._lock:

@@ -108,6 +108,9 @@ class Flow:
     """How a step draws its prompts with algorithm.filter_groups.enable (DAPO), else None."""
     multi_turn: Optional[str] = None
     """The turn and length budget of a trajectory with rollout.multi_turn.enable, else None."""
+    async_pools: Optional[str] = None
+    """With actor_rollout_ref.hybrid_engine=False: the trainer and rollout pools, the queue window and the
+    staleness budget (posttrain.config.async_training), else None."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,13 +227,27 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
         responses * (p_len + r_len), arr.rollout.name, tp, arr.rollout.tensor_model_parallel_size, workers,
         responses // workers, prompts // workers,
         tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
-        sampling, multi_turn_budget(arr.rollout),
+        sampling, multi_turn_budget(arr.rollout), async_pools(config),
     )
+
+
+def async_pools(config: PostTrainConfig) -> Optional[str]:
+    """The two pools, the in-flight window and the staleness budget of an asynchronous run, else None."""
+    from posttrain.config.async_training import async_budget, async_enabled, rollout_workers
+
+    if not async_enabled(config):
+        return None
+    r, t = config.actor_rollout_ref.rollout, config.trainer
+    return (f"asynchronous: trainer pool {t.nnodes} x {t.n_gpus_per_node} device(s); rollout pool "
+            f"{r.nnodes} x {r.n_gpus_per_node} = {rollout_workers(config)} {r.name} worker(s) (on CPU: each its own "
+            f"cores), work units of {config.data.gen_batch_size} prompts; " + async_budget(config).describe())
 
 
 def rollout_description(f: Flow) -> str:
     """What generates a step's responses, as it will run (the engine, its copies, the work of each)."""
     share = f"{f.responses_per_worker} responses each ({f.prompts_per_worker} prompts x {f.n})"
+    if f.async_pools:
+        return f.async_pools
     if f.rollout_engine == "hf":
         return f"hf on each of the {f.world_size} ranks (the actor's own weights): {share}"
     return f"one {f.rollout_engine} engine per rank ({f.world_size} ranks, each with the full weights): {share}"

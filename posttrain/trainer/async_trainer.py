@@ -237,7 +237,8 @@ def _start_pool(config: PostTrainConfig):
     device = setup.resolve_device(config).type
     rollout, k = config.actor_rollout_ref.rollout, rollout_workers(config)
     trainer_devices = setup.world_size(config)
-    share = cpu_share(os.cpu_count() or 1, trainer_devices, k) if device == "cpu" else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = cpu_share(cores, trainer_devices, k) if device == "cpu" else 1
     init = {key: getattr(config.ray_kwargs.ray_init, key) for key in ("num_cpus",)}
     connect(init, device)
     on_driver_node = trainer_devices if rollout.nnodes == 1 else 0
