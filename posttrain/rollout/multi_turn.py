@@ -387,14 +387,14 @@ class MultiTurnRollout:
 
     async def _execute(self, t: _Trajectory, call: ToolCall, timeout: float) -> tuple[str, dict]:
         """The tool's answer text and metrics; its create() (first call) and execute() each get ``timeout``."""
-        tool, kwargs = self.tools[call.name], t.tools_kwargs.get(call.name) or {}
+        tool = self.tools[call.name]
         async with t.create_lock:
             if call.name not in t.instances:
-                create = functools.partial(tool.create, None, **(kwargs.get("create_kwargs") or {}))
+                create = functools.partial(tool.create, None, **_tool_kwargs(t, call.name, "create_kwargs"))
                 created = await run_user_code(create, timeout=timeout, what=f"tool {call.name}.create")
                 t.instances[call.name] = created[0] if isinstance(created, tuple) else created
         execute = functools.partial(tool.execute, t.instances[call.name], call.arguments,
-                                    **(kwargs.get("execute_kwargs") or {}))
+                                    **_tool_kwargs(t, call.name, "execute_kwargs"))
         response, step_reward, metrics = await run_user_code(execute, timeout=timeout, what=f"tool {call.name}.execute")
         t.tool_reward += _finite(step_reward or 0.0, "step reward")
         return str(ToolResponse.of(response).text or ""), dict(metrics or {})
@@ -403,12 +403,13 @@ class MultiTurnRollout:
         """Tool rewards (calc_reward), the interaction's score; instances released. A failing method
         is counted and logged; the others still run."""
         for name, instance in t.instances.items():
-            tool, kwargs = self.tools[name], t.tools_kwargs.get(name) or {}
+            tool = self.tools[name]
             reward = await self._tool_finish_call(t, name, "calc_reward", tool.calc_reward, instance,
-                                                  **(kwargs.get("calc_reward_kwargs") or {}))
+                                                  **_tool_kwargs(t, name, "calc_reward_kwargs"))
             if reward is not None:
                 t.tool_reward += reward
-            await self._tool_finish_call(t, name, "release", tool.release, instance, **(kwargs.get("release_kwargs") or {}))
+            await self._tool_finish_call(t, name, "release", tool.release, instance,
+                                         **_tool_kwargs(t, name, "release_kwargs"))
         if t.interaction is not None and t.interaction_id is not None:
             ok, score = await self._interaction_call(t, "calculate_score", t.interaction_id)
             try:
@@ -468,6 +469,13 @@ class MultiTurnRollout:
 
 _TIMED_OUT = {"tool_error": 1.0, "tool_timeout": 1.0}
 _FAILED = {"tool_error": 1.0}
+
+
+def _tool_kwargs(t: _Trajectory, tool: str, key: str) -> dict:
+    """The row's ``tools_kwargs[tool][key]`` keywords; {} when absent (start-up checks name a malformed one)."""
+    entry = t.tools_kwargs.get(tool)
+    value = entry.get(key) if isinstance(entry, dict) else None
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else {}
 
 
 def _finite(value: Any, what: str) -> float:
