@@ -59,6 +59,8 @@ class _LibcFunction(_ctypes.CFuncPtr):
 
 _libc_mount = _LibcFunction(("mount", _Libc))
 _libc_prctl = _LibcFunction(("prctl", _Libc))
+_libc_mallopt = _LibcFunction(("mallopt", _Libc))
+M_ARENA_MAX = -8
 
 
 def _mount(source, target, fstype, flags, data=None):
@@ -166,6 +168,9 @@ def _run_code(config, source, runner_fds):
         for fd in runner_fds:
             os.close(fd)
         os.setsid()
+        # glibc reserves a 64 MB malloc arena per thread (up to 8 per core): under RLIMIT_AS a few dozen
+        # threads would fail on address space that is never used, misread as the process limit
+        _libc_mallopt(_CInt(M_ARENA_MAX), _CInt(2))
         _set_limits(config["limits"])
         if config["uid"] is not None:
             os.setgroups([])

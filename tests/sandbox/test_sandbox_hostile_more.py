@@ -129,3 +129,36 @@ def test_files_under_root_are_hidden():
             assert control.stdout == "0\nTrue\nroot secret\n"
     finally:
         os.unlink(path)
+
+
+# ---------------------------------------------------------------------- threads count as processes
+THREADS_40 = """
+import threading, time
+threads = [threading.Thread(target=time.sleep, args=(0.5,)) for _ in range(40)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print('threads', len(threads))
+"""
+
+
+def test_threads_count_against_the_process_limit():
+    needs_own_uid()
+    result = run(THREADS_40, max_processes=8, timeout_s=10.0)
+    assert result.status == "processes" and result.limit_hit == "process limit of 8"
+    assert "can't start new thread" in result.stderr and "threads" not in result.stdout
+    control = run(THREADS_40, max_processes=64, timeout_s=10.0)
+    assert control.status == "ok" and control.stdout == "threads 40\n"
+
+
+# ---------------------------------------------------------------------- isolated mode
+def test_the_code_runs_in_pythons_isolated_mode():
+    import subprocess
+    import sys
+
+    code = "import sys\nprint(sys.flags.isolated, sys.flags.ignore_environment, sys.flags.no_user_site)"
+    assert run(code, timeout_s=5.0).stdout == "1 1 1\n"
+    # control: a plain interpreter is not in isolated mode
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert plain.stdout == "0 0 0\n"
