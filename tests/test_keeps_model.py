@@ -149,3 +149,22 @@ def test_the_guard_counts_steps_in_a_row_only():
     assert guard.streak == 2
     with pytest.raises(NonFiniteError, match="step 6: 3 steps in a row .* hint"):
         guard(6, {"train/grad_norm": float("inf")})
+
+
+def test_sft_reports_held_out_accuracy_before_and_after(tmp_path, capsys):
+    """`posttrain sft --heldout-eval`: the built-in task's greedy accuracy of the starting model and of the
+    exported one, as `posttrain eval` measures them."""
+    from posttrain.cli import main as cli
+    from posttrain.trainer.evaluate import evaluate
+
+    overrides = tiny_sft_overrides(tmp_path, ["trainer.total_training_steps=1"])
+    assert cli(["sft", "--heldout-eval", *overrides]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("held-out accuracy")]
+    before = evaluate(str(tiny_model_dir(tmp_path)), batch_size=64)["overall"]
+    after = evaluate(str(tmp_path / "ckpt" / "hf_model"), batch_size=64)["overall"]
+    assert line.startswith(f"held-out accuracy (built-in arithmetic task, {before['n']} questions, greedy): "
+                           f"{before['accuracy']:.1%} at step 0 -> {after['accuracy']:.1%} at step 1")
+    assert before["n"] == 128
+    assert cli(["sft", "--no-heldout-eval", *overrides, "trainer.start_over=True"]) == 0  # control: no report
+    assert "held-out accuracy" not in capsys.readouterr().out

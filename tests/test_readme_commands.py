@@ -289,12 +289,41 @@ def test_each_command_runs_as_written(command, readme_workdir):
         pytest.skip("written with a stand-in for the reader's own value")
     extra = shortening(command, command.argv, readme_workdir)
     line = shlex.join(command.argv + extra)  # the line's own words (its comment dropped), then the shortening
-    env = {**os.environ, **SCRIPT_SIZES, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, **SCRIPT_SIZES, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           # this checkout, whatever folder an installed copy points to
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
-    proc = subprocess.run(["bash", "-c", line], cwd=readme_workdir, env=env, capture_output=True, text=True,
-                          timeout=3600)
+    if command.argv[:3] == ["posttrain", "sandbox", "serve"]:
+        proc = serve_then_stop(line, readme_workdir, env)
+    else:
+        proc = subprocess.run(["bash", "-c", line], cwd=readme_workdir, env=env, capture_output=True, text=True,
+                              timeout=3600)
     took = time.monotonic() - start
     with open(readme_workdir / "timings.txt", "a") as log:
         log.write(f"{took:7.1f} s  rc={proc.returncode}  {line}\n")
     assert proc.returncode == 0, f"{line}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
+
+
+def serve_then_stop(line: str, work: Path, env: dict) -> subprocess.CompletedProcess:
+    """A server runs until stopped: it passes when its port answers /run_code, then it gets SIGTERM."""
+    import json
+    import signal
+    import urllib.request
+
+    port = int(shlex.split(line)[shlex.split(line).index("--port") + 1])
+    server = subprocess.Popen(shlex.split(line), cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    answered, deadline = None, time.monotonic() + 300
+    while answered is None and time.monotonic() < deadline and server.poll() is None:
+        try:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/run_code", method="POST",
+                                             data=json.dumps({"code": "print(6 * 7)", "language": "python"}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            answered = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        except OSError:
+            time.sleep(1)
+    server.send_signal(signal.SIGTERM)
+    out, _ = server.communicate(timeout=120)
+    ok = answered is not None and "42" in json.dumps(answered)
+    return subprocess.CompletedProcess(line, 0 if ok else 1, out, f"answer: {answered}")
