@@ -52,7 +52,7 @@ class ConsoleBackend:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         shown = [k for k in self.HEADLINE if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
-        parts = [f"{k.split('/', 1)[-1] if not k.startswith('val') else k}={_fmt(metrics[k])}" for k in shown]
+        parts = [f"{column_name(k)}={_fmt(metrics[k])}" for k in shown]
         print(f"step {step}{self._progress(step)} | " + " ".join(parts), flush=True)
 
     def _progress(self, step: int) -> str:
@@ -169,6 +169,17 @@ class Tracking:
     def finish(self) -> None:
         for backend in self.backends.values():
             backend.finish()
+
+
+BARE_STATISTICS = ("mean", "max", "min", "std", "step", "sum")
+"""Last parts that name no subject on their own (``response_length/mean``): such a column keeps its full key."""
+
+
+def column_name(key: str) -> str:
+    """A console column's name: the metric without its group (``actor/pg_loss`` -> ``pg_loss``), unless
+    that would leave a bare statistic (``response_length/mean`` stays whole) or it is a validation metric."""
+    short = key.split("/", 1)[-1]
+    return key if key.startswith("val") or short in BARE_STATISTICS else short
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

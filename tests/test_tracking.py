@@ -50,6 +50,20 @@ def test_console_backend_prints_headline_metrics_and_progress(tmp_path, capsys):
     assert "score/mean=0.25 pg_loss=0.5 val-core/acc@1=1" in lines[0]
 
 
+def test_every_console_column_names_its_subject(tmp_path, capsys):
+    """``response_length/mean=17.53`` and ``timing_s/step=3.1``, never a bare ``mean=17.53`` or ``step=3.1``."""
+    from posttrain.tracking import BARE_STATISTICS, ConsoleBackend, column_name
+
+    tracking = Tracking(["console"], tmp_path, "proj", "exp", total_steps=2)
+    tracking.log({key: 1.5 for key in ConsoleBackend.HEADLINE}, 1)
+    line = capsys.readouterr().out.splitlines()[0]
+    columns = [part.split("=")[0] for part in line.split(" | ", 1)[1].split()]
+    assert len(columns) == len(ConsoleBackend.HEADLINE)
+    assert not set(columns) & set(BARE_STATISTICS), columns
+    assert "response_length/mean" in columns and "timing_s/step" in columns and "pg_loss" in columns
+    assert column_name("response_length/mean").split("/")[-1] == "mean"  # the statistic is still said
+
+
 def test_console_shows_the_rollout_actor_probability_gap(tmp_path, capsys):
     from posttrain.batch import Batch
     from posttrain.trainer.metrics import rollout_actor_diff
