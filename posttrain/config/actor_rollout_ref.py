@@ -79,6 +79,9 @@ class OptimConfig:
     """Schedule after warm-up: constant or cosine."""
     warmup_style: Optional[str] = None
     """Deprecated verl name of lr_scheduler_type; when set it wins."""
+    optimizer: str = "auto"
+    """AdamW (float32 moments; also adamw_torch), adamw_8bit (TRL's name: 8-bit block-wise moments, 2 bytes a
+    parameter instead of 8), or auto: the run's memory plan chooses (adamw_8bit on a one-process CPU run)."""
 
 
 @_cfg()

@@ -172,6 +172,9 @@ class SFTOptimConfig:
     """Clip the gradient norm to this (0: no clipping)."""
     lr_scheduler: str = "cosine"
     """Schedule after warm-up: cosine or constant."""
+    optimizer: str = "auto"
+    """(posttrain; TRL's ``optim``) AdamW (float32 moments), adamw_8bit (8-bit block-wise moments), or auto:
+    the run's memory plan chooses (adamw_8bit on a one-process CPU run)."""
     min_lr_ratio: float = 0.0
     """(posttrain) Cosine floor as a fraction of lr."""
 

@@ -41,6 +41,7 @@ def sft_actor_rollout_ref(config: SFTConfig, total_steps: int, *, reference: boo
     actor.grad_clip, actor.use_kl_loss = o.clip_grad, reference
     ao = actor.optim
     ao.lr, ao.betas, ao.weight_decay = o.lr, list(o.betas), o.weight_decay
+    ao.optimizer = o.optimizer
     ao.lr_warmup_steps = o.lr_warmup_steps
     ao.lr_warmup_steps_ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
     ao.lr_scheduler_type, ao.min_lr_ratio, ao.total_training_steps = o.lr_scheduler, o.min_lr_ratio, total_steps

@@ -10,7 +10,9 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   (`posttrain.host.paging.PagedAdamW`), and the actor's rollout and update run memory-first
   (`resident`);
 - ``compile_layers``: the decoder layers through ``torch.compile`` in the scoring and training
-  forwards (`posttrain.models.compile`; on any device).
+  forwards (`posttrain.models.compile`; on any device);
+- ``optim.optimizer: auto``: the memory plan's choice (`posttrain.host.memory_plan`: 8-bit AdamW moments
+  on a CPU), said in one console line once the roles are built (`announce_plan`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import torch
 from torch import nn
 
 from posttrain.host.allocator import mapped_allocations, release_freed_memory
+from posttrain.host.memory_plan import MemoryPlan
 from posttrain.host.paging import PagedAdamW, offload_directory, one_pass, page_module, paged_weights
+from posttrain.host.process_tree import start_run_peak
 from posttrain.models.compile import enable_layer_compile
-from posttrain.workers.optim import build_optimizer, trainable_parameters
+from posttrain.workers.optim import build_optimizer, optimizer_kind, trainable_parameters
 from posttrain.workers.prepare import OnDevice
 
 __all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first"]
@@ -60,12 +64,32 @@ class InProcess(OnDevice):
             enable_layer_compile(module, compile_key)
         return module
 
+    def __init__(self, device: str | torch.device):
+        super().__init__(device)
+        self.plan = MemoryPlan(self.device)
+        start_run_peak()  # the run's process-tree peak is sampled from before its models load
+
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
-        """AdamW; its moments paged to a file (`PagedAdamW`) when ``<section>.fsdp_config.optimizer_offload``
-        asks on a CPU run."""
+        """AdamW; ``optim.optimizer: auto`` as the memory plan decides (8-bit moments on a CPU:
+        `posttrain.host.memory_plan`); its moments paged to a file (`PagedAdamW`) when
+        ``<section>.fsdp_config.optimizer_offload`` asks on a CPU run."""
+        role = section.removesuffix(".model")  # the critic's fsdp_config sits in critic.model, its optim in critic
+        requested = optimizer_kind(optim_config, f"{role}.optim.optimizer")
         directory = offload_directory(fsdp_config, "optimizer_offload", section, module, self.device)
-        make = torch.optim.AdamW if directory is None else functools.partial(PagedAdamW, directory=directory)
-        return build_optimizer(trainable_parameters(module), optim_config, make)
+        if directory is not None and requested == "adamw_8bit":
+            raise ValueError(f"{section}.optim.optimizer=adamw_8bit and {section}.fsdp_config.optimizer_offload=True "
+                             "both shrink AdamW's moments; choose one (8-bit moments stay in memory, offloaded ones "
+                             "are paged to a file)")
+        params = trainable_parameters(module)
+        count = sum(p.numel() for p in {id(p): p for p in params}.values())
+        kind = self.plan.optimizer(requested, paged=directory is not None, trained_params=count)
+        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count)
+        make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
+        return build_optimizer(params, optim_config, make, kind=kind)
+
+    def announce_plan(self) -> None:
+        """The memory plan's one console line (after every role is built)."""
+        print(self.plan.line(), flush=True)
 
     @contextlib.contextmanager
     def resident(self, worker: Any, *, with_optimizer: bool = False, phase: str | None = None) -> Iterator[None]:

@@ -66,7 +66,20 @@ def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any
         roles.critic = _critic(specs.critic, place, seed, actor, critic_module)
     if specs.rm is not None:  # frozen, scored right after generation (posttrain.workers.reward_model)
         roles.rm = _reward_model(specs.rm, place, actor, specs.actor.model.path)
+    _announce_plan(place, roles, ref_in_actor)
     return roles
+
+
+def _announce_plan(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
+    """The placement's memory plan in one console line, where it has one (the one-process placement)."""
+    plan, announce = getattr(place, "plan", None), getattr(place, "announce_plan", None)
+    if plan is None or announce is None:
+        return
+    if roles.ref is not None:
+        plan.note_reference("adapters-off" if ref_in_actor else "copy", getattr(roles.ref, "param_dtype", "fp32"))
+    else:
+        plan.notes.append("no reference model (no KL term)")
+    announce()
 
 
 def _actor(spec: RoleSpec, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:

@@ -1,4 +1,8 @@
-"""AdamW and the learning-rate schedules of verl (``verl/utils/torch_functional.py``).
+"""AdamW (float32 or 8-bit moments) and the learning-rate schedules of verl (``verl/utils/torch_functional.py``).
+
+``optim.optimizer`` names the optimizer in verl's spelling (``AdamW``) or TRL's ``optim`` spelling
+(``adamw_torch``, ``adamw_torch_fused``, ``adamw_8bit``); ``auto`` is the placement's choice (the
+run's memory plan, `posttrain.host.memory_plan`), plain AdamW where nothing chose.
 
 The schedule advances once per *training step* (one ``update_policy``/``update_critic`` call), not
 per optimizer step, as in verl's workers. Warm-up steps: ``optim.lr_warmup_steps`` when >= 0,
@@ -14,7 +18,9 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = [
+    "OPTIMIZER_NAMES",
     "build_optimizer",
+    "optimizer_kind",
     "build_lr_scheduler",
     "trainable_parameters",
     "constant_schedule_with_warmup",
@@ -23,12 +29,31 @@ __all__ = [
 ]
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
-                    make: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW) -> torch.optim.Optimizer:
-    """AdamW(lr, betas, weight_decay) from an ``optim`` config section (fp32 state).
+OPTIMIZER_NAMES = {"auto": "auto", "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
+                   "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit", "adamw_bnb_8bit": "adamw_8bit"}
+"""Accepted spellings of ``optim.optimizer`` (lower-cased) -> ``adamw`` (float32 moments), ``adamw_8bit``
+(`posttrain.host.adamw8bit.AdamW8bit`: 8-bit block-wise moments, 2 bytes a parameter instead of 8) or
+``auto`` (the placement decides)."""
 
-    The fused kernel when every parameter is a floating tensor on CPU or CUDA (several times faster
-    than the default ``foreach`` path on CPU: benchmarks/README.md); same update.
+
+def optimizer_kind(optim: Any, key: str = "optim.optimizer") -> str:
+    """``optim.optimizer`` as ``auto``, ``adamw`` or ``adamw_8bit``; ``key`` names it in the error."""
+    name = str(getattr(optim, "optimizer", "auto") or "auto")
+    kind = OPTIMIZER_NAMES.get(name.lower())
+    if kind is None:
+        raise ValueError(f"{key}={name!r} is not an optimizer posttrain knows: AdamW (verl's name; also adamw_torch, "
+                         f"adamw_torch_fused), adamw_8bit (TRL's name: 8-bit moments), or auto")
+    return kind
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
+                    make: Callable[..., torch.optim.Optimizer] | None = None,
+                    kind: str | None = None) -> torch.optim.Optimizer:
+    """AdamW(lr, betas, weight_decay) from an ``optim`` config section.
+
+    ``kind``: ``adamw`` or ``adamw_8bit`` (default: `optimizer_kind` of ``optim``, ``auto`` read as
+    ``adamw``). AdamW gets the fused kernel when every parameter is a floating tensor on CPU or CUDA
+    (several times faster than the default ``foreach`` path on CPU: benchmarks/README.md); same update.
     ``make``: the AdamW class to build, when the placement keeps the moments elsewhere (it hands
     out the optimizer: `posttrain.workers.prepare.Placement.optimizer`).
     """
@@ -37,6 +62,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
         raise ValueError(f"optim.betas must hold two numbers, got {optim.betas!r}")
     params = list(params)
     kwargs = dict(lr=float(optim.lr), betas=betas, weight_decay=float(optim.weight_decay))
+    kind = kind or optimizer_kind(optim)
+    if make is None and kind == "adamw_8bit":
+        from posttrain.host.adamw8bit import AdamW8bit  # a torch optimizer; none of host's process levers
+        return AdamW8bit(params, **kwargs)
+    make = make or torch.optim.AdamW
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     if tensors and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors):
         try:

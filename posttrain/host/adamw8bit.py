@@ -1,0 +1,154 @@
+"""`AdamW8bit`: AdamW with its two moments stored in 8 bits, block by block (2 bytes a parameter
+instead of 8: 0.27 GB instead of 1.08 GB for SmolLM2-135M).
+
+Why not bitsandbytes: bitsandbytes 0.50.2 installs and runs on this CPU (AVX2), but its CPU step
+took 1.0-1.2 s for one ``[49152 * 576]`` parameter against fused AdamW's 0.03 s (x40; ~4.7 s a
+step for the 134.5M parameters of SmolLM2), more than the run's whole step-time allowance. This one
+is torch's own CPU kernels over chunks that stay in cache (the figures: benchmarks/README.md, "Memory").
+
+The format (after Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", and Li et
+al. 2023, "Memory Efficient Optimizers with 4-bit States"): each parameter's moments are cut into
+blocks of ``BLOCK`` (256) values; a block stores one float32 scale and one byte per value.
+
+- first moment ``m``: signed, companded by a square root, ``q = round(127 * sign(m) * sqrt(|m| / max|m|))``,
+  read back as ``m = max|m| * q * |q| / 127^2``: the smallest non-zero value is 1/16129 of the block's
+  largest (a linear code's is 1/127, and the many small moments of a block would read back as 0);
+- second moment ``v``: stored as its fourth root ``r = v^(1/4)``, linear and without a zero,
+  ``q = round(256 * r / max r) - 1`` in 0..255, read back as ``r = max r * (q + 1) / 256``: a value can
+  only read back *larger* (never 0), so ``m / sqrt(v)`` cannot blow up on a rounded-down denominator
+  (Li et al.'s zero-point problem); the smallest ``sqrt(v)`` is 1/65536 of the block's largest.
+
+Parameters with fewer than ``MIN_8BIT_SIZE`` (4096) values (norms, biases) keep float32 moments, as
+bitsandbytes does: they are a rounding error of the total and the most sensitive to it.
+The update is AdamW's (decoupled weight decay, bias correction); ``tests/test_adamw8bit.py`` holds it
+against a float64 AdamW on a small problem.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+__all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "state_bytes"]
+
+BLOCK = 256
+MIN_8BIT_SIZE = 4096
+CHUNK_BLOCKS = 2048  # blocks updated at once: 512K values, a few 2 MiB temporaries that stay in cache
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW (``lr``, ``betas``, ``eps``, ``weight_decay`` as torch's) with 8-bit block-wise moments."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW8bit: lr, eps and weight_decay must be >= 0 and betas in [0, 1), got "
+                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW8bit does not take sparse gradients")
+                self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            _init_state(state, p)
+        state["step"] += 1
+        step = int(state["step"])
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        if wd:
+            p.mul_(1 - lr * wd)
+        bias1, bias2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
+        if "exp_avg" in state:  # a small parameter: float32 moments, torch's AdamW arithmetic
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.lerp_(p.grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            p.addcdiv_(m, v.sqrt().div_(bias2_sqrt).add_(eps), value=-lr / bias1)
+            return
+        _update_blocks(p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
+
+
+def _init_state(state: dict, p: torch.Tensor) -> None:
+    state["step"] = torch.tensor(0.0)
+    if p.numel() < MIN_8BIT_SIZE:
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return
+    if not p.is_contiguous():
+        raise ValueError(f"AdamW8bit needs contiguous parameters; got one of shape {tuple(p.shape)} with strides "
+                         f"{p.stride()}")
+    blocks = -(-p.numel() // BLOCK)
+    state["exp_avg_q"] = torch.zeros(blocks, BLOCK, dtype=torch.int8, device=p.device)
+    state["exp_avg_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+    state["exp_avg_sq_q"] = torch.zeros(blocks, BLOCK, dtype=torch.uint8, device=p.device)
+    state["exp_avg_sq_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+
+
+def _update_blocks(p, grad, state, beta1, beta2, eps, step_size, bias2_sqrt) -> None:
+    """The AdamW step over ``p``'s blocks, ``CHUNK_BLOCKS`` at a time: read the moments back, update
+    them and the weights in float32, store them again (about 20 passes over a chunk in cache)."""
+    n = p.numel()
+    flat_p, flat_g = p.view(-1), grad.reshape(-1)
+    qm, sm, qv, sv = (state[k] for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"))
+    for b0 in range(0, qm.shape[0], CHUNK_BLOCKS):
+        b1 = min(b0 + CHUNK_BLOCKS, qm.shape[0])
+        lo, hi = b0 * BLOCK, min(b1 * BLOCK, n)
+        g = _blocks(flat_g[lo:hi], b1 - b0)
+        m = qm[b0:b1].float()
+        m.mul_(m.abs()).mul_((sm[b0:b1] * (1 / 127.0 ** 2)).unsqueeze(1)).lerp_(g, 1 - beta1)
+        r = torch.add(qv[b0:b1], 1.0).mul_((sv[b0:b1] * (1 / 256.0)).unsqueeze(1))  # v ** (1/4), read back
+        v = r.square_().square_().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        _store_r(v.sqrt().sqrt_(), qv[b0:b1], sv[b0:b1])
+        _store_m(m, qm[b0:b1], sm[b0:b1])
+        update = m.div_(v.sqrt_().div_(bias2_sqrt).add_(eps)).view(-1)[: hi - lo]
+        flat_p[lo:hi].add_(update, alpha=-step_size)
+
+
+def _blocks(values: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``values`` as ``[blocks, BLOCK]`` float32, the last block padded with zeros."""
+    short = blocks * BLOCK - values.numel()
+    if short:
+        return torch.nn.functional.pad(values.float(), (0, short)).view(blocks, BLOCK)
+    return values.float().view(blocks, BLOCK)
+
+
+def _inverse(top: torch.Tensor, levels: float) -> torch.Tensor:
+    """``levels / top`` per block as a column (0 for an all-zero block, whose codes are then 0)."""
+    return torch.where(top > 0, levels / top, torch.zeros_like(top)).unsqueeze(1)
+
+
+def _store_m(m: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """``q = round(127 * sign(m) * sqrt(|m| / max|m|))``; ``m`` itself is left as it is."""
+    code = m.abs()
+    top = code.amax(dim=1)
+    scale.copy_(top)
+    code.mul_(_inverse(top, 1.0)).sqrt_().mul_(127.0).round_()
+    q.copy_(code.copysign_(m))
+
+
+def _store_r(r: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """``q = round(256 * r / max r) - 1`` in 0..255 (read back as ``max r * (q + 1) / 256``); overwrites ``r``."""
+    top = r.amax(dim=1)
+    scale.copy_(top)
+    q.copy_(r.mul_(_inverse(top, 256.0)).round_().sub_(1.0).clamp_(0.0, 255.0))
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer's state tensors hold (moments, scales, step counters)."""
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if torch.is_tensor(t))

@@ -1,0 +1,109 @@
+"""The memory plan's choices (`posttrain.host.memory_plan`), the optimizer key, and the process-tree peak."""
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.host.adamw8bit import AdamW8bit, state_bytes
+from posttrain.host.memory_plan import MIN_PARAMS_8BIT, MemoryPlan, machine_ram
+from posttrain.host.placement import InProcess
+from posttrain.host.process_tree import TreePeak, descendants, tree_resident_bytes
+from posttrain.workers.optim import build_optimizer, optimizer_kind
+
+
+def _optim(name="auto"):
+    return SimpleNamespace(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.01, optimizer=name)
+
+
+def _fsdp(offload=False):
+    return SimpleNamespace(optimizer_offload=offload)
+
+
+@pytest.mark.parametrize("name,kind", [("AdamW", "adamw"), ("adamw_torch", "adamw"), ("adamw_torch_fused", "adamw"),
+                                       ("adamw_8bit", "adamw_8bit"), ("AdamW8bit", "adamw_8bit"), ("auto", "auto")])
+def test_optimizer_names_in_verls_and_trls_spelling(name, kind):
+    assert optimizer_kind(_optim(name)) == kind
+
+
+def test_an_unknown_optimizer_name_says_what_is_valid():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.optim.optimizer='lion'.*adamw_8bit"):
+        optimizer_kind(_optim("lion"), "actor_rollout_ref.actor.optim.optimizer")
+
+
+def test_auto_is_8bit_on_a_cpu_for_a_real_model_only():
+    cpu, gpu = MemoryPlan(torch.device("cpu")), MemoryPlan(torch.device("cuda"))
+    big = 135_000_000
+    assert cpu.optimizer("auto", paged=False, trained_params=big) == "adamw_8bit"
+    # negative controls: a GPU run, moments already paged, a tiny model, an explicit choice
+    assert gpu.optimizer("auto", paged=False, trained_params=big) == "adamw"
+    assert cpu.optimizer("auto", paged=True, trained_params=big) == "adamw"
+    assert cpu.optimizer("auto", paged=False, trained_params=MIN_PARAMS_8BIT - 1) == "adamw"
+    assert cpu.optimizer("adamw", paged=False, trained_params=big) == "adamw"
+
+
+def test_placement_builds_8bit_state_a_quarter_the_size(tmp_path):
+    """The lever's memory claim on a module of MIN_PARAMS_8BIT parameters: the 8-bit moments hold ~2 bytes a
+    parameter against AdamW's 8 (the negative control: the same module with optimizer=AdamW)."""
+    place = InProcess("cpu")
+    sizes = {}
+    for name in ("auto", "AdamW"):
+        module = torch.nn.Linear(4000, MIN_PARAMS_8BIT // 4000, bias=False)
+        opt = place.optimizer(module, _optim(name), _fsdp(), "actor_rollout_ref.actor")
+        module.weight.grad = torch.ones_like(module.weight)
+        opt.step()
+        sizes[name] = state_bytes(opt)
+        assert isinstance(opt, AdamW8bit) == (name == "auto")
+    assert sizes["AdamW"] == 8 * MIN_PARAMS_8BIT + 4  # m and v in float32, and the step counter
+    assert sizes["auto"] < 0.27 * sizes["AdamW"]
+    line = place.plan.line()
+    assert line.startswith("memory plan: CPU, ") and "actor: AdamW moments 8-bit (adamw_8bit, chosen: 0.02 GB " \
+        "instead of 0.08 GB)" in line and "actor: AdamW moments fp32 (0.08 GB; asked)" in line
+
+
+def test_8bit_with_offload_is_refused_naming_both_keys():
+    with pytest.raises(ValueError, match=r"actor.optim.optimizer=adamw_8bit and .*actor.fsdp_config.optimizer_offload"):
+        InProcess("cpu").optimizer(torch.nn.Linear(2, 2), _optim("adamw_8bit"), SimpleNamespace(
+            optimizer_offload=True, offload_policy=False), "actor_rollout_ref.actor")
+
+
+def test_build_optimizer_reads_the_key():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(build_optimizer(params, _optim("adamw_8bit")), AdamW8bit)
+    assert type(build_optimizer(params, _optim("auto"))) is torch.optim.AdamW  # nothing chose: plain AdamW
+
+
+def test_machine_ram_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemFree:  1 kB\nMemAvailable:   12288000 kB\n")
+    total, free = machine_ram(str(meminfo))
+    assert total == pytest.approx(24576000 / 1024**2) and free == pytest.approx(12288000 / 1024**2)
+    assert machine_ram(str(tmp_path / "missing")) == (None, None)
+
+
+CHILD = "import time; b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(30)"
+
+
+def test_tree_peak_counts_a_child_process():
+    """A child holding 400 MiB: the tree's resident set grows by about that; this process's own (the
+    negative control) does not."""
+    base_tree, base_own = tree_resident_bytes(), TreePeak(interval=0.01)
+    base_own.sample()
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in descendants(TreePeak().root)
+        peak = TreePeak(interval=0.01, rescan=0.01).start()
+        time.sleep(0.1)
+        grown = peak.stop() - base_tree
+        own_now = tree_resident_bytes(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert 380 * 2**20 < own_now < 480 * 2**20  # the child alone: its 400 MiB and an interpreter
+    assert grown > 380 * 2**20
+    from posttrain.host.resident import current_resident_bytes
+    assert current_resident_bytes() < base_own.sampled + 100 * 2**20  # this process did not grow by it
