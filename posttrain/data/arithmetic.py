@@ -235,8 +235,11 @@ def write_arithmetic_parquet(
 
 def default_dataset_files(cache_dir: str | None = None, **knobs) -> tuple[str, str]:
     """(train, test) parquet paths of the built-in task, written once into a cache directory keyed by
-    the knobs (default ``~/.cache/posttrain/arithmetic``). For the trainer when no data files are given."""
-    cache_dir = os.path.expanduser(cache_dir or os.path.join("~", ".cache", "posttrain", "arithmetic"))
+    the knobs (default ``arithmetic/`` in posttrain's cache folder: ``~/.cache/posttrain``, or
+    ``POSTTRAIN_CACHE_DIR``). For the trainer when no data files are given."""
+    from posttrain.host.cache import cache_root
+
+    cache_dir = os.path.expanduser(cache_dir or os.path.join(cache_root(), "arithmetic"))
     params = dict(n_train=128, n_test=64, digits=1, ops=("+", "-", "*"), seed=0, prompt_style=DEFAULT_PROMPT_STYLE)
     unknown = set(knobs) - set(params)
     if unknown:

@@ -50,11 +50,14 @@ def write_arithmetic_sft(out_dir: str, n_train: int, n_test: int, digits: int, o
 
 def default_arithmetic_sft_files(digits: int = 2, n_train: int = 1024, n_test: int = 128, seed: int = 0,
                                  ops: Sequence[str] = ("+",), prompt_style: str = "fewshot") -> tuple[str, str]:
-    """(train, test) of the built-in SFT data, written once into ``~/.cache/posttrain/arithmetic_sft``.
-    The same problems as the RL built-in task with the same knobs (`arithmetic.generate_problems`)."""
+    """(train, test) of the built-in SFT data, written once into ``arithmetic_sft/`` of posttrain's cache
+    folder (``~/.cache/posttrain``, or ``POSTTRAIN_CACHE_DIR``). The same problems as the RL built-in task
+    with the same knobs (`arithmetic.generate_problems`)."""
+    from posttrain.host.cache import cache_root
+
     ops_tag = "".join({"+": "add", "-": "sub", "*": "mul"}[o] for o in ops)
     tag = f"d{digits}_{ops_tag}_tr{n_train}_te{n_test}_s{seed}_{prompt_style}"
-    out_dir = os.path.join(os.path.expanduser(os.path.join("~", ".cache", "posttrain", "arithmetic_sft")), tag)
+    out_dir = os.path.join(os.path.expanduser(cache_root()), "arithmetic_sft", tag)
     train, test = os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet")
     if not (os.path.exists(train) and os.path.exists(test)):
         tmp = f"{out_dir}.tmp{os.getpid()}"

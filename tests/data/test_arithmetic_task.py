@@ -1,5 +1,7 @@
 """The built-in arithmetic task: determinism, disjoint splits, answers, rows, the cached default."""
 
+import os
+
 import pytest
 
 from posttrain.data import RLHFDataset, read_rows
@@ -86,3 +88,22 @@ def test_default_dataset_is_cached(tmp_path):
     assert len(ds) == 32
     with pytest.raises(TypeError, match="unknown arithmetic knob"):
         default_dataset_files(str(tmp_path), n_trian=3)
+
+
+def test_the_built_in_data_goes_to_posttrain_cache_dir(tmp_path, monkeypatch):
+    """POSTTRAIN_CACHE_DIR moves the built-in RL and SFT data as it moves the other caches; nothing lands in
+    ~/.cache/posttrain (HOME is a folder of its own here, and stays empty: the negative control)."""
+    from posttrain.data.prep_sft import default_arithmetic_sft_files
+
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(cache))
+    rl = default_dataset_files(n_train=8, n_test=4)
+    sft = default_arithmetic_sft_files(n_train=8, n_test=4)
+    for path in (*rl, *sft):
+        assert path.startswith(str(cache)) and os.path.exists(path), path
+    assert rl[0].startswith(str(cache / "arithmetic")) and sft[0].startswith(str(cache / "arithmetic_sft"))
+    assert list(home.iterdir()) == []
+    monkeypatch.delenv("POSTTRAIN_CACHE_DIR")
+    assert default_dataset_files(n_train=8, n_test=4)[0].startswith(str(home / ".cache" / "posttrain" / "arithmetic"))
