@@ -93,7 +93,8 @@ def _convert_gguf(where: ResolvedModel, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     part = Path(tempfile.mkdtemp(prefix=folder.name + ".part-", dir=folder.parent))
     try:
-        print(f"posttrain: converting {where.gguf_file} to a plain folder, once: {folder}", file=sys.stderr)
+        print(f"posttrain: converting {where.gguf_file} to a plain float32 folder, once (the progress bars below); "
+              f"cached at {folder}, which later runs load directly", file=sys.stderr, flush=True)
         with _gguf_parsed_once():
             model = AutoModelForCausalLM.from_pretrained(where.source, dtype=torch.float32, **where.kwargs())
             _dequantized_copy(model, trust_remote_code=False).save_pretrained(part)

@@ -121,20 +121,25 @@ def _fake_gguf(tmp_path, monkeypatch, tiny_dir):
     return gguf, model, parses
 
 
-def test_gguf_is_converted_once_into_a_plain_cached_folder(tmp_path, monkeypatch, tiny_dir):
+def test_gguf_is_converted_once_into_a_plain_cached_folder(tmp_path, monkeypatch, tiny_dir, capsys):
     """The first load converts the GGUF (one model parse, one tokenizer parse) into
-    <cache>/gguf/<name>-<size>-<mtime>; every later load (tokenizer, config, model) reads that folder,
-    with the same weights; no partial folder is left behind."""
+    <cache>/gguf/<name>-<size>-<mtime>, after one line saying so (before transformers' progress bars);
+    every later load (tokenizer, config, model) reads that folder, with the same weights, silently; no
+    partial folder is left behind."""
     monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     gguf, model, parses = _fake_gguf(tmp_path, monkeypatch, tiny_dir)
     tok = load_tokenizer(gguf)
     folder = loading.gguf_cache_folder(resolve_model_path(gguf))
+    said = [line for line in capsys.readouterr().err.splitlines() if "converting" in line]
+    assert said == [f"posttrain: converting tiny.Q4.gguf to a plain float32 folder, once (the progress bars "
+                    f"below); cached at {folder}, which later runs load directly"]
     assert folder.parent == tmp_path / "cache" / "gguf" and folder.name.startswith("tiny.Q4-")
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert len(parses) == 2 and [p.name for p in folder.parent.iterdir()] == [folder.name]
     loaded = load_causal_lm(gguf)
     load_tokenizer(gguf), loading.load_config(gguf)
     assert len(parses) == 2, "later loads must read the plain folder, not the GGUF"
+    assert "converting" not in capsys.readouterr().err  # negative control: no line where nothing is converted
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
     assert tok.pad_token == tok.eos_token
     gguf.write_bytes(b"GGUF stand-in, edited")  # a changed file is converted again
