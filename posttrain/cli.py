@@ -62,6 +62,7 @@ COMMANDS = {
     "prep": ("posttrain.commands.prep", "prepare datasets: gsm8k, math, arithmetic"),
     "plan": ("posttrain.plan", "explain a run before it starts: batch flow, models, memory, problems"),
     "diff": ("posttrain.diff", "compare two launch scripts or configs key by key"),
+    "compare": ("posttrain.commands.compare", "run two configs on the same data and seeds: accuracy, speed, memory"),
     "eval": ("posttrain.trainer.evaluate", "greedy accuracy of a model or checkpoint on a dataset"),
     "export": ("posttrain.trainer.export", "write a checkpoint's actor as a Hugging Face folder"),
     "sandbox": ("posttrain.sandbox.server", "serve SandboxFusion's /run_code with the local sandbox: sandbox serve"),

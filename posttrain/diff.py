@@ -248,8 +248,9 @@ def consequences(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
     return out
 
 
-def compare(a: ConfigSource, b: ConfigSource) -> ConfigDiff:
-    ca, cb = load_source(a, validate=False), load_source(b, validate=False)
+def compare(a: ConfigSource, b: ConfigSource, extra: tuple[str, ...] | list[str] = ()) -> ConfigDiff:
+    """`extra`: command-line overrides applied to both sides (`posttrain compare A B key=value ...`)."""
+    ca, cb = load_source(a, extra, validate=False), load_source(b, extra, validate=False)
     keys = diff_keys(ca, cb, explicit_keys(a), explicit_keys(b))
     uses = {"critic": (uses_critic(ca), uses_critic(cb)), "reference": (uses_reference(ca), uses_reference(cb))}
     return ConfigDiff(a.label, b.label, tuple(keys), tuple(consequences(ca, cb)), uses)
