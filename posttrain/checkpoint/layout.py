@@ -94,9 +94,31 @@ class CheckpointWriteError(CheckpointError, DiskWriteError):
 
 
 def write_failed_advice(root: str | os.PathLike) -> str:
-    """What to do when a save into ``root`` fails (the end of `posttrain.host.disk.write_failure_message`)."""
-    return (f"set trainer.default_local_dir to a folder on another disk; the previous checkpoint in {root} is "
-            "intact (a save is written aside and renamed into place only when complete)")
+    """What to do when a save into ``root`` fails before its folder is in place (the end of
+    `posttrain.host.disk.write_failure_message`), and what is left: called before the save, it names
+    the newest complete checkpoint already there, or says there is none."""
+    newest = _newest_complete(Path(root).expanduser())
+    kept = (f"the previous checkpoint in {root} is intact ({newest.name}" if newest is not None else
+            f"nothing of this save is left in {root}, which holds no earlier checkpoint (")
+    return (f"set trainer.default_local_dir to a folder on another disk; {kept}: a save is written aside and "
+            "renamed into place only when complete)")
+
+
+def tracker_failed_advice(root: Path, step: int) -> str:
+    """What is true when step ``step``'s folder is in place but the tracker could not point at it."""
+    tracked = CheckpointManager(root).tracked_step()
+    resumes = (f"global_step_{tracked}, the step {TRACKER} still names" if tracked is not None else
+               f"global_step_{step}, the newest complete checkpoint (there is no {TRACKER})")
+    return (f"set trainer.default_local_dir to a folder on another disk; global_step_{step} in {root} is complete, "
+            f"but a resume would start from {resumes} (trainer.resume_mode=resume_path "
+            f"trainer.resume_from_path={root / f'global_step_{step}'} picks the new one)")
+
+
+def _newest_complete(root: Path) -> Path | None:
+    if not root.is_dir():
+        return None
+    complete = [p for p in CheckpointManager(root).step_dirs() if _problem(p) is None]
+    return complete[-1] if complete else None
 
 
 @dataclass
@@ -161,12 +183,21 @@ class CheckpointManager:
         ``roles``: ``{name: RoleState}``, or a writer ``fn(folder) -> role names`` that writes one
         sub-folder per role into ``folder`` (the workers' own ``save_checkpoint``, possibly on many ranks).
         """
-        # a full disk, a folder made read-only: one error naming the path; the previous checkpoint is untouched
+        # a full disk, a folder made read-only: one error naming the path and saying what is left, which
+        # depends on how far the save got (nothing of it, or its folder in place but not yet tracked)
         with writing(self.root, f"saving the checkpoint of step {step} failed", write_failed_advice(self.root),
                      error=CheckpointWriteError):
-            return self._save(step, roles, extra)
+            final = self._save(step, roles, extra)
+        with writing(self.root, f"saving the checkpoint of step {step} failed at its last write, the tracker",
+                     tracker_failed_advice(self.root, int(step)), error=CheckpointWriteError):
+            self._write_tracker(int(step))
+        with writing(self.root, f"step {step}'s checkpoint is saved and tracked, but removing older ones failed",
+                     "set max_actor_ckpt_to_keep/max_critic_ckpt_to_keep to null", error=CheckpointWriteError):
+            self._prune()
+        return final
 
     def _save(self, step, roles, extra) -> Path:
+        """Write the step's folder aside and rename it into place (not yet tracked)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._recover()
         self._clean_scratch()
@@ -182,8 +213,6 @@ class CheckpointManager:
             raise
         final = self.step_dir(step)
         self._install(tmp, final)
-        self._write_tracker(int(step))
-        self._prune()
         return final
 
     def _install(self, tmp: Path, final: Path) -> None:
