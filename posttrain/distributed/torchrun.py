@@ -109,7 +109,21 @@ class TorchrunGroup:
         return roles
 
     def load_checkpoint(self, folder: Path) -> str:
-        return self.worker.load_checkpoint(str(folder))
+        """This rank's share of the checkpoint. A failure on any rank (e.g. a refused ``rng/rank_1.pt``)
+        stops every rank here with that rank's message: otherwise the others would train on and wait in
+        their next collective, while the failed rank waits at the shutdown barrier, until the time-out."""
+        from posttrain.checkpoint import CheckpointError
+        from posttrain.errors import PosttrainError
+
+        try:
+            result, failure = self.worker.load_checkpoint(str(folder)), None
+        except Exception as err:  # reported to every rank below; the gather must run on each of them
+            result, failure = None, str(err) if isinstance(err, PosttrainError) else f"{type(err).__name__}: {err}"
+        failed = [(rank, text) for rank, text in enumerate(self._gather(failure)) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise CheckpointError(f"resuming from {folder} failed on rank {rank} of {self.world_size}: {text}")
+        return result
 
     def shutdown(self) -> None:
         if dist.is_initialized():
