@@ -198,6 +198,9 @@ def summary_table(sides: list[SideSummary], target: Optional[float]) -> str:
     lines = [f"| config | seeds | gain, points (min over seeds) | {reach_head} | s/step ({' / '.join(phases)}) | "
              "peak memory | tokens/s | wall time per run |", "|---|---|---|---|---|---|---|---|"]
     for s in sides:
+        if not s.seeds:
+            lines.append(f"| {s.name} | 0 | no finished run yet | - | - | - | - | - |")
+            continue
         gains = s.gains()
         gain = f"{_pm(statistics.fmean(gains), _std(gains))} ({min(gains) * 100:+.1f})" if gains else "-"
         hit = s.reach(target) if target is not None else None
