@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from posttrain.config import ConfigError
+from posttrain.distributed.reaper import start_reaper
 
 __all__ = [
     "ClusterResourceError",
@@ -59,6 +60,7 @@ class ClusterUnreachableError(ConfigError):
     Raised at once: ``ray.init`` on a dead address retries for minutes without saying why."""
 
 
+
 CLEAN_UP = "`ray stop --force` ends the Ray processes left on this machine (every Ray cluster of this user here)"
 
 
@@ -88,6 +90,7 @@ def connect(ray_init_kwargs: dict[str, Any] | None = None, device: str = "cpu") 
     if address == "local":
         kwargs.setdefault("include_dashboard", False)
         ray.init(address="local", **kwargs)
+        start_reaper()  # the cluster this run started ends with it, even after kill -9 (reaper.py)
         return
     dropped = sorted(k for k in _LOCAL_ONLY_KWARGS if k in kwargs)
     if dropped:
