@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import re
 import signal
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -86,3 +90,20 @@ class Leftovers:
         assert not left, f"processes outlived the run: {left}"
         new = sandbox_folders(self.owner_pid) - self.folders
         assert not new, f"the run's temporary folder was not removed: {new}"
+
+
+@contextlib.contextmanager
+def serving(*options: str):
+    """`posttrain sandbox serve --port 0 OPTIONS` running; yields its /run_code URL (read from the line it
+    prints); stopped with SIGTERM, and nothing of its runs left behind."""
+    process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0", *options],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with Leftovers(owner_pid=process.pid):  # the server's runs: its uids, runners and folders
+        line = process.stdout.readline()
+        found = re.search(r"POST (http://\S+/run_code)", line)
+        assert found, line + process.stderr.read()
+        yield found.group(1)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        process.stdout.close()
+        process.stderr.close()

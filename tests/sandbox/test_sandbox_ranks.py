@@ -11,15 +11,11 @@ runs' own start/end times (printed by the code, so no timing is asserted, only w
 from __future__ import annotations
 
 import os
-import re
-import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from sandbox_checks import Leftovers
+from sandbox_checks import serving
 
 ray = pytest.importorskip("ray")
 
@@ -84,18 +80,8 @@ class SandboxRank:
 
 @pytest.fixture(scope="module")
 def server_url():
-    process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0",
-                                "--timeout-s", "20", "--num-workers", str(SERVER_WORKERS)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with Leftovers(owner_pid=process.pid):
-        line = process.stdout.readline()
-        found = re.search(r"POST (http://\S+/run_code)", line)
-        assert found, line + process.stderr.read()
-        yield found.group(1)
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        process.stdout.close()
-        process.stderr.close()
+    with serving("--timeout-s", "20", "--num-workers", str(SERVER_WORKERS)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

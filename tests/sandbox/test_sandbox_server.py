@@ -14,7 +14,7 @@ import urllib.request
 import uuid
 
 import pytest
-from sandbox_checks import Leftovers, processes_with
+from sandbox_checks import Leftovers, processes_with, serving
 
 from posttrain.sandbox import Limits, RunResult
 from posttrain.sandbox.server import request_limits, response_for
@@ -23,18 +23,8 @@ from posttrain.sandbox.server import request_limits, response_for
 @pytest.fixture(scope="module")
 def server():
     """A server on a free port (``--port 0``), its URL read from the line it prints; stopped with SIGTERM."""
-    process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0",
-                                "--timeout-s", "5", "--num-workers", "2", "--isolation", "auto"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with Leftovers(owner_pid=process.pid):  # the server's runs: its uids, runners and folders
-        line = process.stdout.readline()
-        found = re.search(r"POST (http://\S+/run_code)", line)
-        assert found, line + process.stderr.read()
-        yield found.group(1)
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        process.stdout.close()
-        process.stderr.close()
+    with serving("--timeout-s", "5", "--num-workers", "2", "--isolation", "auto") as url:
+        yield url
 
 
 def post(url: str, payload: dict) -> dict:
