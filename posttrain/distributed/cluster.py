@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from posttrain.config import ConfigError
 from posttrain.distributed.reaper import start_reaper
+from posttrain.host.process_tree import start_run_peak
 
 __all__ = [
     "ClusterResourceError",
@@ -91,6 +92,7 @@ def connect(ray_init_kwargs: dict[str, Any] | None = None, device: str = "cpu") 
         kwargs.setdefault("include_dashboard", False)
         ray.init(address="local", **kwargs)
         start_reaper()  # the cluster this run started ends with it, even after kill -9 (reaper.py)
+        start_run_peak()  # its ranks are this process's descendants: the run's memory line counts them
         return
     dropped = sorted(k for k in _LOCAL_ONLY_KWARGS if k in kwargs)
     if dropped:
