@@ -138,11 +138,12 @@ def start_run_peak() -> TreePeak:
     return _run_peak
 
 
-def run_peak_metrics(own_peak: int = 0) -> dict[str, float]:
+def run_peak_metrics(own_peak: int = 0, announce: bool = True) -> dict[str, float]:
     """``memory/tree_peak_gb``: the run's process-tree peak so far (`start_run_peak`; started here when
-    nothing had started it), printed as the run's one memory line."""
+    nothing had started it), logged with every step; ``announce`` prints it as the run's one memory line."""
     peak = start_run_peak().peak_bytes(own_peak) / 1e9
-    print(f"peak memory: {peak:.2f} GB (process tree)", flush=True)
+    if announce:
+        print(f"peak memory: {peak:.2f} GB (process tree)", flush=True)
     return {"memory/tree_peak_gb": peak}
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from posttrain.errors import PosttrainError, SignalStop
+from posttrain.host.process_tree import run_peak_metrics
 from posttrain.rewards.manager import RewardInterrupted, scoring_in_progress
 from posttrain.trainer import resume, setup
 
@@ -121,8 +122,7 @@ class RunLoop:
         if self._finished() and s.workers.writes:
             self.model_dir = self._export(scratch)
         if s.workers.writes:  # every stage's memory figure, one method: the process tree's peak (issue 41)
-            from posttrain.host.process_tree import run_peak_metrics
-            tracker.log(run_peak_metrics(getattr(getattr(s, "memory", None), "run_peak", 0)), step=s.global_step)
+            run_peak_metrics(_own_peak(s))  # the line; each step's metrics carry the figure so far
         tracker.finish()
         return s.history
 
@@ -225,6 +225,7 @@ class RunLoop:
                 self.check(metrics)
             if _due(cfg.save_freq, s.global_step, last, _saves_last(s)):
                 self._save()
+            metrics.update(run_peak_metrics(_own_peak(s), announce=False))
             tracker.log(metrics, step=s.global_step)
             s.history.append({"step": s.global_step, **metrics})
         if self.stop_signal is not None:
@@ -394,3 +395,8 @@ def startup_signals():
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _own_peak(stage: Any) -> int:
+    """This process's exact peak where the stage keeps one across phase resets (posttrain.host.resident)."""
+    return getattr(getattr(stage, "memory", None), "run_peak", 0)
