@@ -95,8 +95,37 @@ def _critic_dims(config: PostTrainConfig, actor_dims: ModelDims) -> ModelDims:
     return value_model_dims(actor_dims)
 
 
+def cpu_terms(config: PostTrainConfig):
+    """The CPU run's terms (`posttrain.plan.memory.CpuTerms`) when the run computes on a CPU: trainer.device=cpu,
+    or auto in one process on a machine without CUDA (the built-in runs on a laptop); else None: GPU terms, also
+    for a multi-rank script planned on a machine without GPUs (planning for the cluster it will run on)."""
+    from posttrain.models.compute_dtype import cpu_bf16_support
+    from posttrain.plan.memory import CpuTerms
+
+    t = config.trainer
+    device = t.device
+    if device == "cuda" or (device == "auto" and (_cuda_visible() or t.nnodes * t.n_gpus_per_node > 1)):
+        return None
+    return CpuTerms.of(config, cpu_bf16_support()[0])
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def cpu_ram_bytes() -> Optional[float]:
+    from posttrain.host.memory_plan import machine_ram
+
+    total = machine_ram()[0]
+    return None if total is None else total * 2**30
+
+
 def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[ModelDims] = None, dims_reason: str = "",
-               gpu_memory: float = parse_bytes("80GiB"), train_size: Optional[int] = None,
+               gpu_memory: Optional[float] = None, train_size: Optional[int] = None,
                mean_tokens: Optional[int] = None) -> Plan:
     """Everything `posttrain plan` reports, for a config loaded with validate=False."""
     from posttrain.config.validate import find_problems
@@ -108,7 +137,9 @@ def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[Mode
     if dims is None or dims.params is None:
         skipped = dims_reason or "the model's size is unknown"
     else:
-        memory = estimate_memory(config, flow, dims, gpu_memory, mean_tokens, _critic_dims(config, dims))
+        cpu = None if gpu_memory else cpu_terms(config)  # --gpu-memory: the user plans for a GPU
+        budget = gpu_memory or (cpu_ram_bytes() if cpu else None) or parse_bytes("80GiB")
+        memory = estimate_memory(config, flow, dims, budget, mean_tokens, _critic_dims(config, dims), cpu=cpu)
     return Plan(source, flow, uses_models(config), memory, skipped, errors + more_errors, warnings + more_warnings)
 
 
@@ -125,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--params", type=positive_float, help="parameter count, e.g. 7e9")
     for name in ("hidden", "layers", "heads", "kv-heads", "vocab", "intermediate"):
         g.add_argument(f"--{name}", type=positive_int)
-    p.add_argument("--gpu-memory", type=memory_size, default="80GiB", help="memory of one GPU (default 80GiB)")
+    p.add_argument("--gpu-memory", type=memory_size, default=None,
+                   help="memory of one GPU (default 80GiB; on a CPU run: this machine's RAM)")
     p.add_argument("--train-size", type=positive_int, help="training prompts (default: counted from data.train_files)")
     p.add_argument("--mean-tokens", type=positive_int,
                    help="typical prompt+response tokens (default: the maximum, worst case)")

@@ -107,6 +107,8 @@ class MemoryEstimate:
     verdict: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     assumptions: tuple[str, ...] = ASSUMPTIONS
+    unit: str = "GPU"
+    """What one share of the budget is: a GPU, or on a CPU run one process (the budget: the machine's RAM)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -157,13 +159,13 @@ def training_activation_bytes(dims: ModelDims, tokens: float, checkpointing: boo
     return dims.layers * 2 * dims.hidden * tokens + per_layer
 
 
-def logits_bytes(dims: ModelDims, tokens: float, training: bool) -> float:
-    return tokens * dims.vocab * COMPUTE_BYTES * (2 if training else 1)
+def logits_bytes(dims: ModelDims, tokens: float, training: bool, dtype_bytes: int = COMPUTE_BYTES) -> float:
+    return tokens * dims.vocab * dtype_bytes * (2 if training else 1)
 
 
-def gathered_unit_bytes(dims: ModelDims) -> float:
-    """The largest FSDP unit in bf16: a decoder layer or the embedding matrix."""
-    return COMPUTE_BYTES * max(dims.params_per_layer, dims.vocab * dims.hidden)
+def gathered_unit_bytes(dims: ModelDims, dtype_bytes: int = COMPUTE_BYTES) -> float:
+    """The largest FSDP unit in the compute dtype: a decoder layer or the embedding matrix."""
+    return dtype_bytes * max(dims.params_per_layer, dims.vocab * dims.hidden)
 
 
 # Llama-style projections LoRA can adapt: (block, name, input width, output width).
@@ -226,6 +228,16 @@ class _Ctx:
     dims: ModelDims
     tokens: int
     gpu: float
+    compute_bytes: int = COMPUTE_BYTES
+    """Bytes of a compute-dtype value: 2 (bf16, GPUs' and bf16 CPUs'), 4 on a CPU that computes in fp32."""
+    on_cpu: bool = False
+    adam_bytes: float = ADAM_BYTES
+    """AdamW's m and v per trained parameter: 8 (fp32), 2 with 8-bit moments (posttrain.host.adamw8bit)."""
+
+    @property
+    def act_scale(self) -> float:
+        """Activation formulas are in bf16 bytes; an fp32 compute doubles them."""
+        return self.compute_bytes / COMPUTE_BYTES
 
     @property
     def shaped(self) -> bool:
@@ -255,11 +267,11 @@ def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional
     # LoRA: unknown shape -> adapters not countable; the gradients and optimizer state are then left at 0
     trained = p if lora is None else (adapters or 0.0)
     out: dict[str, Any] = {
-        "fsdp_ranks": ranks,
+        "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
         "params": (p + (adapters or 0.0)) * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
         "params_offloaded": fsdp.param_offload,
         "grads": trained * GRAD_BYTES / ranks,
-        "optimizer": trained * ADAM_BYTES / ranks,
+        "optimizer": trained * ctx.adam_bytes / ranks,
         "optimizer_offloaded": fsdp.optimizer_offload,
         "gradient_checkpointing": checkpointing,
         "micro_batch_tokens": tokens,
@@ -269,15 +281,15 @@ def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional
         out["lora_rank"], out["lora_params"] = lora[0], adapters
     if ctx.shaped:
         d = ctx.dims
-        out["gathered_unit"] = gathered_unit_bytes(d)
+        out["gathered_unit"] = gathered_unit_bytes(d, ctx.compute_bytes)
         if tokens is not None:
-            out["activations_gc"] = training_activation_bytes(d, tokens, True)
-            out["activations_no_gc"] = training_activation_bytes(d, tokens, False)
+            out["activations_gc"] = training_activation_bytes(d, tokens, True) * ctx.act_scale
+            out["activations_no_gc"] = training_activation_bytes(d, tokens, False) * ctx.act_scale
             out["activations"] = out["activations_gc" if checkpointing else "activations_no_gc"]
-            out["logits"] = logits_bytes(d, tokens, training=True) if has_lm_head else 0.0
+            out["logits"] = logits_bytes(d, tokens, True, ctx.compute_bytes) if has_lm_head else 0.0
         if fwd_tokens is not None:
-            out["forward_activations"] = forward_activation_bytes_per_token(d) * fwd_tokens
-            out["forward_logits"] = logits_bytes(d, fwd_tokens, training=False) if has_lm_head else 0.0
+            out["forward_activations"] = forward_activation_bytes_per_token(d) * fwd_tokens * ctx.act_scale
+            out["forward_logits"] = logits_bytes(d, fwd_tokens, False, ctx.compute_bytes) if has_lm_head else 0.0
     return out
 
 
@@ -287,7 +299,7 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) 
     ranks = ctx.flow.world_size
     own = ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks
     out: dict[str, Any] = {
-        "fsdp_ranks": ranks,
+        "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
         "params": 0.0 if in_actor else own,
         "params_offloaded": fsdp.param_offload,
         "forward_tokens": tokens,
@@ -296,10 +308,10 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) 
         out["in_actor"], out["params_saved"] = True, own
     if ctx.shaped:
         d = ctx.dims
-        out["gathered_unit"] = gathered_unit_bytes(d)
+        out["gathered_unit"] = gathered_unit_bytes(d, ctx.compute_bytes)
         if tokens is not None:
-            out["forward_activations"] = forward_activation_bytes_per_token(d) * tokens
-            out["forward_logits"] = logits_bytes(d, tokens, training=False)
+            out["forward_activations"] = forward_activation_bytes_per_token(d) * tokens * ctx.act_scale
+            out["forward_logits"] = logits_bytes(d, tokens, False, ctx.compute_bytes)
     return out
 
 
@@ -308,15 +320,15 @@ def _reward_model_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
     fsdp = ctx.config.reward_model.model.fsdp_config
     ranks = ctx.flow.world_size
     out: dict[str, Any] = {
-        "fsdp_ranks": ranks,
+        "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
         "params": ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
         "params_offloaded": fsdp.param_offload,
         "forward_tokens": tokens,
     }
     if ctx.shaped:
-        out["gathered_unit"] = gathered_unit_bytes(ctx.dims)
+        out["gathered_unit"] = gathered_unit_bytes(ctx.dims, ctx.compute_bytes)
         if tokens is not None:
-            out["forward_activations"] = forward_activation_bytes_per_token(ctx.dims) * tokens
+            out["forward_activations"] = forward_activation_bytes_per_token(ctx.dims) * tokens * ctx.act_scale
     return out
 
 
@@ -338,21 +350,22 @@ def _reward_model_dims(config: PostTrainConfig, actor_dims: ModelDims) -> tuple[
 def _rollout_role(ctx: _Ctx) -> dict[str, Any]:
     r, f, d = ctx.config.actor_rollout_ref.rollout, ctx.flow, ctx.dims
     seq = ctx.tokens
-    weights = d.params * COMPUTE_BYTES / f.rollout_tp
-    out: dict[str, Any] = {"engine": r.name, "tensor_parallel": f.rollout_tp, "weights": weights}
+    weights = d.params * ctx.compute_bytes / f.rollout_tp
+    out: dict[str, Any] = {"engine": r.name, "tensor_parallel": f.rollout_tp, "weights": weights,
+                           "dtype": "bf16" if ctx.compute_bytes == 2 else "fp32", "on_cpu": ctx.on_cpu}
     # hf generates all of a rank's responses as one batch; vllm/sglang schedule up to max_num_seqs at once
     concurrent = f.responses_per_rank if r.name == "hf" else min(f.responses_per_worker, r.max_num_seqs)
     out["concurrent_sequences"] = concurrent
     if r.name == "hf":
         out["engine_budget"] = None
         if ctx.shaped:
-            out["kv_bytes_per_token"] = kv_bytes_per_token(d)
+            out["kv_bytes_per_token"] = kv_bytes_per_token(d, dtype_bytes=ctx.compute_bytes)
             out["kv_cache_needed"] = out["kv_cache"] = concurrent * seq * out["kv_bytes_per_token"]
         return out
     out["engine_budget"] = r.gpu_memory_utilization * ctx.gpu
     out["kv_cache"] = out["engine_budget"] - out["weights"]
     if ctx.shaped:
-        per_token = kv_bytes_per_token(d, f.rollout_tp)
+        per_token = kv_bytes_per_token(d, f.rollout_tp, ctx.compute_bytes)
         out["kv_bytes_per_token"] = per_token
         out["kv_cache_needed"] = concurrent * seq * per_token
         out["kv_capacity_sequences"] = max(0, int(out["kv_cache"] // (per_token * seq)))
@@ -385,7 +398,7 @@ def _tok(n: Optional[float]) -> str:
 def _phases(roles: dict[str, dict[str, Any]]) -> list[Phase]:
     ro = roles["rollout"]
     if ro["engine"] == "hf":
-        engine = [Term("rollout weights (bf16, full copy)", ro["weights"]), Term("rollout KV cache", ro.get("kv_cache"))]
+        engine = [Term(f"rollout weights ({ro.get('dtype', 'bf16')}, full copy)", ro["weights"]), Term("rollout KV cache", ro.get("kv_cache"))]
     else:
         engine = [Term(f"rollout engine ({ro['engine']}: gpu_memory_utilization x GPU)", ro["engine_budget"],
                        f"weights {fmt_bytes(ro['weights'])} + KV cache {fmt_bytes(ro['kv_cache'])}")]
@@ -476,7 +489,7 @@ def _lora_notes(ctx: _Ctx, roles: dict[str, dict[str, Any]]) -> list[str]:
             notes.append(f"LoRA {name}: adapter size unknown without the model's shape; its gradients and optimizer "
                          "state are counted as 0")
             continue
-        full = ctx.dims.params * (GRAD_BYTES + ADAM_BYTES) / role["fsdp_ranks"]
+        full = ctx.dims.params * (GRAD_BYTES + ctx.adam_bytes) / role["fsdp_ranks"]
         notes.append(f"LoRA {name} (rank {role['lora_rank']}): {role['lora_params']:,.0f} trainable parameters "
                      f"({role['lora_params'] / ctx.dims.params:.2%} of the model); gradients + AdamW state "
                      f"{fmt_bytes(role['grads'] + role['optimizer'])} instead of {fmt_bytes(full)} per GPU")
@@ -488,14 +501,18 @@ def _forward_micro(flow: Flow, name: str) -> Optional[int]:
 
 
 def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_memory: float,
-                    mean_tokens: Optional[int] = None, critic_dims: Optional[ModelDims] = None) -> MemoryEstimate:
+                    mean_tokens: Optional[int] = None, critic_dims: Optional[ModelDims] = None,
+                    cpu: Optional["CpuTerms"] = None) -> MemoryEstimate:
     """Per-GPU memory of each role and phase; `dims.params` must be known (the shape is optional)."""
     worst = flow.prompt_length + flow.response_length
     tokens = min(mean_tokens, worst) if mean_tokens else worst
     note = (f"{tokens} tokens per sequence (--mean-tokens)" if mean_tokens else
             f"{worst} tokens per sequence (max prompt {flow.prompt_length} + max response {flow.response_length}: "
             "worst case)")
-    ctx = _Ctx(config, flow, dims, tokens, gpu_memory)
+    dtypes = {} if cpu is None else {"compute_bytes": cpu.compute_bytes, "on_cpu": True}
+    ctx = _Ctx(config, flow, dims, tokens, gpu_memory, **dtypes,
+               adam_bytes=cpu.adam_bytes(config.actor_rollout_ref.actor.optim, 0 if lora_settings_of(config.actor_rollout_ref.model) else dims.params)
+               if cpu else ADAM_BYTES)
     arr = config.actor_rollout_ref
     actor, rollout, ref = arr.actor, arr.rollout, arr.ref
     actor_lora = lora_settings_of(arr.model)
@@ -515,7 +532,9 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
                                              in_actor=actor_lora is not None)
     if uses_critic(config):
         c = config.critic
-        cctx = _Ctx(config, flow, critic_dims or dims, tokens, gpu_memory)
+        cdims = critic_dims or dims
+        cctx = _Ctx(config, flow, cdims, tokens, gpu_memory, **dtypes,
+                    adam_bytes=cpu.adam_bytes(c.optim, cdims.params) if cpu else ADAM_BYTES)
         roles["critic"] = _trained_role(
             cctx, c.model.fsdp_config,
             _tokens(cctx, flow.critic.micro_batch if flow.critic else None, c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu),
@@ -526,7 +545,7 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
         rm = config.reward_model
         rm_dims, rm_note = _reward_model_dims(config, dims)
         rm_tokens = rm.max_length if rm.max_length and not mean_tokens else tokens  # its inputs are cut there
-        rctx = _Ctx(config, flow, rm_dims, rm_tokens, gpu_memory)
+        rctx = _Ctx(config, flow, rm_dims, rm_tokens, gpu_memory, **dtypes)
         roles["reward model"] = _reward_model_role(rctx, _tokens(rctx, _forward_micro(flow, REWARD_MODEL_PASS),
                                                                  rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu))
     phases = _phases(roles)
@@ -534,5 +553,38 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
     level, verdict, notes = _verdict(ctx, phases, roles, worst_case=mean_tokens is None)
     notes = notes + _lora_notes(ctx, roles)
     notes += [rm_note] if rm_note else []
+    assumptions = ASSUMPTIONS if cpu is None else (cpu.describe(),) + ASSUMPTIONS[:1] + ASSUMPTIONS[2:]
     return MemoryEstimate(gpu_memory, tokens, note, dims.as_dict(), roles, tuple(phases), peak.name, peak.total,
-                          peak.largest.name, level, verdict, tuple(notes))
+                          peak.largest.name, level, verdict, tuple(notes), assumptions,
+                          "GPU" if cpu is None else "process")
+
+
+@dataclass(frozen=True)
+class CpuTerms:
+    """A CPU run's terms: the budget is this machine's RAM, compute in fp32 unless the CPU has bf16
+    instructions and the run asks for bf16 (``param_dtype`` bf16 or auto: the run times both and takes the
+    faster; bf16 is assumed here), AdamW's moments 8-bit where ``optim.optimizer`` gives them
+    (posttrain.host.memory_plan: ``auto`` on a one-process CPU run from 10M trained parameters)."""
+
+    compute_bytes: int
+    one_process: bool
+    why: str
+
+    @classmethod
+    def of(cls, config: PostTrainConfig, has_bf16: bool) -> "CpuTerms":
+        wanted = config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype
+        bf16 = has_bf16 and wanted in ("bf16", "bfloat16", "auto")
+        why = ("bf16 compute (this CPU has bf16 instructions)" if bf16 else
+               f"fp32 compute ({'param_dtype=' + str(wanted) if has_bf16 else 'this CPU has no bf16 instructions'})")
+        one = config.trainer.nnodes * config.trainer.n_gpus_per_node == 1
+        return cls(2 if bf16 else 4, one, why)
+
+    def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:
+        name = str(getattr(optim, "optimizer", "auto") or "auto").lower()
+        eight = name in ("adamw_8bit", "adamw8bit", "adamw_bnb_8bit") or (
+            name == "auto" and self.one_process and (trained_params or 0) >= 10_000_000)
+        return 2.0 if eight else float(ADAM_BYTES)
+
+    def describe(self) -> str:
+        return (f"a CPU run: the budget is this machine's RAM, one process's share; {self.why}; AdamW moments "
+                "8-bit (2 B/param) where optim.optimizer gives them (auto: one process, >= 10M trained parameters)")

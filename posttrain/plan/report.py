@@ -98,10 +98,17 @@ def _tokens(n: Optional[float]) -> str:
     return "?" if n is None else f"{n:,.0f}"
 
 
+def _where(role: dict[str, Any], offloaded: bool) -> str:
+    """Where a role's state lives: GPU / CPU (offloaded) on GPUs; RAM / a file (paged) on a CPU run."""
+    if role.get("on_cpu"):
+        return "paged to a file between uses" if offloaded else "RAM"
+    return "CPU" if offloaded else "GPU"
+
+
 def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
     pad = " " * 15
     if name == "rollout":
-        line = f"  {'rollout':<13}weights {fmt_bytes(r['weights'])} (bf16, the full weights on every rank)"
+        line = f"  {'rollout':<13}weights {fmt_bytes(r['weights'])} ({r.get('dtype', 'bf16')}, the full weights on every rank)"
         if r.get("engine_budget") is not None:
             line += f"; engine share {fmt_bytes(r['engine_budget'])} leaves KV cache {fmt_bytes(r['kv_cache'])}"
         lines = [line]
@@ -109,12 +116,12 @@ def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
             lines.append(pad + f"KV cache {r['kv_bytes_per_token'] / 1024:.0f} KiB per token; {r['concurrent_sequences']} "
                          f"sequences at once need {fmt_bytes(r['kv_cache_needed'])}")
         return lines
-    where = "CPU" if r["params_offloaded"] else "GPU"
+    where = _where(r, r["params_offloaded"])
     head = f"  {name:<13}params {fmt_bytes(r['params'])} ({where})"
     if r.get("in_actor"):  # LoRA: the actor with its adapters disabled
         return [f"  {name:<13}no weights of its own: the LoRA actor with its adapters disabled"]
     if "grads" in r:
-        opt = "CPU" if r["optimizer_offloaded"] else "GPU"
+        opt = _where(r, r["optimizer_offloaded"])
         head += (f", grads {fmt_bytes(r['grads'])}, optimizer {fmt_bytes(r['optimizer'])} ({opt}); "
                  f"sharded over {r['fsdp_ranks']} ranks")
     else:
@@ -139,16 +146,17 @@ def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
 
 def render_memory(m: Optional[MemoryEstimate], skipped: Optional[str]) -> list[str]:
     if m is None:
-        return ["Memory per GPU", f"  skipped: {skipped}"]
+        return ["Memory per GPU (or per process on a CPU run)", f"  skipped: {skipped}"]
     d = m.dims
     shape = (f"hidden {d['hidden']}, {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} kv), vocab {d['vocab']}, "
              f"MLP {d['intermediate']}" if d["hidden"] else "shape unknown")
-    out = [f"Memory per GPU (of {fmt_bytes(m.gpu_memory)}; model {d['params'] / 1e9:.2f}B params, {shape}; "
+    budget = "this machine's RAM, " if m.unit == "process" else ""
+    out = [f"Memory per {m.unit} (of {budget}{fmt_bytes(m.gpu_memory)}; model {d['params'] / 1e9:.2f}B params, {shape}; "
            f"from {d['source']})",
            f"  {m.tokens_note}"]
     for name, role in m.roles.items():
         out += _role_lines(name, role)
-    out.append("  phases (roles share every GPU; one phase at a time):")
+    out.append(f"  phases (roles share every {m.unit}; one phase at a time):")
     for p in m.phases:
         mark = "  <- peak" if p.name == m.peak_phase else ""
         terms = ", ".join(f"{t.name} {fmt_bytes(t.bytes)}" for t in p.terms if t.bytes)

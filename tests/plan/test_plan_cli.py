@@ -102,3 +102,26 @@ def test_grpo_pitfalls_are_reported(capsys, grpo_script):
     assert rc == 1 and any("temperature=0 with do_sample=True" in e for e in json.loads(out)["errors"])
     rc, out, _ = _run(capsys, str(grpo_script), "actor_rollout_ref.rollout.do_sample=False", "--json")
     assert rc == 0 and any("greedy samples are identical" in w for w in json.loads(out)["warnings"])
+
+
+def test_a_cpu_run_is_planned_in_cpu_terms(capsys, grpo_script, deepseek_dir):
+    from posttrain.host.memory_plan import machine_ram
+    from posttrain.models.compute_dtype import cpu_bf16_support
+
+    def plan(device: str, *options: str) -> tuple[int, dict]:
+        rc, out, _ = _run(capsys, str(grpo_script), "trainer.n_gpus_per_node=1", f"trainer.device={device}",
+                          "--model-config", str(deepseek_dir), "--json", *options)
+        return rc, json.loads(out)["memory"]
+
+    rc, cpu = plan("cpu")
+    assert rc in (0, 1) and cpu["unit"] == "process"
+    assert abs(cpu["gpu_memory"] - machine_ram()[0] * 2**30) < 2**20  # the budget: this machine's RAM
+    bf16 = cpu_bf16_support()[0]
+    assert ("bf16 compute" if bf16 else "fp32 compute") in cpu["assumptions"][0]
+    # negative controls: the same run on a GPU, or with --gpu-memory, is planned per GPU in bf16
+    gpu = plan("cuda")[1]
+    assert gpu["unit"] == "GPU" and gpu["gpu_memory"] == 80 * 2**30
+    assert gpu["roles"]["rollout"]["weights"] <= cpu["roles"]["rollout"]["weights"]
+    assert plan("cpu", "--gpu-memory", "40GiB")[1]["unit"] == "GPU"
+    if not bf16:  # fp32 compute doubles the rollout weights' bytes against the GPU's bf16
+        assert cpu["roles"]["rollout"]["weights"] == 2 * gpu["roles"]["rollout"]["weights"]
