@@ -187,7 +187,7 @@ def _loss_consequence(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
 def _rollout_consequences(a: PostTrainConfig, b: PostTrainConfig, fa: Flow, fb: Flow) -> list[str]:
     out = []
     if fa.n != fb.n:
-        out.append(f"B samples {fb.n} responses per prompt (A: {fa.n}): {_ratio(fa.n, fb.n)} the rollout work per prompt"
+        out.append(f"B samples {fb.n} response{'s' if fb.n != 1 else ''} per prompt (A: {fa.n}): {_ratio(fa.n, fb.n)} the rollout work per prompt"
                    + (f"; groups of {fb.n} for {b.algorithm.adv_estimator}"
                       if estimator_needs(b.algorithm.adv_estimator, "needs_groups") else ""))
     if fa.prompts_per_step != fb.prompts_per_step:

@@ -1,5 +1,6 @@
 """The memory plan's choices (`posttrain.host.memory_plan`), the optimizer key, and the process-tree peak."""
 
+import copy
 import subprocess
 import sys
 import time
@@ -107,3 +108,33 @@ def test_tree_peak_counts_a_child_process():
     assert grown > 380 * 2**20
     from posttrain.host.resident import current_resident_bytes
     assert current_resident_bytes() < base_own.sampled + 100 * 2**20  # this process did not grow by it
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_a_frozen_role_computing_in_bf16_keeps_its_weights_in_bf16():
+    """The lever's claim: a frozen bf16-compute role (the reference) holds half an fp32 copy's bytes and scores
+    its responses as the fp32 copy under bf16 autocast does (every matmul reads bf16-rounded weights either way);
+    rotary buffers stay float32. Negative control: the same role computing in fp32 keeps fp32 weights."""
+    from helpers.tiny_models import tiny_llama
+    from helpers.tokenizer import build_tiny_tokenizer
+    from posttrain.models import autocast_context
+    from posttrain.models.logprobs import response_logprobs
+
+    tok = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    original = tiny_llama(tok)
+    fsdp = SimpleNamespace(param_offload=False)
+    kept = {dtype: InProcess("cpu").shard(copy.deepcopy(original), fsdp, dtype, forward_only=True)
+            for dtype in ("bf16", "fp32")}
+    assert _param_bytes(kept["bf16"]) * 2 == _param_bytes(kept["fp32"]) == _param_bytes(original)
+    assert {p.dtype for p in kept["bf16"].parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in kept["bf16"].buffers()} == {b.dtype for b in original.buffers()}
+    ids = torch.randint(3, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
+    mask, pos = torch.ones_like(ids), torch.arange(12).expand(2, 12)
+    with torch.no_grad(), autocast_context(torch.device("cpu"), "bf16"):
+        stored_bf16, _ = response_logprobs(kept["bf16"], ids, mask, pos, ids[:, -4:])
+        autocast_fp32, _ = response_logprobs(original, ids, mask, pos, ids[:, -4:])
+    torch.testing.assert_close(stored_bf16, autocast_fp32, atol=0.01, rtol=0)  # measured 0.002 on log-probs ~ -4.7

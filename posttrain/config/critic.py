@@ -78,6 +78,8 @@ class CriticConfig:
     """Passes over each batch (follows the actor)."""
     shuffle: bool = "${actor_rollout_ref.actor.shuffle}"  # type: ignore[assignment]
     """Shuffle before mini-batching (follows the actor)."""
+    use_prefix_grouper: bool = "${actor_rollout_ref.actor.use_prefix_grouper}"  # type: ignore[assignment]
+    """(posttrain) Encode each distinct prompt of a micro-batch once, and the beginning its prompts share, in the value and critic-update forwards, as the actor's key of this name does (follows it): the same values and gradients on fewer tokens. Off where critic.model.use_remove_padding packs the rows instead."""
     cliprange_value: float = 0.5
     """Value clip: new values stay within old values +- this."""
     loss_agg_mode: str = "${actor_rollout_ref.actor.loss_agg_mode}"

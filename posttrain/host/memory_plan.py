@@ -14,7 +14,7 @@ actor with its adapters off; DPO's ``dpo.precompute_ref_log_probs``), and its pr
 The line reads, e.g.::
 
     memory plan: CPU, 23.4 GiB RAM (20.1 free), no bf16 instructions; actor: AdamW moments 8-bit
-    (adamw_8bit, 0.27 GB instead of 1.08 GB); reference: fp32 copy (KL loss)
+    (adamw_8bit, 0.27 GB instead of 1.08 GB); reference: frozen copy in fp32
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class MemoryPlan:
     def note_reference(self, kind: str, param_dtype: str) -> None:
         """``kind``: ``copy`` (a frozen copy of the weights), ``adapters-off`` (LoRA) or ``none``."""
         if kind == "copy":
-            self.notes.append(f"reference: frozen copy, {param_dtype} compute")
+            kept = "bf16 (its compute precision)" if param_dtype == "bf16" else param_dtype
+            self.notes.append(f"reference: frozen copy in {kept}")
         elif kind == "adapters-off":
             self.notes.append("reference: the actor with its LoRA adapters off (no copy)")
 

@@ -11,6 +11,8 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   (`resident`);
 - ``compile_layers``: the decoder layers through ``torch.compile`` in the scoring and training
   forwards (`posttrain.models.compile`; on any device);
+- a frozen role that computes in bf16: its weights kept in bf16 (`store_frozen_in_bf16`), half an fp32
+  copy's memory for the same products (autocast would round them to bf16 at every matmul anyway);
 - ``optim.optimizer: auto``: the memory plan's choice (`posttrain.host.memory_plan`: 8-bit AdamW moments
   on a CPU), said in one console line once the roles are built (`announce_plan`).
 """
@@ -32,7 +34,7 @@ from posttrain.models.compile import enable_layer_compile
 from posttrain.workers.optim import build_optimizer, optimizer_kind, trainable_parameters
 from posttrain.workers.prepare import OnDevice
 
-__all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first"]
+__all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_bf16"]
 
 MEMORY_FIRST_PHASES = ("gen", "update_actor")
 """The actor's rollout and update: the phases whose large short-lived buffers (logits, the rollout's
@@ -56,6 +58,8 @@ class InProcess(OnDevice):
         ``param_offload`` asks on a CPU run; compiled decoder layers when ``compile_key`` is set."""
         module = super().shard(module, fsdp_config, param_dtype, forward_only=forward_only,
                                gradient_checkpointing=gradient_checkpointing)
+        if forward_only and param_dtype == "bf16":
+            store_frozen_in_bf16(module)
         if forward_only:
             directory = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
             if directory is not None:
@@ -101,6 +105,19 @@ class InProcess(OnDevice):
         first = phase in MEMORY_FIRST_PHASES and isinstance(getattr(worker, "optimizer", None), PagedAdamW)
         with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
             yield
+
+
+def store_frozen_in_bf16(module: nn.Module) -> None:
+    """A frozen module's floating-point parameters converted to bf16 in place (tied ones once).
+
+    Under bf16 autocast every matmul already reads its weight rounded to bf16, so the products are the
+    same; what changes is the small rest (norm scales, embeddings), which moves only the frozen role's
+    scores (the KL term, the reward model's value) by bf16 rounding, as verl's bf16 reference does.
+    Buffers stay as they are: the rotary frequencies in bf16 would shift every position's angle."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point() and param.dtype != torch.bfloat16:
+                param.data = param.data.to(torch.bfloat16)
 
 
 @contextlib.contextmanager

@@ -297,7 +297,7 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) 
     """The reference's own copy of the model, or with ``in_actor`` (LoRA) none: the actor computes it."""
     fsdp = ctx.config.actor_rollout_ref.ref.fsdp_config
     ranks = ctx.flow.world_size
-    own = ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks
+    own = ctx.dims.params * _frozen_bytes(ctx, fsdp.model_dtype) / ranks
     out: dict[str, Any] = {
         "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
         "params": 0.0 if in_actor else own,
@@ -315,13 +315,21 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) 
     return out
 
 
+def _frozen_bytes(ctx: _Ctx, model_dtype: str) -> int:
+    """Bytes a frozen role keeps per parameter: on a one-process CPU run that computes in bf16 its weights
+    are kept in bf16 (`posttrain.host.placement.store_frozen_in_bf16`), else in ``model_dtype``."""
+    if ctx.on_cpu and ctx.compute_bytes == 2:
+        return 2
+    return MASTER_DTYPE_BYTES.get(model_dtype, 4)
+
+
 def _reward_model_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
     """Frozen like the reference, sharded over all ranks; one score per row instead of logits."""
     fsdp = ctx.config.reward_model.model.fsdp_config
     ranks = ctx.flow.world_size
     out: dict[str, Any] = {
         "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
-        "params": ctx.dims.params * MASTER_DTYPE_BYTES.get(fsdp.model_dtype, 4) / ranks,
+        "params": ctx.dims.params * _frozen_bytes(ctx, fsdp.model_dtype) / ranks,
         "params_offloaded": fsdp.param_offload,
         "forward_tokens": tokens,
     }

@@ -22,7 +22,7 @@ from posttrain.models import split_for_padding
 from posttrain.models.compile import compiled_layers
 from posttrain.models.lora import LoraAdapter
 from posttrain.models.microbatch import equal_micro_batch_count
-from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
+from posttrain.workers.common import MetricMeter, micro_batches, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler
 from posttrain.workers.prepare import OnDevice, Placement, prepare
 from posttrain.workers.update import run_update
@@ -34,12 +34,13 @@ _STEP_METRICS = StepMetricNames("critic/grad_norm", "critic/nonfinite_skipped", 
 
 
 def response_values(model: ValueModel, input_ids, attention_mask, position_ids, responses,
-                    remove_padding: bool = False) -> torch.Tensor:
-    """One micro-batch: values ``[B, R]`` float32 (0 outside the response mask); differentiable."""
+                    remove_padding: bool = False, shared_prefix: bool = False) -> torch.Tensor:
+    """One micro-batch: values ``[B, R]`` float32 (0 outside the response mask); differentiable.
+    ``shared_prefix``: each distinct prompt (and the beginning the prompts share) encoded once."""
     resp_len = responses.shape[1]
     with compiled_layers(model):  # critic.model.compile_layers=True: the decoder layers through torch.compile
         hidden, take = response_hidden_states(model.backbone, input_ids, attention_mask, position_ids, resp_len,
-                                              remove_padding)
+                                              remove_padding, shared_prefix)
     values = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
     values = torch.cat([model.values_from_hidden(hidden), values[:, take:]], dim=1)
     return values * attention_mask[:, -resp_len:].to(values.dtype)
@@ -84,15 +85,20 @@ class CriticWorker:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim)
         self.generator = torch.Generator().manual_seed(seed)
         self.remove_padding = bool(mcfg.use_remove_padding)
+        self.shared_prefix = bool(config.use_prefix_grouper) and not self.remove_padding  # two layouts: packing wins
 
     def compute_values(self, batch: Any) -> torch.Tensor:
         """``values`` ``[N, R]`` for ``batch``, no grad, in ``forward_micro_batch_size_per_gpu`` rows."""
         cfg = self.config
         data = {k: batch[k] for k in _KEYS}
         micro = cfg.forward_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu
-        groups = micro_batch_indices(data["attention_mask"], micro, bool(cfg.use_dynamic_bsz),
-                                     cfg.forward_max_token_len_per_gpu, sort_by_length=True)
-        groups = split_for_padding(data["attention_mask"], groups)
+        if self.shared_prefix:  # rows of one prompt in one micro-batch
+            groups = micro_batches(data, torch.arange(len(data["responses"])), micro, bool(cfg.use_dynamic_bsz),
+                                   cfg.forward_max_token_len_per_gpu, shared_prefix=True)
+        else:
+            groups = micro_batch_indices(data["attention_mask"], micro, bool(cfg.use_dynamic_bsz),
+                                         cfg.forward_max_token_len_per_gpu, sort_by_length=True)
+            groups = split_for_padding(data["attention_mask"], groups)
         out = torch.zeros(data["responses"].shape, dtype=torch.float32, device=data["responses"].device)
         self.module.eval()
         for idx, stand_in in equal_micro_batch_count(groups):  # FSDP: as many forwards as the other ranks
@@ -100,7 +106,7 @@ class CriticWorker:
                 continue
             with torch.no_grad(), self.autocast():
                 vals = response_values(self.module, **select_rows(data, idx, self.device),
-                                       remove_padding=self.remove_padding)
+                                       remove_padding=self.remove_padding, shared_prefix=self.shared_prefix)
             if not stand_in:
                 out[idx.to(out.device)] = vals.to(out.device)
         return out
@@ -109,7 +115,8 @@ class CriticWorker:
         cfg = self.config
         mask = response_mask_of(mb)
         with self.autocast():
-            vpreds = response_values(self.module, *(mb[k] for k in _KEYS), remove_padding=self.remove_padding)
+            vpreds = response_values(self.module, *(mb[k] for k in _KEYS), remove_padding=self.remove_padding,
+                                     shared_prefix=self.shared_prefix)
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds, mb["returns"], mb["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **info)
         vf_loss.backward()
@@ -126,7 +133,8 @@ class CriticWorker:
         ``values`` (old) and ``returns`` ``[N, R]``. The lr schedule advances once per call.
         """
         data = {k: batch[k] for k in (*_KEYS, "response_mask", "values", "returns")}
-        return run_update(data, ppo_loop(self.config), micro_step=self._micro_step, normalisers=token_normalisers,
+        loop = ppo_loop(self.config, shared_prefix=self.shared_prefix)
+        return run_update(data, loop, micro_step=self._micro_step, normalisers=token_normalisers,
                           names=_STEP_METRICS, module=self.module, optimizer=self.optimizer,
                           lr_scheduler=self.lr_scheduler, generator=self.generator, device=self.device)
 

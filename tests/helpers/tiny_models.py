@@ -90,7 +90,7 @@ def tiny_worker_configs(
     critic_kw = dict(
         rollout_n=n, ppo_mini_batch_size=mini_batch_size, ppo_micro_batch_size_per_gpu=micro_batch_size,
         use_dynamic_bsz=False, forward_max_token_len_per_gpu=4096, ppo_epochs=1, shuffle=False,
-        loss_agg_mode="token-mean", grad_clip=1e6, optim=OptimConfig(lr=lr, weight_decay=0.0),
+        use_prefix_grouper=False, loss_agg_mode="token-mean", grad_clip=1e6, optim=OptimConfig(lr=lr, weight_decay=0.0),
         model=CriticModelConfig(path="<tiny>", tokenizer_path="<tiny>", external_lib=None,
                                 trust_remote_code=False, enable_gradient_checkpointing=False, compile_layers=False,
                                 fsdp_config=fsdp))

@@ -47,6 +47,21 @@ def make_critic(tok, head_seed=None, **critic_kw):
     return CriticWorker(cfg.critic, device="cpu", module=module)
 
 
+def spy_shared_layouts(monkeypatch) -> list[bool]:
+    """Whether each shared-prompt forward took its layout (True) or fell back to the plain one."""
+    import posttrain.models.logprobs as logprobs
+
+    taken, real = [], logprobs.shared_prefix_hidden_states
+
+    def spy(*args, **kwargs):
+        hidden = real(*args, **kwargs)
+        taken.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(logprobs, "shared_prefix_hidden_states", spy)
+    return taken
+
+
 def manual_values(module, b):
     """Reference: value head on the full-sequence hidden states, columns P-1 .. P+R-2."""
     resp_len = b["responses"].shape[1]
@@ -59,24 +74,29 @@ def test_zero_init_head_gives_zero_values(tok, batch):
     assert torch.count_nonzero(critic.compute_values(batch)) == 0
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_compute_values_reads_state_before_each_response_token(tok, batch, packed):
-    critic = make_critic(tok, head_seed=0, forward_micro_batch_size_per_gpu=4)
+@pytest.mark.parametrize("packed,shared", [(False, False), (True, False), (False, True)])
+def test_compute_values_reads_state_before_each_response_token(tok, batch, packed, shared, monkeypatch):
+    critic = make_critic(tok, head_seed=0, forward_micro_batch_size_per_gpu=4, use_prefix_grouper=shared)
     critic.remove_padding = packed
+    layouts = spy_shared_layouts(monkeypatch)
     values = critic.compute_values(batch)
+    assert any(layouts) == shared  # the shared-prompt layout ran (and only when asked)
     with torch.no_grad():
         want = manual_values(critic.module, batch)
     torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
     assert torch.all(values[batch["response_mask"] == 0] == 0)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_update_grad_accumulation_equals_one_big_batch(tok, batch, mode):
+@pytest.mark.parametrize("mode,shared", [("token-mean", False), ("seq-mean-token-mean", False),
+                                         ("seq-mean-token-sum-norm", False), ("token-mean", True)])
+def test_update_grad_accumulation_equals_one_big_batch(tok, batch, mode, shared, monkeypatch):
     critic = make_critic(tok, head_seed=0, ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=4,
-                         loss_agg_mode=mode, cliprange_value=0.2)
+                         loss_agg_mode=mode, cliprange_value=0.2, use_prefix_grouper=shared)
+    layouts = spy_shared_layouts(monkeypatch)
     reference = copy.deepcopy(critic.module)
     got = grads_at_step(critic)
     metrics = critic.update_critic(batch)
+    assert any(layouts) == shared
     vpreds = manual_values(reference, batch)
     vf_loss, clipfrac = compute_value_loss(vpreds, batch["returns"], batch["values"], batch["response_mask"],
                                            0.2, mode)

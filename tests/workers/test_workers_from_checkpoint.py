@@ -43,7 +43,10 @@ def test_full_step_from_folder_bf16_checkpointing(ckpt):
     old, entropy = actor.compute_log_prob(batch)
     batch.batch["old_log_probs"] = old
     batch.batch["ref_log_prob"] = ref.compute_ref_log_prob(batch)
-    torch.testing.assert_close(batch["ref_log_prob"], old, rtol=0, atol=0)  # same weights, same path
+    # the same weights, kept in bf16 by the reference (posttrain.host.placement.store_frozen_in_bf16): every
+    # matmul reads the bf16 weight the actor's autocast reads; the norm scales and embeddings round to bf16
+    assert {p.dtype for p in ref.module.parameters()} == {torch.bfloat16}
+    torch.testing.assert_close(batch["ref_log_prob"], old, rtol=0, atol=0.01)  # measured 0.002
     batch.batch["values"] = critic.compute_values(batch)
     mask = batch["response_mask"].float()
     batch.batch["advantages"] = torch.randn(mask.shape) * mask
