@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from posttrain.config.derived import estimator_needs, uses_critic, uses_reference
+from posttrain.config.derived import estimator_needs, kl_loss_active, uses_critic, uses_reference
 from posttrain.config.docs import all_keys, format_value
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
@@ -145,7 +145,7 @@ def _critic_consequence(a: PostTrainConfig, b: PostTrainConfig) -> list[str]:
 def _kl_reason(c: PostTrainConfig) -> str:
     actor, algo = c.actor_rollout_ref.actor, c.algorithm
     parts = []
-    if actor.use_kl_loss:
+    if kl_loss_active(actor):
         parts.append(f"the KL loss (actor.use_kl_loss=True, {actor.kl_loss_type}, coef {actor.kl_loss_coef})")
     if algo.use_kl_in_reward:
         parts.append(f"the in-reward KL penalty (algorithm.use_kl_in_reward=True, {algo.kl_penalty})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from posttrain.config.schema import PostTrainConfig
 
@@ -81,7 +81,14 @@ def estimator_needs(name: str, need: str) -> bool:
 
 
 def uses_reference(config: PostTrainConfig) -> bool:
-    return bool(config.actor_rollout_ref.actor.use_kl_loss or config.algorithm.use_kl_in_reward)
+    """A reference model is loaded for a KL term: the actor's KL loss (unless its coefficient is 0, as TRL
+    skips the reference at ``beta=0``: the term would add nothing) or the in-reward KL penalty."""
+    return bool(kl_loss_active(config.actor_rollout_ref.actor) or config.algorithm.use_kl_in_reward)
+
+
+def kl_loss_active(actor: Any) -> bool:
+    """``actor.use_kl_loss`` with a non-zero ``actor.kl_loss_coef``."""
+    return bool(actor.use_kl_loss) and actor.kl_loss_coef != 0
 
 
 class SizeError(ValueError):
@@ -210,6 +217,7 @@ def worker_config(config: PostTrainConfig, sizes: DerivedSizes) -> PostTrainConf
     """A copy whose batch sizes are per rank, in responses: what verl's workers hold after normalising."""
     out = copy.deepcopy(config)
     actor, critic = out.actor_rollout_ref.actor, out.critic
+    actor.use_kl_loss = kl_loss_active(actor)  # a zero coefficient: no term, no reference (`uses_reference`)
     actor.ppo_mini_batch_size = sizes.actor.mini_batch
     actor.ppo_micro_batch_size, actor.ppo_micro_batch_size_per_gpu = None, sizes.actor.micro_batch
     out.actor_rollout_ref.rollout.log_prob_micro_batch_size = None

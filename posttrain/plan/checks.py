@@ -23,12 +23,9 @@ def plan_problems(config: PostTrainConfig, flow: Flow, dims: Optional[ModelDims]
                       "refuses it at start-up; use actor_rollout_ref.rollout.name=vllm or hf")
     # tensor_model_parallel_size is read and not applied (plan.flow.ENGINE_TENSOR_PARALLEL), so a size that would
     # not divide the GPUs or heads breaks nothing here; the flow's note says so instead of an error.
-    if actor.use_kl_loss and actor.kl_loss_coef == 0:
-        warnings.append("actor_rollout_ref.actor.use_kl_loss=True with kl_loss_coef=0: the reference model is loaded "
-                        "and run for a term that weighs nothing")
     if not uses_reference(config) and arr.ref.log_prob_micro_batch_size_per_gpu is not None:
         warnings.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu is set but no reference model is used "
-                        "(actor.use_kl_loss=False and algorithm.use_kl_in_reward=False)")
+                        "(no KL loss, or its kl_loss_coef is 0, and algorithm.use_kl_in_reward=False)")
     if dims is not None and dims.max_positions and flow.prompt_length + flow.response_length > dims.max_positions:
         warnings.append(f"data.max_prompt_length + data.max_response_length = {flow.prompt_length + flow.response_length} "
                         f"tokens exceeds the model's max_position_embeddings={dims.max_positions}")

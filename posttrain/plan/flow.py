@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from posttrain.config.derived import RoleSizes, SizeError, derive_sizes, uses_critic, uses_reference
+from posttrain.config.derived import RoleSizes, SizeError, derive_sizes, kl_loss_active, uses_critic, uses_reference
 from posttrain.config.schema import PostTrainConfig
 
 GSM8K_TRAIN_SIZE = 7473
@@ -307,11 +307,13 @@ def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
                    f"{arr.rollout.name}, sharing its weights)"}]
     if uses_reference(config):
         reasons = []
-        if arr.actor.use_kl_loss:
+        if kl_loss_active(arr.actor):
             reasons.append(f"actor.use_kl_loss=True (KL loss, coef {arr.actor.kl_loss_coef}, {arr.actor.kl_loss_type})")
         if algo.use_kl_in_reward:
             reasons.append(f"algorithm.use_kl_in_reward=True (KL penalty in the reward, {algo.kl_penalty})")
         why = "because " + " and ".join(reasons)
+    elif arr.actor.use_kl_loss and not algo.use_kl_in_reward:
+        why = "actor.kl_loss_coef=0: the KL loss weighs nothing, so no reference is loaded (as TRL at beta=0)"
     else:
         why = "no KL term: actor.use_kl_loss=False and algorithm.use_kl_in_reward=False"
     loaded = uses_reference(config)

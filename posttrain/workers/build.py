@@ -78,7 +78,7 @@ def _announce_plan(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
     if roles.ref is not None:
         plan.note_reference("adapters-off" if ref_in_actor else "copy", getattr(roles.ref, "param_dtype", "fp32"))
     else:
-        plan.notes.append("no reference model (no KL term)")
+        plan.notes.append("no reference model (no KL term, or a KL coefficient of 0)")
     announce()
 
 

@@ -58,7 +58,19 @@ def test_plan_specific_checks(capsys, grpo_script):
                       "actor_rollout_ref.actor.kl_loss_coef=0", "--json")
     data = json.loads(out)
     assert rc == 1 and any("rollout.name=sglang: posttrain has no SGLang engine" in e for e in data["errors"])
-    assert any("kl_loss_coef=0" in w for w in data["warnings"])
+    reference = next(m for m in data["models"] if m["role"] == "reference")
+    assert not reference["loaded"] and "kl_loss_coef=0" in reference["why"]  # a zero KL weight loads no reference
+
+
+def test_a_zero_kl_coefficient_loads_no_reference(capsys, grpo_script):
+    """The lever's memory claim in the plan: no reference row's parameters (a negative control: coef 0.001)."""
+    sizes = {}
+    for coef in ("0", "0.001"):
+        rc, out, _ = _run(capsys, str(grpo_script), f"actor_rollout_ref.actor.kl_loss_coef={coef}",
+                          "actor_rollout_ref.model.path=HuggingFaceTB/SmolLM2-135M-Instruct", "--json")
+        data = json.loads(out)
+        sizes[coef] = [m["loaded"] for m in data["models"] if m["role"] == "reference"]
+    assert sizes == {"0": [False], "0.001": [True]}
 
 
 def test_unapplied_tensor_parallel_size_is_a_note_not_an_error(capsys, grpo_script):

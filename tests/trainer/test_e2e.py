@@ -98,3 +98,15 @@ def test_validation_reports_the_scorers_numbers_per_data_source():
         "val-aux/a/acc/mean@1": pytest.approx(2 / 3), "val-aux/b/acc/mean@1": 0.0,
         "val-aux/a/flexible_acc/mean@1": pytest.approx(2 / 3), "val-aux/b/flexible_acc/mean@1": 1.0,
     }
+
+
+def test_a_zero_kl_coefficient_builds_and_runs_no_reference(tmp_path):
+    """use_kl_loss=True with kl_loss_coef=0 weighs the KL term by nothing: no reference model is built or run
+    (TRL's beta=0); the negative control, coef 0.001, builds one and logs the KL loss."""
+    for coef, has_ref in (("0", False), ("0.001", True)):
+        trainer = tiny_trainer(tmp_path / coef, ["actor_rollout_ref.actor.use_kl_loss=True",
+                                                 f"actor_rollout_ref.actor.kl_loss_coef={coef}",
+                                                 "trainer.total_training_steps=1"])
+        history = trainer.fit()
+        assert trainer.workers.has_ref == has_ref
+        assert ("timing_s/ref" in history[0]) == has_ref and ("actor/kl_loss" in history[0]) == has_ref
