@@ -312,7 +312,7 @@ def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
         if algo.use_kl_in_reward:
             reasons.append(f"algorithm.use_kl_in_reward=True (KL penalty in the reward, {algo.kl_penalty})")
         why = "because " + " and ".join(reasons)
-    elif arr.actor.use_kl_loss and not algo.use_kl_in_reward:
+    elif arr.actor.use_kl_loss:  # (no in-reward KL here: uses_reference would be True)
         why = "actor.kl_loss_coef=0: the KL loss weighs nothing, so no reference is loaded (as TRL at beta=0)"
     else:
         why = "no KL term: actor.use_kl_loss=False and algorithm.use_kl_in_reward=False"

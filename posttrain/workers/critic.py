@@ -17,12 +17,12 @@ from posttrain.algorithms import compute_value_loss, masked_mean
 from posttrain.algorithms.batch_info import token_normalisers
 from posttrain.algorithms.objectives import StepMetricNames, ppo_loop
 from posttrain.checkpoint.role import load_role_into, save_role
-from posttrain.models import ValueModel, autocast_context, default_device, micro_batch_indices, response_hidden_states
-from posttrain.models import split_for_padding
+from posttrain.models import ValueModel, autocast_context, default_device, response_hidden_states
 from posttrain.models.compile import compiled_layers
 from posttrain.models.lora import LoraAdapter
-from posttrain.models.microbatch import equal_micro_batch_count
-from posttrain.workers.common import MetricMeter, micro_batches, response_mask_of, select_rows
+from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches
+from posttrain.models.shared_prefix import prompt_key
+from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
 from posttrain.workers.optim import build_lr_scheduler
 from posttrain.workers.prepare import OnDevice, Placement, prepare
 from posttrain.workers.update import run_update
@@ -92,13 +92,10 @@ class CriticWorker:
         cfg = self.config
         data = {k: batch[k] for k in _KEYS}
         micro = cfg.forward_micro_batch_size_per_gpu or cfg.ppo_micro_batch_size_per_gpu
-        if self.shared_prefix:  # rows of one prompt in one micro-batch
-            groups = micro_batches(data, torch.arange(len(data["responses"])), micro, bool(cfg.use_dynamic_bsz),
-                                   cfg.forward_max_token_len_per_gpu, shared_prefix=True)
-        else:
-            groups = micro_batch_indices(data["attention_mask"], micro, bool(cfg.use_dynamic_bsz),
-                                         cfg.forward_max_token_len_per_gpu, sort_by_length=True)
-            groups = split_for_padding(data["attention_mask"], groups)
+        prompts = (prompt_key(data["input_ids"], data["attention_mask"], data["responses"].shape[1])
+                   if self.shared_prefix else None)  # rows of one prompt in one micro-batch
+        groups = forward_micro_batches(data["attention_mask"], micro, bool(cfg.use_dynamic_bsz),
+                                       cfg.forward_max_token_len_per_gpu, prompts)
         out = torch.zeros(data["responses"].shape, dtype=torch.float32, device=data["responses"].device)
         self.module.eval()
         for idx, stand_in in equal_micro_batch_count(groups):  # FSDP: as many forwards as the other ranks
