@@ -588,10 +588,19 @@ class CpuTerms:
         return cls(2 if bf16 else 4, one, why)
 
     def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:
-        name = str(getattr(optim, "optimizer", "auto") or "auto").lower()
-        eight = name in ("adamw_8bit", "adamw8bit", "adamw_bnb_8bit") or (
-            name == "auto" and self.one_process and (trained_params or 0) >= 10_000_000)
-        return 2.0 if eight else float(ADAM_BYTES)
+        """What the run's optimizer keeps per trained parameter: the spellings of `posttrain.workers.optim` and,
+        for ``auto``, the one-process placement's choice (`posttrain.host.memory_plan.MemoryPlan.optimizer`);
+        ranks take ``auto`` as AdamW. An unknown name (an error of the plan's checks) counts as AdamW."""
+        import torch
+
+        from posttrain.host.memory_plan import MemoryPlan
+        from posttrain.workers.optim import OPTIMIZER_NAMES
+
+        kind = OPTIMIZER_NAMES.get(str(getattr(optim, "optimizer", "auto") or "auto").lower(), "adamw")
+        if kind == "auto":
+            kind = (MemoryPlan(torch.device("cpu")).optimizer(kind, paged=False, trained_params=int(trained_params or 0))
+                    if self.one_process else "adamw")
+        return 2.0 if kind == "adamw_8bit" else float(ADAM_BYTES)
 
     def describe(self) -> str:
         return (f"a CPU run: the budget is this machine's RAM, one process's share; {self.why}; AdamW moments "
