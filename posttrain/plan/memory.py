@@ -231,6 +231,8 @@ class _Ctx:
     compute_bytes: int = COMPUTE_BYTES
     """Bytes of a compute-dtype value: 2 (bf16, GPUs' and bf16 CPUs'), 4 on a CPU that computes in fp32."""
     on_cpu: bool = False
+    one_process: bool = False
+    """A one-process CPU run (`posttrain.host.placement.InProcess`), whose levers differ from ranks'."""
     adam_bytes: float = ADAM_BYTES
     """AdamW's m and v per trained parameter: 8 (fp32), 2 with 8-bit moments (posttrain.host.adamw8bit)."""
 
@@ -317,8 +319,8 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) 
 
 def _frozen_bytes(ctx: _Ctx, model_dtype: str) -> int:
     """Bytes a frozen role keeps per parameter: on a one-process CPU run that computes in bf16 its weights
-    are kept in bf16 (`posttrain.host.placement.store_frozen_in_bf16`), else in ``model_dtype``."""
-    if ctx.on_cpu and ctx.compute_bytes == 2:
+    are kept in bf16 (ranks keep ``model_dtype``) (`posttrain.host.placement.store_frozen_in_bf16`), else in ``model_dtype``."""
+    if ctx.on_cpu and ctx.one_process and ctx.compute_bytes == 2:
         return 2
     return MASTER_DTYPE_BYTES.get(model_dtype, 4)
 
@@ -517,7 +519,7 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
     note = (f"{tokens} tokens per sequence (--mean-tokens)" if mean_tokens else
             f"{worst} tokens per sequence (max prompt {flow.prompt_length} + max response {flow.response_length}: "
             "worst case)")
-    dtypes = {} if cpu is None else {"compute_bytes": cpu.compute_bytes, "on_cpu": True}
+    dtypes = {} if cpu is None else {"compute_bytes": cpu.compute_bytes, "on_cpu": True, "one_process": cpu.one_process}
     ctx = _Ctx(config, flow, dims, tokens, gpu_memory, **dtypes,
                adam_bytes=cpu.adam_bytes(config.actor_rollout_ref.actor.optim, 0 if lora_settings_of(config.actor_rollout_ref.model) else dims.params)
                if cpu else ADAM_BYTES)

@@ -116,6 +116,20 @@ def test_grpo_pitfalls_are_reported(capsys, grpo_script):
     assert rc == 0 and any("greedy samples are identical" in w for w in json.loads(out)["warnings"])
 
 
+def test_only_a_one_process_cpu_run_counts_its_reference_in_bf16(capsys, grpo_script, deepseek_dir):
+    """store_frozen_in_bf16 is the one-process placement's lever: a bf16 CPU keeps the reference in 2 bytes a
+    parameter there; CPU ranks (FSDP2) keep it in model_dtype (4 bytes), as does any run on a CPU without bf16."""
+    from posttrain.models.compute_dtype import cpu_bf16_support
+
+    per_param = {}
+    for ranks in (1, 2):
+        rc, out, _ = _run(capsys, str(grpo_script), f"trainer.n_gpus_per_node={ranks}", "trainer.device=cpu",
+                          "--model-config", str(deepseek_dir), "--json")
+        memory = json.loads(out)["memory"]
+        per_param[ranks] = memory["roles"]["reference"]["params"] * ranks / memory["dims"]["params"]
+    assert per_param == {1: 2.0 if cpu_bf16_support()[0] else 4.0, 2: 4.0}
+
+
 def test_a_cpu_run_is_planned_in_cpu_terms(capsys, grpo_script, deepseek_dir):
     from posttrain.host.memory_plan import machine_ram
     from posttrain.models.compute_dtype import cpu_bf16_support
