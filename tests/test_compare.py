@@ -180,6 +180,7 @@ def test_two_tiny_configs_end_to_end_then_resumed(tmp_path, forkserver, capsys):
     assert compare_cmd.main(args, launch=third) == 0 and third.ran == []
 
 
+@pytest.mark.slow  # four tiny runs; the verdict's arithmetic is tested by hand above
 def test_identical_configs_are_within_noise(tmp_path, forkserver, capsys):
     # negative control: the same config twice, same seeds; whatever the runs' spread, a difference of 0
     out = tmp_path / "cmp"

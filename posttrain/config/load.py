@@ -8,7 +8,9 @@ Every error names the full dotted key (and the file or override it came from).
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import io
 import typing
 from dataclasses import dataclass
@@ -223,11 +225,18 @@ def apply_overrides(cfg: DictConfig, overrides: Iterable[str], source: str = "ov
         _set(cfg, key, parse_override_value(key, text, where, tree), where, tree)
 
 
+@functools.lru_cache(maxsize=None)
+def _defaults(root: type) -> DictConfig:
+    """``root``'s defaults as an OmegaConf tree, built once: building it walks every dataclass (~0.1 s),
+    a copy of it is a fifth of that. Callers copy it; it is never changed."""
+    return OmegaConf.structured(root)
+
+
 def load_raw(path: str | Path | None = None, overrides: Iterable[str] = (), base: str | Path | None = None,
              tree: Tree = RL_TREE) -> DictConfig:
     """The merged OmegaConf tree (interpolations unresolved), before validation: ``tree``'s defaults
     <- ``base`` YAML <- ``path`` YAML <- dotted overrides."""
-    cfg = OmegaConf.structured(tree.root)
+    cfg = copy.deepcopy(_defaults(tree.root))
     for layer in (base, path):
         if layer is not None:
             _apply_yaml(cfg, layer, tree)
