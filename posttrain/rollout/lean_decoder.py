@@ -58,6 +58,7 @@ from transformers.models.llama.modeling_llama import rotate_half  # mistral's an
 from posttrain.host.allocator import mapped_allocations
 from posttrain.host.cache import cache_root, machine_key, read_answers, write_answer
 from posttrain.models.attention import single_query_probs
+from posttrain.models.recast_linear import RecastLinear
 
 __all__ = [
     "LEAN_MODEL_TYPES", "LeanDecoder", "fp32_matmul_backend", "lean_decoder_for", "mkl_packing_available",
@@ -434,7 +435,8 @@ def _supported(model: nn.Module, body: nn.Module, head: nn.Module, cache: Any) -
         getattr(layer.self_attn, "v_proj", None), getattr(layer.self_attn, "o_proj", None),
         getattr(layer.mlp, "gate_proj", None), getattr(layer.mlp, "up_proj", None),
         getattr(layer.mlp, "down_proj", None))]
-    if not all(type(lin) is nn.Linear and type(lin.weight.detach()) is torch.Tensor for lin in linears):
+    # RecastLinear computes nn.Linear's function (it only keeps less for backward); any other subclass may not
+    if not all(type(lin) in (nn.Linear, RecastLinear) and type(lin.weight.detach()) is torch.Tensor for lin in linears):
         return False
     if head.weight.device.type != "cpu":  # CPU only: MKL packing and CPU autocast (a GPU keeps the model's forward)
         return False
