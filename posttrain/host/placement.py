@@ -13,8 +13,8 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   forwards (`posttrain.models.compile`; on any device);
 - a frozen role that computes in bf16: its weights kept in bf16 (`store_frozen_in_bf16`), half an fp32
   copy's memory for the same products (autocast would round them to bf16 at every matmul anyway);
-- a trained role that computes in bf16: its linear layers keep their fp32 weights for backward, not a bf16
-  cast of each (`posttrain.models.recast_linear`), one bf16 copy of the model less per micro-batch;
+- a trained role that computes in bf16: its layers keep less for backward (`posttrain.models.lean_backward`:
+  the fp32 weights rather than a bf16 cast of each, the norms' inputs rather than their outputs);
 - ``optim.optimizer: auto``: the memory plan's choice (`posttrain.host.memory_plan`: 8-bit AdamW moments
   on a CPU), said in one console line once the roles are built (`announce_plan`).
 """
@@ -33,7 +33,7 @@ from posttrain.host.memory_plan import MemoryPlan
 from posttrain.host.paging import PagedAdamW, offload_directory, one_pass, page_module, paged_weights
 from posttrain.host.process_tree import start_run_peak
 from posttrain.models.compile import enable_layer_compile
-from posttrain.models.recast_linear import recast_weights_in_backward
+from posttrain.models.lean_backward import keep_less_for_backward
 from posttrain.workers.optim import build_optimizer, optimizer_kind, trainable_parameters
 from posttrain.workers.prepare import OnDevice
 
@@ -64,7 +64,7 @@ class InProcess(OnDevice):
         if forward_only and param_dtype == "bf16":
             store_frozen_in_bf16(module)
         elif param_dtype == "bf16":
-            recast_weights_in_backward(module)
+            keep_less_for_backward(module)
         if forward_only:
             directory = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
             if directory is not None:

@@ -279,11 +279,11 @@ def test_declines_what_it_does_not_reproduce(tok):
 def test_a_trained_bf16_actor_with_recast_linears_is_decoded_lean(tok):
     """The one-process placement turns a trained bf16 role's linears into RecastLinear (the same function):
     its rollout keeps the lean decoder (an exact-type check had sent it to the model's forward, 1.5x slower)."""
-    from posttrain.models.recast_linear import RecastLinear, recast_weights_in_backward
+    from posttrain.models.lean_backward import RecastLinear, keep_less_for_backward
 
     prompts = tiny_prompt_batch(tok, PROMPTS[:2])
     model = _model("llama", tok).eval()
-    recast_weights_in_backward(model)
+    keep_less_for_backward(model)
     assert isinstance(model.model.layers[0].mlp.up_proj, RecastLinear)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert lean_decoder_for(model, _prefill(model, prompts)[1]) is not None
