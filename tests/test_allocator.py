@@ -92,3 +92,43 @@ def test_release_hands_kept_memory_back(release):
         assert before - after >= 240  # the freed block's pages went back to the kernel
     else:
         assert before - after < 16  # negative control: kept (resident) without the release
+
+
+# Under keep_freed_memory, a 256 MiB block allocated and freed inside mapped_allocations (or outside it, the
+# negative control); prints the heap's free MiB and this process's resident MiB after the free.
+MAPPED_PROBE = """
+import ctypes, sys
+from posttrain.host.allocator import keep_freed_memory, mapped_allocations
+from posttrain.host.resident import current_resident_bytes
+import contextlib
+assert keep_freed_memory()
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',
+                                              'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.mallinfo2.restype = MallInfo2
+base = current_resident_bytes() >> 20
+with mapped_allocations() if sys.argv[1] == 'mapped' else contextlib.nullcontext():
+    block = libc.malloc(256 << 20)
+    ctypes.memset(block, 1, 256 << 20)
+    guard = libc.malloc(1 << 20)
+libc.free(ctypes.c_void_p(block))  # freed after the block, as a phase's tensors may be
+print(libc.mallinfo2().fordblks >> 20, (current_resident_bytes() >> 20) - base)
+"""
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+@needs_glibc
+def test_a_block_allocated_memory_first_goes_back_to_the_kernel_when_freed(mapped):
+    """What ``host_memory=memory`` relies on (posttrain.host.placement.memory_first): the block has a mapping
+    of its own, unmapped at its free; kept for reuse otherwise (the negative control), still resident."""
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
+    free_mib, grown_mib = map(int, subprocess.run([sys.executable, "-c", MAPPED_PROBE, "mapped" if mapped else "kept"],
+                                                  capture_output=True, text=True, check=True, env=clean).stdout.split())
+    if mapped:
+        assert free_mib < 64 and grown_mib < 64
+    else:
+        assert free_mib >= 256 and grown_mib >= 240

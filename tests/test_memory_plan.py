@@ -138,3 +138,52 @@ def test_a_frozen_role_computing_in_bf16_keeps_its_weights_in_bf16():
         stored_bf16, _ = response_logprobs(kept["bf16"], ids, mask, pos, ids[:, -4:])
         autocast_fp32, _ = response_logprobs(original, ids, mask, pos, ids[:, -4:])
     torch.testing.assert_close(stored_bf16, autocast_fp32, atol=0.01, rtol=0)  # measured 0.002 on log-probs ~ -4.7
+
+
+def test_host_memory_auto_chooses_memory_on_a_small_machine_only():
+    cpu, gpu = MemoryPlan(torch.device("cpu")), MemoryPlan(torch.device("cuda"))
+    assert cpu.memory_first("auto", total_ram_gib=7.6)  # an 8 GB laptop
+    # negative controls: a larger machine, a GPU run, an explicit choice either way
+    assert not cpu.memory_first("auto", total_ram_gib=23.5)
+    assert not gpu.memory_first("auto", total_ram_gib=7.6)
+    assert cpu.memory_first("memory", total_ram_gib=23.5) and not cpu.memory_first("speed", total_ram_gib=7.6)
+
+
+@pytest.mark.parametrize("mode,expected", [("memory", True), ("speed", False)])
+def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expected, tmp_path, monkeypatch, capsys):
+    import contextlib
+
+    from helpers.tiny_run import one_thread, tiny_overrides
+    from posttrain.config import load_config
+    from posttrain.host import placement
+    from posttrain.trainer.trainer import RLTrainer
+
+    phases, real = [], placement.memory_first
+
+    @contextlib.contextmanager
+    def memory_first():
+        phases.append(1)
+        with real():
+            yield
+
+    monkeypatch.setattr(placement, "memory_first", memory_first)
+    overrides = tiny_overrides(tmp_path, ["trainer.total_training_steps=1", "trainer.val_before_train=False",
+                                      f"actor_rollout_ref.actor.fsdp_config.host_memory={mode}"])
+    with one_thread():
+        RLTrainer(load_config(overrides=overrides)).fit()
+    assert (len(phases) >= 2) is expected and (len(phases) == 0) is not expected  # the rollout and the update
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory plan:"))
+    assert ("returned to the kernel (host_memory=memory, asked" in line) is expected
+    assert ("kept for reuse (host_memory=speed, asked" in line) is not expected
+
+
+def test_a_host_memory_value_that_is_not_a_mode_is_refused_naming_the_key():
+    from posttrain.config import load_config
+    from posttrain.config.sft_load import load_sft_config
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.fsdp_config.host_memory='fast' is not one of: "
+                                          r"auto, speed, memory"):
+        load_config(overrides=["actor_rollout_ref.actor.fsdp_config.host_memory=fast"])
+    with pytest.raises(ConfigError, match=r"model.fsdp_config.host_memory='fast'; valid: auto, speed, memory"):
+        load_sft_config(overrides=["model.fsdp_config.host_memory=fast"])

@@ -33,6 +33,10 @@ class WrapPolicyConfig:
     """FSDP auto-wrap threshold in parameters (0: wrap by transformer layer)."""
 
 
+HOST_MEMORY_MODES = ("auto", "speed", "memory")
+"""``fsdp_config.host_memory``'s values."""
+
+
 @_cfg()
 class FSDPConfig:
     wrap_policy: WrapPolicyConfig = field(default_factory=WrapPolicyConfig)
@@ -43,6 +47,8 @@ class FSDPConfig:
     """Keep optimizer state in CPU memory. On a one-process CPU run: AdamW's moments paged to a file in TMPDIR (on a disk) between optimizer steps, one parameter's in memory at a time; the actor also returns its rollout's and update's large buffers to the kernel when freed: memory over speed (posttrain.host.paging; README: Memory)."""
     offload_policy: bool = False
     """FSDP2 CPUOffloadPolicy for parameters, gradients and optimizer state."""
+    host_memory: str = "auto"
+    """(posttrain; the actor's) How a one-process CPU run allocates the rollout's and the update's large short-lived buffers: speed (freed memory kept in the heap for reuse: fastest, but the heap's holes grow the peak from step to step), memory (each freed block handed back to the kernel, the heap trimmed after the phase: a lower, flat peak, slower steps: fresh pages are zero-filled), or auto: memory on a machine with less than 12 GiB of RAM, else speed (posttrain.host.memory_plan; README: Memory)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (FSDP2)."""
     fsdp_size: int = -1

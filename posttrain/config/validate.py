@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES
 from posttrain.config.async_training import async_problems, async_warnings
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
@@ -46,6 +47,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "reward_model.model.fsdp_config.mixed_precision.param_dtype": (*DTYPES, "auto"),
         "reward_model.combine": ("replace", "sum"),
         "actor_rollout_ref.actor.fsdp_config.model_dtype": DTYPES,
+        "actor_rollout_ref.actor.fsdp_config.host_memory": HOST_MEMORY_MODES,
         "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
         "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES,
         "critic.loss_agg_mode": LOSS_AGG_MODES,

@@ -9,6 +9,8 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
 - ``optimizer_offload``: AdamW's moments paged to a file, one parameter's in memory at a time
   (`posttrain.host.paging.PagedAdamW`), and the actor's rollout and update run memory-first
   (`resident`);
+- ``host_memory``: the actor's rollout and update run memory-first when asked, or by the memory plan's
+  choice (``auto``: on a machine with little RAM, `posttrain.host.memory_plan`);
 - ``compile_layers``: the decoder layers through ``torch.compile`` in the scoring and training
   forwards (`posttrain.models.compile`; on any device);
 - a frozen role that computes in bf16: its weights kept in bf16 (`store_frozen_in_bf16`), half an fp32
@@ -57,7 +59,7 @@ class InProcess(OnDevice):
     def shard(self, module: nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
               gradient_checkpointing: bool = False, compile_key: str | None = None,
               fsdp_section: str = "") -> nn.Module:
-        """On the device (`OnDevice.shard`); a frozen role's weights paged to a file when its
+        """On the device (`OnDevice.shard`); a trained bf16 role's layers keeping less for backward; a frozen role's weights paged to a file when its
         ``param_offload`` asks on a CPU run; compiled decoder layers when ``compile_key`` is set."""
         module = super().shard(module, fsdp_config, param_dtype, forward_only=forward_only,
                                gradient_checkpointing=gradient_checkpointing)
@@ -76,6 +78,7 @@ class InProcess(OnDevice):
     def __init__(self, device: str | torch.device):
         super().__init__(device)
         self.plan = MemoryPlan(self.device)
+        self._memory_first: set[int] = set()  # ids of the optimizers whose role's phases run memory_first
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
@@ -94,7 +97,14 @@ class InProcess(OnDevice):
         kind = self.plan.optimizer(requested, paged=directory is not None, trained_params=count)
         self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count)
         make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
-        return build_optimizer(params, optim_config, make, kind=kind)
+        optimizer = build_optimizer(params, optim_config, make, kind=kind)
+        if role == "actor_rollout_ref.actor":  # the phases of MEMORY_FIRST_PHASES are the actor's
+            requested = _setting(fsdp_config, "host_memory", "auto")
+            if directory is not None or self.plan.memory_first(requested):
+                self._memory_first.add(id(optimizer))
+            if directory is None:  # paged moments run memory-first anyway, and say so
+                self.plan.note_host_memory(id(optimizer) in self._memory_first, requested)
+        return optimizer
 
     def announce_plan(self) -> None:
         """The memory plan's one console line (after every role is built)."""
@@ -103,13 +113,18 @@ class InProcess(OnDevice):
     @contextlib.contextmanager
     def resident(self, worker: Any, *, with_optimizer: bool = False, phase: str | None = None) -> Iterator[None]:
         """One call on ``worker`` (None: nothing to do): its paged weights, if any, dropped from memory
-        after the call however it ends (`posttrain.host.paging.one_pass`); and when its optimizer is
-        paged (memory chosen over speed), the phases of `MEMORY_FIRST_PHASES` run `memory_first`.
+        after the call however it ends (`posttrain.host.paging.one_pass`); and when its role chose memory
+        over speed (paged moments, or ``host_memory``), the phases of `MEMORY_FIRST_PHASES` run `memory_first`.
         ``with_optimizer``: nothing to move in one process (the moments page themselves)."""
         paged = paged_weights(getattr(worker, "module", None))
-        first = phase in MEMORY_FIRST_PHASES and isinstance(getattr(worker, "optimizer", None), PagedAdamW)
+        first = phase in MEMORY_FIRST_PHASES and id(getattr(worker, "optimizer", None)) in self._memory_first
         with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
             yield
+
+
+def _setting(section: Any, key: str, default: Any) -> Any:
+    """``section.key`` of a config section (a dataclass, an OmegaConf node or a plain dict)."""
+    return section.get(key, default) if isinstance(section, dict) else getattr(section, key, default)
 
 
 def store_frozen_in_bf16(module: nn.Module) -> None:
