@@ -7,21 +7,26 @@ import pytest
 
 from posttrain.host.allocator import _glibc
 
-# Allocates and frees 256 MiB through malloc, then prints the heap's free bytes (mallinfo2().fordblks):
-# kept for reuse, they are all there; served by mmap (glibc's default for large blocks), none are.
-PROBE = """
-import ctypes, sys
-if sys.argv[1] == 'keep':
-    from posttrain.host.allocator import keep_freed_memory
-    print(keep_freed_memory())
-else:
-    print(False)
+LIBC = """
+import ctypes
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',
                                               'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
 libc = ctypes.CDLL('libc.so.6')
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.mallinfo2.restype = MallInfo2
+"""
+"""glibc's malloc, free and mallinfo2 for the probes below."""
+
+# Allocates and frees 256 MiB through malloc, then prints the heap's free bytes (mallinfo2().fordblks):
+# kept for reuse, they are all there; served by mmap (glibc's default for large blocks), none are.
+PROBE = LIBC + """
+import sys
+if sys.argv[1] == 'keep':
+    from posttrain.host.allocator import keep_freed_memory
+    print(keep_freed_memory())
+else:
+    print(False)
 block = libc.malloc(256 << 20)
 ctypes.memset(block, 1, 256 << 20)
 libc.free(ctypes.c_void_p(block))
@@ -96,18 +101,11 @@ def test_release_hands_kept_memory_back(release):
 
 # Under keep_freed_memory, a 256 MiB block allocated and freed inside mapped_allocations (or outside it, the
 # negative control); prints the heap's free MiB and this process's resident MiB after the free.
-MAPPED_PROBE = """
-import ctypes, sys
+MAPPED_PROBE = LIBC + """
+import contextlib, sys
 from posttrain.host.allocator import keep_freed_memory, mapped_allocations
 from posttrain.host.resident import current_resident_bytes
-import contextlib
 assert keep_freed_memory()
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',
-                                              'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
-libc = ctypes.CDLL('libc.so.6')
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.mallinfo2.restype = MallInfo2
 base = current_resident_bytes() >> 20
 with mapped_allocations() if sys.argv[1] == 'mapped' else contextlib.nullcontext():
     block = libc.malloc(256 << 20)
