@@ -48,6 +48,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "reward_model.combine": ("replace", "sum"),
         "actor_rollout_ref.actor.fsdp_config.model_dtype": DTYPES,
         "actor_rollout_ref.actor.fsdp_config.host_memory": HOST_MEMORY_MODES,
+        "critic.model.fsdp_config.host_memory": HOST_MEMORY_MODES,  # read for the actor only; checked alike
         "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
         "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES,
         "critic.loss_agg_mode": LOSS_AGG_MODES,
