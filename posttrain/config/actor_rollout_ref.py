@@ -48,7 +48,7 @@ class FSDPConfig:
     offload_policy: bool = False
     """FSDP2 CPUOffloadPolicy for parameters, gradients and optimizer state."""
     host_memory: str = "auto"
-    """(posttrain; the actor's) How a one-process CPU run allocates the rollout's and the update's large short-lived buffers: speed (freed memory kept in the heap for reuse: fastest, but the heap's holes grow the peak from step to step), memory (each freed block handed back to the kernel, the heap trimmed after the phase: a lower, flat peak, slower steps: fresh pages are zero-filled), or auto: memory on a machine with less than 12 GiB of RAM, else speed (posttrain.host.memory_plan; README: Memory)."""
+    """(posttrain; the actor's) How a one-process CPU run allocates the rollout's and the update's large short-lived buffers: speed (freed memory kept in the heap for reuse: fastest, but the heap's holes grow the peak from step to step), memory (each freed block handed back to the kernel, the heap trimmed after the phase: a lower peak, slower steps: fresh pages are zero-filled), or auto: memory on a machine with less than 12 GiB of RAM, else speed (posttrain.host.memory_plan; README: Memory)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (FSDP2)."""
     fsdp_size: int = -1

@@ -10,9 +10,9 @@ keys that trade memory for nothing or little:
 - ``actor.fsdp_config.host_memory: auto`` -> ``memory`` on a machine with less than
   `MEMORY_FIRST_BELOW_GIB` of RAM, else ``speed``: whether the actor's rollout and update hand their
   freed blocks back to the kernel (`posttrain.host.placement.memory_first`). Kept for reuse (speed), the
-  heap's holes grow the peak step by step: the built-in run 3.7 GB after 6 steps, ~4.5 GB after 15;
-  handed back (memory), it stays near 3.1 GB, with steps ~1.3x as long (fresh pages are zero-filled:
-  ~0.9 s a GB on a 2-core VM). benchmarks/README.md has the figures.
+  heap's holes grow the peak step by step (the built-in run: 3.7 GB after 6 steps, 3.95 GB after 15);
+  handed back (memory), it grows less (3.1 GB after 6, 3.46 GB after 15), with steps ~1.26x as long
+  (fresh pages are zero-filled: ~0.9 s a GB on a 2-core VM). benchmarks/README.md has the figures.
 
 What the plan does not decide, and says: whether there is a reference model (KL used; under LoRA the
 actor with its adapters off; DPO's ``dpo.precompute_ref_log_probs``), and its precision (the actor's

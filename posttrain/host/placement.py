@@ -100,10 +100,11 @@ class InProcess(OnDevice):
         optimizer = build_optimizer(params, optim_config, make, kind=kind)
         if role == "actor_rollout_ref.actor":  # the phases of MEMORY_FIRST_PHASES are the actor's
             requested = _setting(fsdp_config, "host_memory", "auto")
-            if directory is not None or self.plan.memory_first(requested):
+            first = directory is not None or self.plan.memory_first(requested)  # paged moments: memory-first anyway
+            if first:
                 self._memory_first.add(id(optimizer))
-            if directory is None:  # paged moments run memory-first anyway, and say so
-                self.plan.note_host_memory(id(optimizer) in self._memory_first, requested)
+            if directory is None:  # the paged case is said by note_optimizer
+                self.plan.note_host_memory(first, requested)
         return optimizer
 
     def announce_plan(self) -> None:

@@ -80,11 +80,10 @@ class RecastLinear(nn.Linear):
 
 
 class _RMSNormToLow(torch.autograd.Function):
-    """RMSNorm in float32, output in ``dtype``; saves the input and the per-row scale."""
+    """RMSNorm of a float32 ``x``, output in ``dtype``; saves the input and the per-row scale."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype):
-        x = x.float()
         scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, scale)
         return (weight * (x * scale)).to(dtype)
