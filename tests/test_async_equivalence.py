@@ -143,3 +143,99 @@ def test_lora_adapter_reaches_the_rollout_worker_with_its_version(tmp_path, ray_
         assert (stale - own).abs().max().item() > 1e-3
     finally:
         trainer.close()
+
+
+@pytest.mark.slow  # a multi-turn async run and its replay (~60 s on 2 busy cores)
+def test_multi_turn_staleness_zero_equals_sync_run_on_replayed_trajectories(tmp_path, ray_cluster):
+    """The same with the arithmetic "try again" interaction: trajectories of several turns whose feedback
+    tokens are masked out of ``response_mask``, generated on the rollout worker and streamed back."""
+    from posttrain.data.arithmetic import write_arithmetic_parquet
+    from posttrain.trainer.async_trainer import AsyncRLTrainer
+    from posttrain.trainer.trainer import RLTrainer
+
+    train, test = write_arithmetic_parquet(str(tmp_path / "retry"), n_train=32, n_test=4, digits=1, ops=("+",),
+                                           prompt_style="retry")
+    interaction = tmp_path / "interaction.yaml"
+    interaction.write_text("interaction:\n  - name: arithmetic\n    class_name: "
+                           "posttrain.interactions.arithmetic_interaction.ArithmeticInteraction\n    config: {}\n")
+    model = _short_turns_model(tmp_path)
+    retry = [f"data.train_files={train}", f"data.val_files={test}", "data.max_prompt_length=512",
+             "data.max_response_length=160", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.multi_turn.enable=True",
+             f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={interaction}",
+             "actor_rollout_ref.rollout.multi_turn.max_user_turns=2", "actor_rollout_ref.actor.use_kl_loss=True"]
+    trainer = AsyncRLTrainer(tiny_config(tmp_path, ASYNC + SYNC0 + retry + _runs_dirs(tmp_path, "async")))
+    trainer.reward_fn = digit_count_reward
+    trainer.samples_used = []
+    history = trainer.fit()
+    feedback = [((b["attention_mask"][:, -160:] == 1) & (b["response_mask"] == 0)).any().item()
+                for b in trainer.samples_used]
+    assert all(feedback)  # every step's trajectories hold interaction turns inside the responses
+    assert all(row["multi_turn/turns/mean"] > 2 for row in history)  # the interaction answered
+
+    sync = RLTrainer(tiny_config(tmp_path, ASYNC[2:] + retry + _runs_dirs(tmp_path, "sync")
+                                 + ["algorithm.rollout_correction.bypass_mode=True"]))
+    sync.reward_fn = digit_count_reward
+    replay = iter(trainer.samples_used)
+    sync.workers.generate_sequences = lambda prompts, validate=False: next(replay)
+    reference = sync.fit()
+    assert any(abs(row["actor/pg_loss"]) > 1e-6 for row in reference)
+    for got, want in zip(history, reference):
+        for key in COMPARED + ("actor/kl_loss", "multi_turn/turns/mean"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-6), (got["step"], key, got[key], want[key])
+    assert _max_diff(trainer.workers.actor.module.state_dict(), sync.workers.actor.module.state_dict()) < 1e-6
+
+
+
+@pytest.mark.slow  # an async run and a colocated run (~40 s on 2 busy cores)
+def test_with_per_batch_seeds_staleness_zero_is_the_colocated_run(tmp_path, ray_cluster):
+    """No replay: with ``rollout.seed_per_batch`` the rollout worker draws the colocated run's random numbers,
+    so at staleness 0 (old log-probs recomputed, as the colocated run does) the two runs are the same run:
+    the same responses, losses and final weights. Without the seeds they sample differently."""
+    from posttrain.trainer.async_trainer import AsyncRLTrainer
+    from posttrain.trainer.trainer import RLTrainer
+
+    seeded = ["actor_rollout_ref.rollout.seed_per_batch=True"]
+    recompute = ["async_training.compute_prox_log_prob=True", "async_training.use_rollout_log_probs=False"]
+    trainer = AsyncRLTrainer(tiny_config(tmp_path, ASYNC + SYNC0 + seeded + recompute + _runs_dirs(tmp_path, "async")))
+    trainer.reward_fn = digit_count_reward
+    trainer.samples_used = []
+    history = trainer.fit()
+
+    def colocated(extra, name):
+        run = RLTrainer(tiny_config(tmp_path, ASYNC[2:] + extra + _runs_dirs(tmp_path, name)))
+        run.reward_fn = digit_count_reward
+        samples, generate = [], run.workers.generate_sequences
+        run.workers.generate_sequences = lambda prompts, validate=False: samples.append(generate(prompts)) or samples[-1]
+        return run, run.fit(), samples
+
+    sync, reference, samples = colocated(seeded, "sync")
+    for got, want in zip(trainer.samples_used, samples):
+        assert torch.equal(got["responses"], want["responses"])
+    for got, want in zip(history, reference):
+        for key in COMPARED:
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-6), (got["step"], key, got[key], want[key])
+    assert _max_diff(trainer.workers.actor.module.state_dict(), sync.workers.actor.module.state_dict()) < 1e-6
+
+    _, _, unseeded = colocated([], "unseeded")  # negative control: the process's own stream
+    assert not torch.equal(unseeded[0]["responses"], samples[0]["responses"])
+
+
+def _short_turns_model(tmp_path):
+    """The tiny Llama, made to end a turn after ~7 tokens (P(eos) ~ 0.14 a token), so that a 160-token
+    response holds several turns: residual dimension 0 is held at 1 (embeddings 1, no layer writes it)
+    and the eos row of the output layer reads it."""
+    from helpers.tiny_models import tiny_llama
+    from helpers.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = tiny_llama(tok)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[tok.eos_token_id, 0] = 3.0 / 8  # the normed dimension 0 is ~8: eos logit + ~3
+    out = tmp_path / "short_turns_model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -351,6 +351,8 @@ class RolloutConfig:
     """Agent-loop settings (multi_turn.enable)."""
     calculate_log_probs: bool = True
     """Record the engine's log-probs of sampled tokens (compared with the actor's: training/rollout_actor_probs_diff_*)."""
+    seed_per_batch: bool = False
+    """(posttrain) Seed each training batch's sampling from trainer.seed, its step and its first prompt (`posttrain.rollout.seeding`) instead of drawing from one random stream per process: runs that differ only in where rollouts run (colocated, or async at staleness 0) draw the same random numbers for the same batch. hf engine only."""
     load_format: str = "dummy_dtensor"
     """How the engine receives initial weights."""
     layered_summon: bool = False

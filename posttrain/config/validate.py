@@ -137,6 +137,11 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
         if sp is not None and sp > 1 and not follows_actor:
             yield (f"{key}={sp}: Ulysses sequence parallelism is not supported yet (ranks split the batch, not "
                    "the sequence); set it to 1")
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.seed_per_batch and rollout.name != "hf":
+        yield (f"actor_rollout_ref.rollout.seed_per_batch=True with actor_rollout_ref.rollout.name={rollout.name}: "
+               "per-batch sampling seeds are implemented for the hf engine only; set rollout.name=hf or "
+               "seed_per_batch=False")
     if config.actor_rollout_ref.rollout.over_sample_rate:
         yield "actor_rollout_ref.rollout.over_sample_rate: over-sampling is not supported yet; set it to 0"
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node

@@ -36,6 +36,7 @@ from posttrain.config import ConfigError, PostTrainConfig, validate_config
 from posttrain.config.async_training import async_budget, async_enabled, rollout_workers
 from posttrain.rewards.manager import RewardInterrupted
 from posttrain.rollout.multi_turn import multi_turn_columns
+from posttrain.rollout.seeding import SEED_KEY, batch_seed
 from posttrain.trainer import resume, setup
 from posttrain.trainer.dynamic_sampling import concat_rounds
 from posttrain.trainer.metrics import StageTimer
@@ -93,13 +94,19 @@ class AsyncRLTrainer(RLTrainer):
     def _refill(self, finished_steps: int) -> None:
         """Start train batches until the sync window's budget is in flight (none past the run's last step)."""
         loader = self.data.train_loader
+        cfg = self.config
         while len(self._open) < self.budget.window_batches and finished_steps + len(self._open) < self.total_steps:
+            step = finished_steps + len(self._open) + 1  # the training step this batch is for
             state = loader.state_dict()
             prompts = loader.next_batch()
             bid, self._next_batch_id = self._next_batch_id, self._next_batch_id + 1
-            prompts.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+            prompts.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
             prompts.non_tensor_batch["uid"] = np.array([f"b{bid}-p{i}" for i in range(len(prompts))], dtype=object)
-            units = prompts.split(self.config.data.gen_batch_size)
+            units = prompts.split(cfg.data.gen_batch_size)
+            for k, unit in enumerate(units):
+                unit.meta_info = dict(unit.meta_info)  # split's parts share one dict
+                if cfg.actor_rollout_ref.rollout.seed_per_batch:  # as RLTrainer seeds this step's prompts
+                    unit.meta_info[SEED_KEY] = batch_seed(cfg.trainer.seed, step, k * cfg.data.gen_batch_size)
             self._open[bid] = {"state": state, "seqs": [self.pool.submit(u, (bid, u)) for u in units]}
 
     def _take_batch(self, timer: StageTimer) -> Batch:

@@ -40,6 +40,7 @@ from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupte
 from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reason
 from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
+from posttrain.rollout.seeding import SEED_KEY, batch_seed
 from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
@@ -230,6 +231,8 @@ class RLTrainer:
         prompts.meta_info["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         prompts.non_tensor_batch["uid"] = np.array(
             [f"s{self.global_step}-p{first_uid + i}" for i in range(len(prompts))], dtype=object)
+        if cfg.actor_rollout_ref.rollout.seed_per_batch:
+            prompts.meta_info[SEED_KEY] = batch_seed(cfg.trainer.seed, self.global_step, first_uid)
         with timer("gen"):
             batch = w.generate_sequences(prompts)
             if cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS:

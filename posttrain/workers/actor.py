@@ -26,6 +26,7 @@ from posttrain.models import autocast_context, compute_response_logprobs, defaul
 from posttrain.models import response_logprobs
 from posttrain.models.lora import LoraAdapter, merged_for_generation
 from posttrain.rollout import SamplingParams, get_rollout_engine
+from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
 from posttrain.workers.common import MetricMeter, response_mask_of
 from posttrain.workers.optim import build_lr_scheduler
 from posttrain.workers.prepare import OnDevice, Placement, decide_param_dtype, prepare
@@ -119,8 +120,10 @@ class ActorWorker:
             self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
         engine = self.multi_turn_rollout() if self.rollout_config.multi_turn.enable else self.rollout
-        with self._generation_weights():
-            return engine.generate(prompts, sampling)
+        with self._generation_weights(), seeded_sampling(prompts.meta_info):
+            out = engine.generate(prompts, sampling)
+        out.meta_info.pop(SEED_KEY, None)  # the batch's own: rounds or units joined later each had theirs
+        return out
 
     def multi_turn_rollout(self) -> Any:
         """The agent loop over this actor's engine (``multi_turn.enable``), built on first use with the

@@ -141,3 +141,10 @@ def test_start_up_line_is_exact_when_the_last_mini_batch_is_uneven():
                                                                 "algorithm.adv_estimator=reinforce_plus_plus"]))
     assert one_sample.prompts_shared and "each distinct prompt" not in describe_sizes(one_sample)
     assert "the beginning the prompts of a micro-batch share encoded once" in describe_sizes(one_sample)
+
+
+def test_per_batch_seeds_on_an_engine_without_them_are_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=r"rollout.seed_per_batch=True with actor_rollout_ref.rollout.name=vllm"):
+        load_config(overrides=BASE + ["actor_rollout_ref.rollout.seed_per_batch=True",
+                                      "actor_rollout_ref.rollout.name=vllm"])
+    assert load_config(overrides=BASE + ["actor_rollout_ref.rollout.seed_per_batch=True"]).actor_rollout_ref.rollout.seed_per_batch
