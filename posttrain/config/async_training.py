@@ -138,10 +138,6 @@ def _batch_problems(config: Any) -> Iterable[str]:
     elif data.gen_batch_size < 1 or data.train_batch_size % data.gen_batch_size:
         yield (f"data.gen_batch_size={data.gen_batch_size} (prompts per rollout work unit) must divide "
                f"data.train_batch_size={data.train_batch_size}")
-    if config.trainer.nnodes * config.trainer.n_gpus_per_node > 1:
-        yield (f"trainer.nnodes x trainer.n_gpus_per_node = {config.trainer.nnodes * config.trainer.n_gpus_per_node} "
-               "trainer ranks with actor_rollout_ref.hybrid_engine=False: the asynchronous trainer runs on one "
-               "rank yet; set trainer.nnodes=1 trainer.n_gpus_per_node=1")
 
 
 def async_warnings(config: Any) -> list[str]:

@@ -91,6 +91,7 @@ class RankWorker:
         self.actor, self.ref, self.critic, self.rm = self.roles.actor, self.roles.ref, self.roles.critic, self.roles.rm
         release_freed_memory()  # loading's transient copies back to the kernel (posttrain.host.allocator)
         self.memory = PhasePeaks()  # this rank's own resident memory, per phase (memory_metrics)
+        self._weight_sync = None  # asynchronous runs: rank 0's end of the rollout workers' weight-sync group
 
     # ------------------------------------------------------------------ the group's calls
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
@@ -143,6 +144,33 @@ class RankWorker:
         from posttrain.checkpoint.rank_rng import restore_rank_rng, role_generators
 
         restore_rank_rng(self._step_rng, role_generators(self.roles.trained()))
+
+    # ------------------------------------------------------------------ asynchronous rollouts
+    @staticmethod
+    def weight_sync_address() -> tuple[str, int]:
+        """This node's IP and a port free on it: where rank 0 hosts the weight-sync rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), int(s.getsockname()[1])
+
+    def join_weight_sync(self, sender: bool, host: str, port: int, world_size: int, backend: str,
+                         timeout_s: float) -> None:
+        """The sender (rank 0 of the trainer) joins the rollout workers' weight-sync group as its rank 0."""
+        from posttrain.distributed.weight_sync import WeightSyncGroup
+
+        if sender:
+            self._weight_sync = WeightSyncGroup.create(host, port, 0, world_size, backend=backend, timeout_s=timeout_s)
+
+    def push_weights(self, version: int, lora_only: bool) -> dict[str, float]:
+        """Every rank walks the actor's weights (FSDP2 gathers each one: a collective); rank 0 sends them."""
+        from posttrain.distributed.weight_sync import push_trainer_weights
+
+        with self._resident(self.actor):
+            return push_trainer_weights(self._weight_sync, self.actor.module, version, lora_only=lora_only)
 
     @staticmethod
     def ping(batch: Batch | None = None) -> int:

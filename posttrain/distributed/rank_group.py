@@ -57,6 +57,21 @@ class RankWorkerGroup:
         if t.save_freq > 0 or t.resume_mode != "disable":
             self.check_shared_folder(Path(t.default_local_dir).expanduser(), "trainer.default_local_dir")
 
+    # ---------------------------------------------------------------- asynchronous rollouts: the weight sender
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the rollout workers' weight-sync rendezvous (its node's IP, a free port there)."""
+        return self._ranks.call_all("weight_sync_address")[0]
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 joins the weight-sync group as its sender (the rollout workers join beside it)."""
+        self._ranks.call_each("join_weight_sync", [r == 0 for r in range(self.world_size)], host, port, world_size,
+                              backend, timeout_s)
+
+    def push_weights(self, version: int, lora_only: bool) -> dict[str, float]:
+        """The actor's full weights (the LoRA adapter alone with ``lora_only``), gathered on every rank and
+        sent by rank 0 as ``version``; rank 0's send metrics."""
+        return self._ranks.call_all("push_weights", version, lora_only)[0]
+
     def check_shared_folder(self, folder: Path, key: str) -> None:
         """Every rank writes its checkpoint shards into ``folder``, and the driver seals them: refuse to
         start unless every rank sees a file the driver writes there (a filesystem all nodes mount)."""

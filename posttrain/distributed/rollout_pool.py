@@ -215,26 +215,39 @@ class RolloutPool:
             info.ip, info.pid, info.gpu_ids = d["ip"], d["pid"], d["gpu_ids"]
 
     # ---------------------------------------------------------------- weights
-    def connect_weights(self, timeout_s: float = 600) -> None:
-        """Join the trainer (rank 0, this process) and the workers (ranks 1..k) in one weight-sync group."""
+    def connect_weights(self, timeout_s: float = 600, sender: Any = None) -> None:
+        """Join the trainer's sender (rank 0 of the weight-sync group) and the workers (ranks 1..k).
+        ``sender``: the trainer's ranks (`RankWorkerGroup`: its rank 0 sends); None: this process sends."""
         import ray
 
         from posttrain.distributed.weight_sync import WeightSyncGroup
 
-        host, port = ray.util.get_node_ip_address(), _free_port()
+        host, port = sender.weight_sync_address() if sender is not None else (ray.util.get_node_ip_address(),
+                                                                              _free_port())
         world, backend = 1 + len(self.workers), "nccl" if self.device == "cuda" else "gloo"
         refs = [w.join_sync.options(concurrency_group=_SYNC).remote(host, port, world, backend, timeout_s)
                 for w in self.workers]
-        self.group = WeightSyncGroup.create(host, port, 0, world, backend=backend, timeout_s=timeout_s)
+        try:
+            if sender is None:
+                self.group = WeightSyncGroup.create(host, port, 0, world, backend=backend, timeout_s=timeout_s)
+            else:
+                sender.join_weight_sync(host, port, world, backend, timeout_s)
+        except Exception:
+            self._name_failed_worker(refs, "join the weight-sync group")
+            raise
         self._get(refs, "join the weight-sync group")
 
-    def push(self, module: Any, version: int, lora_only: bool) -> dict[str, float]:
-        """Send ``module``'s weights (the LoRA adapter alone with ``lora_only``) as ``version`` to every worker."""
+    def push(self, source: Any, version: int, lora_only: bool) -> dict[str, float]:
+        """Send the trainer's weights (the LoRA adapter alone with ``lora_only``) as ``version`` to every worker.
+        ``source``: the actor's module in this process, or the trainer's ranks (`RankWorkerGroup.push_weights`)."""
         from posttrain.distributed.weight_sync import push_trainer_weights
 
         refs = [w.receive_weights.options(concurrency_group=_SYNC).remote() for w in self.workers]
         try:
-            metrics = push_trainer_weights(self.group, module, version, lora_only=lora_only)
+            if hasattr(source, "push_weights"):
+                metrics = source.push_weights(version, lora_only)
+            else:
+                metrics = push_trainer_weights(self.group, source, version, lora_only=lora_only)
         except Exception:
             self._name_failed_worker(refs, "receive weights")  # a dead worker is the cause: say which
             raise

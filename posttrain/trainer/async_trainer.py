@@ -65,15 +65,19 @@ class AsyncRLTrainer(RLTrainer):
         _check_async_setup(config, actor_module)
         self.budget = async_budget(config)
         self.pool, device, trainer_cpus = _start_pool(config)
+        ranks = setup.world_size(config) > 1  # the trainer's FSDP2 ranks are Ray actors of their own
         try:
-            if device == "cuda":
+            if device == "cuda" and not ranks:
                 _use_gpu_left_by(self.pool)
-            elif trainer_cpus:
+            elif trainer_cpus and not ranks:
                 import torch
 
                 torch.set_num_threads(trainer_cpus)  # the cores the rollout workers leave
             super().__init__(config, actor_module=actor_module, critic_module=critic_module, tokenizer=tokenizer)
-            self.pool.connect_weights(timeout_s=float(config.actor_rollout_ref.nccl_timeout))
+            # the weights go from this process's actor, or from the ranks (rank 0 sends what all of them gather)
+            self._weights = self.workers if ranks else self.workers.actor.module
+            self.pool.connect_weights(timeout_s=float(config.actor_rollout_ref.nccl_timeout),
+                                      sender=self.workers if ranks else None)
         except BaseException:
             self.pool.shutdown()
             raise
@@ -83,7 +87,8 @@ class AsyncRLTrainer(RLTrainer):
         source = "recompute" if config.async_training.compute_prox_log_prob else "rollout"
         self.sizes = dataclasses.replace(self.sizes, old_log_probs_from=source)
         self.weight_version = 0
-        self.lora_only = getattr(self.workers.actor, "lora", None) is not None
+        self.lora_only = (config.actor_rollout_ref.model.lora_rank > 0 if ranks
+                          else getattr(self.workers.actor, "lora", None) is not None)
         self._open: OrderedDict[int, dict] = OrderedDict()  # train batch id -> loader state before, unit seqs
         self._next_batch_id = 0
         self._primed = False
@@ -168,7 +173,7 @@ class AsyncRLTrainer(RLTrainer):
 
     def _push(self) -> dict[str, float]:
         start = time.perf_counter()
-        sent = self.pool.push(self.workers.actor.module, self.weight_version + 1, self.lora_only)
+        sent = self.pool.push(self._weights, self.weight_version + 1, self.lora_only)
         self.weight_version += 1
         return {"weight_sync/seconds": time.perf_counter() - start,
                 **{k: float(v) for k, v in (sent or {}).items() if k != "weight_sync/seconds"}}
