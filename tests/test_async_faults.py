@@ -1,6 +1,6 @@
 """Faults of asynchronous runs (issue 39): after kill -9 of the driver its rollout worker is gone within
-30 s (it watches the driver's pid); after kill -9 of a rollout worker the run stops within 30 s with one
-error line naming the worker. Each driver runs in its own session, which the test kills afterwards (the
+30 s (it watches the driver's pid); after kill -9 of a rollout worker, or of one of the trainer's FSDP2 ranks,
+the run stops within 30 s with one error line naming it, and nothing of the run is left running. Each driver runs in its own session, which the test kills afterwards (the
 Ray processes a killed driver leaves are posttrain.distributed.cluster's concern, not checked here)."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _start_driver(tmp_path: Path):
+def _start_driver(tmp_path: Path, extra: tuple[str, ...] = ("ray_kwargs.ray_init.num_cpus=2",)):
     log = open(tmp_path / "driver.log", "w")
     argv = [sys.executable, "-m", "posttrain.experimental.one_step_off_policy.async_main_ppo",
-            *tiny_overrides(tmp_path, ["trainer.total_training_steps=100000", "ray_kwargs.ray_init.num_cpus=2"])]
+            *tiny_overrides(tmp_path, ["trainer.total_training_steps=100000", *extra])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": "local", "POSTTRAIN_DEBUG": ""}
     proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -114,5 +114,42 @@ def test_dead_rollout_worker_stops_the_run_with_one_line(tmp_path):
         assert len(errors) == 1 and errors[0].startswith("error: rollout worker 0 (node "), text[-3000:]
         assert f"pid {worker})" in errors[0] and "died" in errors[0], errors[0]
         assert "Traceback" not in text
+    finally:
+        _end_session(proc)
+
+
+def _rank_pids(sid: int) -> list[int]:
+    """The trainer's rank processes in a driver's session (Ray titles them after the rank host actor)."""
+    pids = []
+    for pid in _session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::_RankHost"):
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.slow  # a real driver, 2 trainer ranks and a rollout worker (~60 s on 2 busy cores)
+def test_dead_trainer_rank_stops_the_run_and_its_rollout_worker(tmp_path):
+    proc, worker = _start_driver(tmp_path, ("ray_kwargs.ray_init.num_cpus=3", "trainer.n_gpus_per_node=2"))
+    try:
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run did not stop within 30 s of a trainer rank's death") from None
+        text = (tmp_path / "driver.log").read_text()
+        errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+        assert rc == 1 and len(errors) == 1 and "rank" in errors[0], text[-3000:]
+        assert f"pid {ranks[1]}" in errors[0], errors[0]
+        while _alive(worker) and time.monotonic() - killed < 30:
+            time.sleep(0.5)
+        assert not _alive(worker), "the rollout worker outlived the run by 30 s"
+        assert not [p for p in ranks if _alive(p)], "a trainer rank outlived the run"
     finally:
         _end_session(proc)

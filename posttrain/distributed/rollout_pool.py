@@ -240,6 +240,7 @@ class RolloutPool:
     def push(self, source: Any, version: int, lora_only: bool) -> dict[str, float]:
         """Send the trainer's weights (the LoRA adapter alone with ``lora_only``) as ``version`` to every worker.
         ``source``: the actor's module in this process, or the trainer's ranks (`RankWorkerGroup.push_weights`)."""
+        from posttrain.distributed.ray_pool import WorkerGroupError
         from posttrain.distributed.weight_sync import push_trainer_weights
 
         refs = [w.receive_weights.options(concurrency_group=_SYNC).remote() for w in self.workers]
@@ -248,6 +249,8 @@ class RolloutPool:
                 metrics = source.push_weights(version, lora_only)
             else:
                 metrics = push_trainer_weights(self.group, source, version, lora_only=lora_only)
+        except WorkerGroupError:
+            raise  # a trainer rank failed (the workers' receive failing after it is its effect): it names the rank
         except Exception:
             self._name_failed_worker(refs, "receive weights")  # a dead worker is the cause: say which
             raise
