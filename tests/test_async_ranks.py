@@ -34,12 +34,18 @@ def _dirs(tmp_path, name):
     return [f"trainer.default_local_dir={tmp_path / name / 'ckpt'}", f"trainer.run_dir={tmp_path / name / 'run'}"]
 
 
-@pytest.mark.slow  # 2 Ray trainer ranks, a rollout worker, then a one-process run (~60 s on 2 busy cores)
-def test_two_trainer_ranks_at_staleness_zero_are_the_colocated_run(tmp_path, ray_cluster):
+LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.optim.lr=5e-2"]
+
+
+@pytest.mark.slow  # 2 Ray trainer ranks, a rollout worker, then a one-process run (~40 s each on 2 busy cores)
+@pytest.mark.parametrize("weights", ["full", "lora"])
+def test_two_trainer_ranks_at_staleness_zero_are_the_colocated_run(tmp_path, ray_cluster, weights):
+    """LoRA: rank 0 sends the adapter alone, and the rollout worker's base weights never move."""
     from posttrain.trainer.async_trainer import AsyncRLTrainer
     from posttrain.trainer.trainer import RLTrainer
 
     common = ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.seed_per_batch=True"]
+    common += LORA if weights == "lora" else []
     trainer = AsyncRLTrainer(tiny_config(tmp_path, common + _dirs(tmp_path, "async") + [
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.hybrid_engine=False",
         "actor_rollout_ref.rollout.n_gpus_per_node=1", "async_training.staleness_threshold=0",
@@ -77,8 +83,15 @@ def test_two_trainer_ranks_at_staleness_zero_are_the_colocated_run(tmp_path, ray
         for key in COMPARED:
             assert math.isclose(got[key], want[key], rel_tol=1e-4, abs_tol=1e-5), (got["step"], key, got[key], want[key])
     initial = pushed[0].keys()
+    tol = 1e-4 if weights == "lora" else 1e-5  # LoRA's lr is 50x the full run's: reduction order moves more
     for worker, expected in zip(pushed, after_step):  # what rank 0 sent after each update is that update's weights
         assert worker.keys() == initial
-        assert max((worker[k] - expected[k]).abs().max().item() for k in worker) < 1e-5
+        assert max((worker[k] - expected[k]).abs().max().item() for k in worker) < tol
     moved = max((after_step[-1][k] - after_step[0][k]).abs().max().item() for k in initial)
-    assert moved > 1e-4  # negative control: the steps moved the weights by more than the tolerance
+    assert moved > 10 * tol  # negative control: the steps moved the weights by far more than the tolerance
+    adapters = [k for k in initial if ".lora_" in k]
+    assert bool(adapters) == (weights == "lora")
+    if adapters:
+        assert trainer.lora_only and history[0].get("weight_sync/bytes", 1) > 0
+        base = [k for k in initial if ".lora_" not in k]
+        assert max((pushed[-1][k] - pushed[0][k]).abs().max().item() for k in base) == 0.0
