@@ -18,7 +18,7 @@ How one micro-batch is computed (``response_logprobs``):
    are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
    an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that
    math). With gradients on, each chunk keeps one ``[t, V]`` float32 tensor for backward while the
-   micro-batch's total stays within ``_KEEP_ELEMENTS`` floats; beyond that every chunk is
+   micro-batch's total stays within ``KEEP_ELEMENTS`` floats; beyond that every chunk is
    checkpointed, so backward keeps ``[t, H]`` per chunk and recomputes its logits.
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
@@ -61,8 +61,8 @@ def call_as_forward(model: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -
     runner = getattr(model, FSDP_CALL_ATTR, None)
     return runner(fn, *args, **kwargs) if runner is not None else fn(*args, **kwargs)
 
-_CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
-_KEEP_ELEMENTS = 1 << 26
+CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
+KEEP_ELEMENTS = 1 << 26
 """Largest ``tokens x vocabulary`` of a micro-batch whose chunks keep their ``[t, V]`` tensor for
 backward (256 MiB in float32) instead of recomputing it: a recomputation costs another ``lm_head``
 product and ``log_softmax`` per chunk (timed: benchmarks/README.md, "Log-probs")."""
@@ -163,8 +163,8 @@ def _chunk_stats(
 
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
-    rows = max(1, _CHUNK_ELEMENTS // max(1, vocab))
-    use_ckpt = use_ckpt and hidden.shape[0] * vocab > _KEEP_ELEMENTS
+    rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
+    use_ckpt = use_ckpt and hidden.shape[0] * vocab > KEEP_ELEMENTS
     lps, ents = [], []
     for h, y in zip(hidden.split(rows), labels.split(rows)):
         lp, ent = checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)

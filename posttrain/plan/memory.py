@@ -14,7 +14,11 @@ The model, stated so a reader can check it (bytes per parameter P, per token T, 
   a SwiGLU MLP, no dropout and no s^2 attention scores). Gradient checkpointing keeps only each
   layer's input (2 h B per token per layer) plus one layer recomputed during backward. A forward
   pass without gradients (log-probs, values) holds one layer's live tensors: (4 h + 4 i) B per token.
-- Logits: a bf16 [T, vocab] tensor, and its bf16 gradient when training (log-softmax in chunks).
+- Logits (`posttrain.models.logprobs`): the lm_head runs on response positions only, in chunks of 16M
+  float32 logits; a training micro-batch of up to 64M response logits keeps them all for backward (plus
+  one chunk's gradient), a larger one recomputes each chunk in backward (two chunks live).
+- `actor.use_prefix_grouper`: each distinct prompt of a micro-batch is encoded once for its responses
+  (rows of one prompt are kept together): ceil(micro / rollout.n) prompts + micro responses per micro-batch.
 - Reward model (`reward_model.enable`): frozen like the reference (parameters in `model_dtype`,
   sharded, `param_offload` honoured), a forward without gradients and no logits (one score per
   row); its shape from its own config.json when at hand, tokens per sequence up to `max_length`.
@@ -61,7 +65,7 @@ ASSUMPTIONS = (
     "one FSDP unit (largest of a decoder layer and the embedding) gathered in bf16, x2 during backward",
     "activations saved per token per layer: (16 h + 8 i) B in bf16 (Korthikanti et al. 2022, flash attention, SwiGLU); "
     "with gradient checkpointing 2 h B plus one recomputed layer; forward without gradients (4 h + 4 i) B",
-    "logits: [tokens, vocab] in bf16 (2 B), plus their gradient when training (4 B total)",
+    "logits: response tokens x vocab in float32 chunks of 16M; a training micro-batch keeps up to 64M of them for backward",
     "rollout engine: gpu_memory_utilization x GPU memory = the full bf16 weights (TP 1 on every rank) + KV cache "
     "(2 x layers x kv_heads x head_dim x 2 B per token)",
     "roles colocated on every GPU; phases run one after another; peak = largest phase",
@@ -159,8 +163,15 @@ def training_activation_bytes(dims: ModelDims, tokens: float, checkpointing: boo
     return dims.layers * 2 * dims.hidden * tokens + per_layer
 
 
-def logits_bytes(dims: ModelDims, tokens: float, training: bool, dtype_bytes: int = COMPUTE_BYTES) -> float:
-    return tokens * dims.vocab * dtype_bytes * (2 if training else 1)
+def logits_bytes(dims: ModelDims, response_tokens: float, training: bool) -> float:
+    """Live float32 logits of a micro-batch with ``response_tokens`` scored tokens (see the module doc)."""
+    from posttrain.models.logprobs import CHUNK_ELEMENTS, KEEP_ELEMENTS
+
+    elements = response_tokens * dims.vocab
+    chunk = min(elements, CHUNK_ELEMENTS) * 4
+    if not training:
+        return chunk
+    return elements * 4 + chunk if elements <= KEEP_ELEMENTS else 2 * chunk
 
 
 def gathered_unit_bytes(dims: ModelDims, dtype_bytes: int = COMPUTE_BYTES) -> float:
@@ -245,24 +256,39 @@ class _Ctx:
     def shaped(self) -> bool:
         return self.dims.has_shape
 
-    def micro_tokens(self, micro: int) -> float:
-        """Tokens one GPU holds for `micro` sequences (Ulysses sequence parallelism splits each sequence)."""
-        return micro * self.tokens / self.flow.sequence_parallel
+    def micro_tokens(self, micro: int, grouped: bool = False) -> float:
+        """Tokens one GPU holds for `micro` sequences (Ulysses sequence parallelism splits each sequence);
+        ``grouped`` (use_prefix_grouper): each prompt once for its rollout.n responses."""
+        prompts = math.ceil(micro / max(1, self.config.actor_rollout_ref.rollout.n)) if grouped else micro
+        return (prompts * self.prompt_share + micro * (1 - self.prompt_share)) * self.tokens / self.flow.sequence_parallel
+
+    @property
+    def prompt_share(self) -> float:
+        """The prompt's share of a sequence's tokens (max prompt / (max prompt + max response))."""
+        whole = self.flow.prompt_length + self.flow.response_length
+        return self.flow.prompt_length / whole if whole else 0.0
 
 
 def _fsdp_ranks(fsdp_size: int, world: int) -> int:
     return fsdp_size if 0 < fsdp_size <= world else world
 
 
-def _tokens(ctx: _Ctx, micro: Optional[int], dynamic: bool, budget: int) -> Optional[float]:
-    """Tokens of one micro-batch on one GPU: rows x tokens per sequence, or the dynamic token budget."""
+def _tokens(ctx: _Ctx, micro: Optional[int], dynamic: bool, budget: int,
+            grouped: bool = False) -> tuple[Optional[float], Optional[float]]:
+    """(tokens, scored response tokens) of one micro-batch on one GPU: rows x tokens per sequence (prompts
+    once per group when ``grouped``), or the dynamic token budget; (None, None) when unknown."""
+    response = 1 - ctx.prompt_share
     if dynamic:
-        return float(budget)
-    return None if micro is None else ctx.micro_tokens(micro)
+        return float(budget), budget * response
+    if micro is None:
+        return None, None
+    return ctx.micro_tokens(micro, grouped), micro * response * ctx.tokens / ctx.flow.sequence_parallel
 
 
-def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional[float], checkpointing: bool,
+def _trained_role(ctx: _Ctx, fsdp, update: tuple, forward: tuple, checkpointing: bool,
                   has_lm_head: bool, lora: Optional[tuple[int, Any, Any]] = None) -> dict[str, Any]:
+    """``update`` / ``forward``: (tokens, scored tokens) of a micro-batch of the update / the forward pass."""
+    (tokens, scored), (fwd_tokens, fwd_scored) = update, forward
     ranks = _fsdp_ranks(fsdp.fsdp_size, ctx.flow.world_size)
     p = ctx.dims.params
     adapters = lora_param_count(ctx.dims, *lora) if lora else None
@@ -288,15 +314,17 @@ def _trained_role(ctx: _Ctx, fsdp, tokens: Optional[float], fwd_tokens: Optional
             out["activations_gc"] = training_activation_bytes(d, tokens, True) * ctx.act_scale
             out["activations_no_gc"] = training_activation_bytes(d, tokens, False) * ctx.act_scale
             out["activations"] = out["activations_gc" if checkpointing else "activations_no_gc"]
-            out["logits"] = logits_bytes(d, tokens, True, ctx.compute_bytes) if has_lm_head else 0.0
+            out["logits"] = logits_bytes(d, scored, True) if has_lm_head else 0.0
         if fwd_tokens is not None:
             out["forward_activations"] = forward_activation_bytes_per_token(d) * fwd_tokens * ctx.act_scale
-            out["forward_logits"] = logits_bytes(d, fwd_tokens, False, ctx.compute_bytes) if has_lm_head else 0.0
+            out["forward_logits"] = logits_bytes(d, fwd_scored, False) if has_lm_head else 0.0
     return out
 
 
-def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) -> dict[str, Any]:
-    """The reference's own copy of the model, or with ``in_actor`` (LoRA) none: the actor computes it."""
+def _reference_role(ctx: _Ctx, forward: tuple, in_actor: bool = False) -> dict[str, Any]:
+    """The reference's own copy of the model, or with ``in_actor`` (LoRA) none: the actor computes it.
+    ``forward``: (tokens, scored tokens) of a micro-batch."""
+    tokens, scored = forward
     fsdp = ctx.config.actor_rollout_ref.ref.fsdp_config
     ranks = ctx.flow.world_size
     own = ctx.dims.params * _frozen_bytes(ctx, fsdp.model_dtype) / ranks
@@ -313,7 +341,7 @@ def _reference_role(ctx: _Ctx, tokens: Optional[float], in_actor: bool = False) 
         out["gathered_unit"] = gathered_unit_bytes(d, ctx.compute_bytes)
         if tokens is not None:
             out["forward_activations"] = forward_activation_bytes_per_token(d) * tokens * ctx.act_scale
-            out["forward_logits"] = logits_bytes(d, tokens, False, ctx.compute_bytes)
+            out["forward_logits"] = logits_bytes(d, scored, False)
     return out
 
 
@@ -530,15 +558,16 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
         "actor": _trained_role(
             ctx, actor.fsdp_config,
             _tokens(ctx, flow.actor.micro_batch if flow.actor else None, actor.use_dynamic_bsz,
-                    actor.ppo_max_token_len_per_gpu),
+                    actor.ppo_max_token_len_per_gpu, grouped=actor.use_prefix_grouper),
             _tokens(ctx, _forward_micro(flow, "old log-prob (actor)"), rollout.log_prob_use_dynamic_bsz,
-                    rollout.log_prob_max_token_len_per_gpu),
+                    rollout.log_prob_max_token_len_per_gpu, grouped=actor.use_prefix_grouper),
             arr.model.enable_gradient_checkpointing, has_lm_head=True, lora=actor_lora),
         "rollout": _rollout_role(ctx),
     }
     if uses_reference(config):
         roles["reference"] = _reference_role(ctx, _tokens(ctx, _forward_micro(flow, "reference log-prob"),
-                                                          ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+                                                          ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu,
+                                                          grouped=ref.use_prefix_grouper),
                                              in_actor=actor_lora is not None)
     if uses_critic(config):
         c = config.critic
@@ -557,7 +586,7 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
         rm_tokens = rm.max_length if rm.max_length and not mean_tokens else tokens  # its inputs are cut there
         rctx = _Ctx(config, flow, rm_dims, rm_tokens, gpu_memory, **dtypes)
         roles["reward model"] = _reward_model_role(rctx, _tokens(rctx, _forward_micro(flow, REWARD_MODEL_PASS),
-                                                                 rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu))
+                                                                 rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu)[0])
     phases = _phases(roles)
     peak = max(phases, key=lambda p: p.total)
     level, verdict, notes = _verdict(ctx, phases, roles, worst_case=mean_tokens is None)
@@ -579,15 +608,26 @@ class CpuTerms:
     compute_bytes: int
     one_process: bool
     why: str
+    host_memory: str = ""
+    """What becomes of freed blocks (``fsdp_config.host_memory``), as the run will decide it on this machine."""
 
     @classmethod
     def of(cls, config: PostTrainConfig, has_bf16: bool) -> "CpuTerms":
+        import torch
+
+        from posttrain.host.memory_plan import MemoryPlan
+
         wanted = config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype
         bf16 = has_bf16 and wanted in ("bf16", "bfloat16", "auto")
         why = ("bf16 compute (this CPU has bf16 instructions)" if bf16 else
                f"fp32 compute ({'param_dtype=' + str(wanted) if has_bf16 else 'this CPU has no bf16 instructions'})")
         one = config.trainer.nnodes * config.trainer.n_gpus_per_node == 1
-        return cls(2 if bf16 else 4, one, why)
+        requested = config.actor_rollout_ref.actor.fsdp_config.host_memory
+        first = MemoryPlan(torch.device("cpu")).memory_first(requested)
+        how = "chosen for this machine's RAM" if requested == "auto" else "asked"
+        host = (f"freed blocks go back to the kernel (host_memory=memory, {how})" if first else
+                f"freed blocks are kept for reuse (host_memory=speed, {how}): the heap grows past these terms")
+        return cls(2 if bf16 else 4, one, why, host if one else "")
 
     def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:
         """What the run's optimizer keeps per trained parameter: the spellings of `posttrain.workers.optim` and,
@@ -605,5 +645,7 @@ class CpuTerms:
         return 2.0 if kind == "adamw_8bit" else float(ADAM_BYTES)
 
     def describe(self) -> str:
+        host = f"; {self.host_memory}" if self.host_memory else ""
         return (f"a CPU run: the budget is this machine's RAM, one process's share; {self.why}; AdamW moments "
-                "8-bit (2 B/param) where optim.optimizer gives them (auto: one process, >= 10M trained parameters)")
+                "8-bit (2 B/param) where optim.optimizer gives them (auto: one process, >= 10M trained parameters); "
+                f"tensors only: the process adds its libraries (~0.4 GB for torch and transformers){host}")

@@ -51,7 +51,7 @@ def naive(model, d, temperature):
 @pytest.mark.parametrize("micro,dynamic,packed", [(4, False, False), (1, False, False), (3, False, False),
                                                   (None, True, False), (4, False, True), (3, False, True)])
 def test_matches_full_logits_reference(tok, data, monkeypatch, micro, dynamic, packed):
-    monkeypatch.setattr(logprobs_mod, "_CHUNK_ELEMENTS", 3 * len(tok))  # 3 tokens per lm_head chunk
+    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 3 * len(tok))  # 3 tokens per lm_head chunk
     model = tiny_llama(tok).eval()
     lp, ent = compute_response_logprobs(model, data, micro, 0.7, True, use_dynamic_bsz=dynamic, max_token_len=24,
                                         remove_padding=packed)
@@ -74,8 +74,8 @@ def test_lm_head_sees_only_valid_response_tokens(tok, data):
 def test_gradients_match_reference_with_checkpointing(tok, data, monkeypatch, packed, chunk_rows, keep_rows):
     """Many lm_head chunks (4 rows each), checkpointed (nothing kept) or each keeping its tensor for
     backward; or one chunk (1000 rows)."""
-    monkeypatch.setattr(logprobs_mod, "_CHUNK_ELEMENTS", chunk_rows * len(tok))
-    monkeypatch.setattr(logprobs_mod, "_KEEP_ELEMENTS", keep_rows * len(tok))
+    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", chunk_rows * len(tok))
+    monkeypatch.setattr(logprobs_mod, "KEEP_ELEMENTS", keep_rows * len(tok))
     model, ref = tiny_llama(tok).train(), tiny_llama(tok).train()
     enable_activation_checkpointing(model)
     weights = torch.randn(4, R, generator=torch.Generator().manual_seed(1))

@@ -100,10 +100,13 @@ def test_grpo_blog_script_on_80gib(grpo_script, deepseek_dir, load_script):
     rollout = next(ph for ph in m.phases if ph.name == "rollout")
     assert not any("reference" in t.name for t in rollout.terms)
     assert rollout.total == pytest.approx(actor["params"] + actor["optimizer"] + 0.6 * 80 * GiB)
-    # worst case (every response 1024 tokens): the update of 80 x 1536 tokens does not fit; logits are the largest
-    tokens = 80 * 1536
-    assert actor["logits"] == tokens * 102400 * 4
-    assert (m.level, m.peak_phase, m.largest_term) == ("may_oom", "actor update", "actor logits (+ their gradient)")
+    # worst case (every response 1024 tokens): the update's 80 x 1024 scored tokens x 102400 logits are far over
+    # what a micro-batch keeps for backward, so its chunks are recomputed: two float32 chunks of 16M live
+    assert 80 * 1024 * 102400 > 1 << 26
+    assert actor["logits"] == 2 * (1 << 24) * 4
+    assert actor["micro_batch_tokens"] == 80 * 1536  # no prefix grouping: every row's prompt
+    assert (m.level, m.peak_phase, m.largest_term) == ("fits", "actor update",
+                                                       "actor activations (with gradient checkpointing)")
     # at a typical GSM8K length it fits
     typical = _plan(load_script, grpo_script, deepseek_dir, mean_tokens=400).memory
     assert typical.level == "fits" and typical.peak < 80 * GiB
@@ -154,3 +157,31 @@ def test_shape_only_fills_stated_assumptions():
     d = dims_from_hf_config({"hidden_size": 2048, "num_hidden_layers": 24}, "test")
     assert (d.heads, d.kv_heads, d.vocab) == (16, 16, 32000) and len(d.assumptions) == 4
     assert d.params == pytest.approx(params_from_shape(d))
+
+
+def test_shared_prompts_and_kept_logits_follow_posttrains_own_forward(grpo_script, deepseek_dir, load_script):
+    """use_prefix_grouper: each of a micro-batch's prompts once for its rollout.n responses; logits only for
+    response tokens, all kept for backward when a micro-batch has at most 64M of them."""
+    short = ["data.max_response_length=64", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10"]
+    plain = _plan(load_script, grpo_script, deepseek_dir, *short).memory.roles["actor"]
+    grouped = _plan(load_script, grpo_script, deepseek_dir, *short,
+                    "actor_rollout_ref.actor.use_prefix_grouper=True").memory.roles["actor"]
+    assert plain["micro_batch_tokens"] == pytest.approx(10 * (512 + 64))
+    assert grouped["micro_batch_tokens"] == pytest.approx(2 * 512 + 10 * 64)  # rollout.n=5: 2 prompts for 10 responses
+    assert grouped["activations"] < plain["activations"]
+    scored = 10 * 64 * 102400  # under 64M: every chunk kept, plus one chunk's gradient
+    assert plain["logits"] == pytest.approx(scored * 4 + min(scored, 1 << 24) * 4) == grouped["logits"]
+
+
+def test_a_cpu_plan_says_what_becomes_of_freed_blocks():
+    from posttrain.config import BUILTIN_CONFIG, load_config
+    from posttrain.plan.memory import CpuTerms
+
+    key = "actor_rollout_ref.actor.fsdp_config.host_memory"
+    memory = CpuTerms.of(load_config(overrides=[f"{key}=memory"], base=BUILTIN_CONFIG), has_bf16=True)
+    speed = CpuTerms.of(load_config(overrides=[f"{key}=speed"], base=BUILTIN_CONFIG), has_bf16=True)
+    assert "go back to the kernel (host_memory=memory, asked)" in memory.describe()
+    assert "kept for reuse (host_memory=speed, asked)" in speed.describe()
+    ranks = CpuTerms.of(load_config(overrides=[f"{key}=memory", "trainer.n_gpus_per_node=2"], base=BUILTIN_CONFIG),
+                        has_bf16=True)
+    assert "host_memory" not in ranks.describe()  # ranks keep their own allocator policy
