@@ -16,19 +16,12 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from helpers.tiny_run import tiny_config  # noqa: E402
+from helpers.tiny_run import digit_count_reward, tiny_config  # noqa: E402
 
 ASYNC = ["actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.rollout.n_gpus_per_node=1",
          "trainer.total_training_steps=3"]
 SYNC0 = ["async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1"]
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "critic/score/mean", "critic/advantages/mean")
-
-
-def digit_count_reward(batch):
-    """Reward that varies between responses (so advantages and losses are non-zero), the same wherever computed."""
-    mask = batch["response_mask"].bool()
-    digits = ((batch["responses"] % 7) == 0) & mask
-    return digits.sum(-1).float() / mask.sum(-1).clamp(min=1)
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from helpers.tiny_run import tiny_config  # noqa: E402
+from helpers.tiny_run import digit_count_reward, tiny_config  # noqa: E402
 
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/advantages/mean")
-
-
-def digit_count_reward(batch):
-    mask = batch["response_mask"].bool()
-    digits = ((batch["responses"] % 7) == 0) & mask
-    return digits.sum(-1).float() / mask.sum(-1).clamp(min=1)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,14 @@ def tiny_overrides(tmp_path: Path, extra: list[str] = (), n_train: int = 64, n_t
     ] + list(extra)
 
 
+def digit_count_reward(batch):
+    """A batch reward that varies between responses (so advantages and losses are non-zero) and is the same
+    wherever it is computed: the share of response tokens whose id is a multiple of 7."""
+    mask = batch["response_mask"].bool()
+    digits = ((batch["responses"] % 7) == 0) & mask
+    return digits.sum(-1).float() / mask.sum(-1).clamp(min=1)
+
+
 def tiny_config(tmp_path: Path, overrides: list[str] = (), n_train: int = 64, n_test: int = 8):
     return load_config(overrides=tiny_overrides(tmp_path, overrides, n_train=n_train, n_test=n_test))
 
