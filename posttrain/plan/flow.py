@@ -160,7 +160,10 @@ def _role_update(role: str, prompts: int, n: int, dp: int, sizes: RoleSizes, per
 
 
 def _forward(name: str, key: str, micro: Optional[int], per_rank: int) -> ForwardPass:
-    return ForwardPass(name, key, micro, None if not micro else _ceil_div(per_rank, micro))
+    """A rank's forward in rounds of ``micro`` responses; a rank holding fewer runs them in one smaller round."""
+    if not micro:
+        return ForwardPass(name, key, micro, None)
+    return ForwardPass(name, key, min(micro, per_rank) if per_rank > 0 else micro, _ceil_div(per_rank, micro))
 
 
 REWARD_MODEL_PASS = "reward model score"

@@ -99,3 +99,14 @@ def test_multi_turn_budget_line():
     assert "96-token response" in line and "cut to 256 characters (middle)" in line
     off = load_config(example, ["actor_rollout_ref.rollout.multi_turn.enable=False"])
     assert build_flow(off).multi_turn is None
+
+
+def test_a_rank_with_fewer_responses_than_a_micro_batch_runs_one_smaller_round():
+    from posttrain.config import BUILTIN_CONFIG, load_config
+
+    # the built-in run: 8 prompts x 4 = 32 responses; on 2 ranks 16 each, under the micro-batch of 32
+    f = build_flow(load_config(overrides=["trainer.n_gpus_per_node=2"], base=BUILTIN_CONFIG))
+    assert f.responses_per_rank == 16
+    assert ("reference log-prob", 16, 1) in [(p.name, p.micro_batch, p.rounds) for p in f.forward_passes]
+    one = build_flow(load_config(base=BUILTIN_CONFIG))  # one process: all 32 in one round of 32
+    assert ("reference log-prob", 32, 1) in [(p.name, p.micro_batch, p.rounds) for p in one.forward_passes]
