@@ -142,7 +142,7 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
         yield (f"actor_rollout_ref.rollout.seed_per_batch=True with actor_rollout_ref.rollout.name={rollout.name}: "
                "per-batch sampling seeds are implemented for the hf engine only; set rollout.name=hf or "
                "seed_per_batch=False")
-    if config.actor_rollout_ref.rollout.over_sample_rate:
+    if rollout.over_sample_rate:
         yield "actor_rollout_ref.rollout.over_sample_rate: over-sampling is not supported yet; set it to 0"
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     compiled = [k for k, used in (("actor_rollout_ref.model.compile_layers", True),

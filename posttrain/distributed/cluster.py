@@ -156,6 +156,13 @@ def _host_port(address: str) -> Optional[tuple[str, int]]:
     return host.strip("[]"), int(port)
 
 
+def free_port() -> int:
+    """A TCP port free on this node now, on every interface (the OS picks it; a rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
 def gcs_answers(address: str, timeout_s: float = 2.0) -> bool:
     """Whether something accepts a TCP connection at the GCS address (a live cluster does at once;
     a dead one refuses or times out)."""

@@ -149,13 +149,11 @@ class RankWorker:
     @staticmethod
     def weight_sync_address() -> tuple[str, int]:
         """This node's IP and a port free on it: where rank 0 hosts the weight-sync rendezvous."""
-        import socket
-
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), int(s.getsockname()[1])
+        from posttrain.distributed.cluster import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def join_weight_sync(self, sender: bool, host: str, port: int, world_size: int, backend: str,
                          timeout_s: float) -> None:

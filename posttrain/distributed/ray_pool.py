@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 from posttrain.errors import PosttrainError
 from posttrain.distributed.cluster import (ClusterResourceError, bundle_for, check_resources, describe_nodes,
-                                           free_resources_per_node, ip_sort_key)
+                                           free_port, free_resources_per_node, ip_sort_key)
 
 __all__ = ["RankInfo", "RayActorPool", "WorkerGroupError", "assign_ranks", "node_visible_devices"]
 
@@ -90,9 +90,7 @@ class _RankHost:
 
     def free_port(self) -> int:
         """A TCP port free on this node now (the OS picks it; the rendezvous binds it moments later)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        return free_port()
 
     def start(self, env: dict[str, str], num_threads: int | None, constructor: tuple[type, tuple, dict]) -> None:
         worker_cls, args, kwargs = constructor

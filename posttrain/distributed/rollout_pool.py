@@ -215,15 +215,17 @@ class RolloutPool:
             info.ip, info.pid, info.gpu_ids = d["ip"], d["pid"], d["gpu_ids"]
 
     # ---------------------------------------------------------------- weights
-    def connect_weights(self, timeout_s: float = 600, sender: Any = None) -> None:
+    def connect_weights(self, source: Any, timeout_s: float = 600) -> None:
         """Join the trainer's sender (rank 0 of the weight-sync group) and the workers (ranks 1..k).
-        ``sender``: the trainer's ranks (`RankWorkerGroup`: its rank 0 sends); None: this process sends."""
+        ``source`` as for `push`: the actor's module (this process sends) or the trainer's ranks (their rank 0)."""
         import ray
 
+        from posttrain.distributed.cluster import free_port
         from posttrain.distributed.weight_sync import WeightSyncGroup
 
+        sender = source if hasattr(source, "push_weights") else None  # the ranks, as `push` tells them apart
         host, port = sender.weight_sync_address() if sender is not None else (ray.util.get_node_ip_address(),
-                                                                              _free_port())
+                                                                              free_port())
         world, backend = 1 + len(self.workers), "nccl" if self.device == "cuda" else "gloo"
         refs = [w.join_sync.options(concurrency_group=_SYNC).remote(host, port, world, backend, timeout_s)
                 for w in self.workers]
@@ -380,7 +382,3 @@ class RolloutPool:
             self.group = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

@@ -20,6 +20,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from posttrain.checkpoint.ranks import process_rank
+
 __all__ = ["SEED_KEY", "batch_seed", "seeded_sampling"]
 
 SEED_KEY = "sampling_seed"
@@ -29,11 +31,6 @@ def batch_seed(run_seed: int, step: int, first_prompt: int) -> int:
     """A 63-bit seed for the prompts starting at ``first_prompt`` of training step ``step``."""
     state = np.random.SeedSequence([int(run_seed) & 0xFFFFFFFF, int(step), int(first_prompt)]).generate_state(2)
     return int((int(state[0]) << 31) ^ int(state[1]))
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @contextlib.contextmanager
@@ -46,5 +43,5 @@ def seeded_sampling(meta_info: dict[str, Any]) -> Iterator[None]:
         return
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed((int(seed) + _rank()) % (1 << 63))
+        torch.manual_seed((int(seed) + process_rank()) % (1 << 63))
         yield

@@ -76,8 +76,7 @@ class AsyncRLTrainer(RLTrainer):
             super().__init__(config, actor_module=actor_module, critic_module=critic_module, tokenizer=tokenizer)
             # the weights go from this process's actor, or from the ranks (rank 0 sends what all of them gather)
             self._weights = self.workers if ranks else self.workers.actor.module
-            self.pool.connect_weights(timeout_s=float(config.actor_rollout_ref.nccl_timeout),
-                                      sender=self.workers if ranks else None)
+            self.pool.connect_weights(self._weights, timeout_s=float(config.actor_rollout_ref.nccl_timeout))
         except BaseException:
             self.pool.shutdown()
             raise
