@@ -323,7 +323,7 @@ class RayActorPool:
             except Exception:  # noqa: BLE001 - already removed is fine
                 pass
         self._actors, self._pgs = [], []
-        _await_released(held, before)
+        await_released(held, before)
 
     def __enter__(self) -> "RayActorPool":
         return self
@@ -373,7 +373,7 @@ def _held_per_node(pgs: list[Any]) -> dict[str, dict[str, float]]:
     return held
 
 
-def _await_released(held: dict[str, dict[str, float]], before: dict[str, dict[str, float]],
+def await_released(held: dict[str, dict[str, float]], before: dict[str, dict[str, float]],
                     timeout_s: float = 10.0) -> None:
     """Wait until each node's free resources have grown by what the group held. Ray releases them
     asynchronously (after the actor processes exit), and a group created right after a shutdown

@@ -206,6 +206,7 @@ class RolloutPool:
             runtime_env={"env_vars": env})
         driver = (socket.gethostname(), os.getpid())
         self.device, self.units, self._seq = device, {}, 0
+        self._share = {"CPU": float(cpus_per_worker), **({"GPU": 1.0} if device == "cuda" else {})}
         self.workers = [remote.remote(config, i, driver, cpus_per_worker, device) for i in range(count)]
         self.info = [_WorkerInfo(i) for i in range(count)]
         self.group = None
@@ -365,9 +366,15 @@ class RolloutPool:
                 f"{' '.join(_error_text(err).split())}")
 
     def shutdown(self) -> None:
-        """Kill the workers (idempotent)."""
+        """Kill the workers (idempotent). Returns once Ray reports the CPUs (GPUs) of the workers that were
+        alive free again (at most a few seconds), so a pool or trainer started right after finds them."""
         import ray
 
+        from posttrain.distributed.cluster import free_resources_per_node
+        from posttrain.distributed.ray_pool import await_released
+
+        held = self._held_by_live_workers()
+        before = free_resources_per_node() if held else {}
         for worker in self.workers:
             try:
                 ray.kill(worker, no_restart=True)
@@ -380,5 +387,21 @@ class RolloutPool:
             except Exception:  # noqa: BLE001 - the peers are gone
                 pass
             self.group = None
+        await_released(held, before)
+
+    def _held_by_live_workers(self) -> dict[str, dict[str, float]]:
+        """``{node_id: resources}`` of the workers Ray still has alive: a worker that died earlier has
+        already given its share back, and waiting for it again would stall the error path."""
+        from ray._private import state  # the GCS actor table, as `free_resources_per_node` reads it
+
+        held: dict[str, dict[str, float]] = {}
+        for worker in self.workers:
+            entry = state.actors(worker._actor_id.hex()) or {}
+            if entry.get("State") != "ALIVE":
+                continue
+            node = held.setdefault(entry["Address"]["NodeID"], {})
+            for name, amount in self._share.items():
+                node[name] = node.get(name, 0.0) + amount
+        return held
 
 
