@@ -20,7 +20,8 @@ contended: run it on a quiet one and say which CPU (lscpu) and load (uptime) it 
 The held-out accuracy of a 4-step run moves by several points with the random draws alone. ``--seed-per-batch``
 (``actor_rollout_ref.rollout.seed_per_batch``) gives both modes the same draws for the same batch, so their
 accuracies differ only by what the placement changes; ``--seed`` sets trainer.seed and data.seed; ``--set
-KEY=VALUE`` adds an override to the async run only (e.g. async_training.compute_prox_log_prob=True).
+KEY=VALUE`` adds an override to the async run only (e.g. async_training.compute_prox_log_prob=True), ``--both
+KEY=VALUE`` one to both runs (e.g. actor_rollout_ref.rollout.name=vllm: the rollout engine of both).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def overrides(args, run_dir: Path) -> list[str]:
              ("actor_rollout_ref.rollout.n", args.n), ("data.max_response_length", args.response_length),
              ("data.arithmetic.n_test", args.n_test))
     out += [f"{key}={value}" for key, value in sizes if value is not None]
+    out += args.both
     if args.tiny:
         out += ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -131,6 +133,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=None, help="trainer.seed and data.seed (default: the task's)")
     p.add_argument("--seed-per-batch", action="store_true", help="actor_rollout_ref.rollout.seed_per_batch=True")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override of the async run")
+    p.add_argument("--both", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of both runs (e.g. actor_rollout_ref.rollout.name=vllm)")
     p.add_argument("--modes", default="colocated,async", choices=("colocated,async", "colocated", "async"))
     p.add_argument("--tiny", action="store_true", help="smoke test: 2 steps of 2 prompts x 2, 8 tokens, 8 held out")
     p.add_argument("--json", help="also write the figures here")
