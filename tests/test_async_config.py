@@ -29,8 +29,9 @@ def _only_error(tmp_path, overrides: list[str]) -> str:
     ([*ASYNC, "async_training.staleness_threshold=.nan"], ["async_training.staleness_threshold=nan", "finite"]),
     ([*ASYNC, "async_training.staleness_threshold=.inf"], ["async_training.staleness_threshold=inf", "finite"]),
     ([*ASYNC, "async_training.trigger_parameter_sync_step=0"], ["async_training.trigger_parameter_sync_step=0", ">= 1"]),
-    ([*ASYNC, "async_training.partial_rollout=True"],
-     ["async_training.partial_rollout=True", "actor_rollout_ref.rollout.name=hf cannot", "partial_rollout=False"]),
+    ([*ASYNC, "async_training.partial_rollout=True", "actor_rollout_ref.rollout.name=vllm"],
+     ["async_training.partial_rollout=True", "actor_rollout_ref.rollout.name=vllm cannot", "partial_rollout=False",
+      "rollout.name=hf"]),
     ([*ASYNC, "async_training.use_rollout_log_probs=False"],
      ["use_rollout_log_probs=False", "compute_prox_log_prob=False", "compute_prox_log_prob=True"]),
     ([*ASYNC, "actor_rollout_ref.rollout.calculate_log_probs=False"],
@@ -48,8 +49,9 @@ def test_valid_async_settings_load(tmp_path):
     config = load_config(overrides=tiny_overrides(tmp_path, [*ASYNC, "async_training.staleness_threshold=0.5",
                                                              "async_training.trigger_parameter_sync_step=2",
                                                              "async_training.compute_prox_log_prob=True",
-                                                             "data.gen_batch_size=2"]))
-    assert config.async_training.staleness_threshold == 0.5
+                                                             "data.gen_batch_size=2",
+                                                             "async_training.partial_rollout=True"]))
+    assert config.async_training.staleness_threshold == 0.5 and config.async_training.partial_rollout
 
 
 def test_partial_rollout_with_staleness_zero_is_a_warning(tmp_path):
@@ -79,7 +81,8 @@ def test_entry_points_and_posttrain_train_report_one_line(tmp_path, capsys, monk
     base = tiny_overrides(tmp_path)
     runs = [(async_main_ppo.main, ["async_training.trigger_parameter_sync_step=0"],
              "async_training.trigger_parameter_sync_step=0"),
-            (fully_async_main.main, ["async_training.partial_rollout=True"], "async_training.partial_rollout=True"),
+            (fully_async_main.main, ["async_training.partial_rollout=True", "actor_rollout_ref.rollout.name=vllm"],
+             "async_training.partial_rollout=True"),
             (lambda argv: posttrain_main(["train", *argv]), ["async_training.staleness_threshold=2"],
              "actor_rollout_ref.hybrid_engine=True")]
     for entry, bad, needle in runs:

@@ -16,10 +16,11 @@ from typing import Any, Iterable
 
 from posttrain.config.actor_rollout_ref import _cfg
 
-PAUSABLE_ENGINES: tuple[str, ...] = ()
+PAUSABLE_ENGINES: tuple[str, ...] = ("hf",)
 """Rollout engines that can pause a generation mid-sequence and resume it with new weights (verl's
-partial rollout). posttrain's hf engine decodes a batch to the end in one call and its in-process vLLM
-engine has no pause/resume, so none can yet."""
+partial rollout). The hf engine takes a push between two decoding steps and prefills its running rows
+again under the new weights (`HFRolloutEngine.pause_point`); posttrain's in-process vLLM engine runs a
+batch to the end in one blocking call, so it cannot."""
 
 
 @_cfg()
@@ -31,7 +32,7 @@ class AsyncTrainingConfig:
     require_batches: int = 1
     """Train batches per sync window in the in-flight budget (verl's factor); one trainer step still consumes data.train_batch_size prompts."""
     partial_rollout: bool = False
-    """Pause generations at a weight push and resume them with the new weights (verl's yaml: True). No posttrain engine can pause yet, so True is refused unless staleness_threshold=0, where it has no effect."""
+    """Pause generations at a weight push and resume them with the new weights (verl's yaml: True): the hf engine takes a push between two decoding steps, each token keeps the log-prob of the weights that sampled it, and a sample's age is that of its first token. The vllm engine cannot pause (refused); no effect with staleness_threshold=0."""
     use_rollout_log_probs: bool = True
     """The rollout's own log-probs are the PPO anchor (old_log_probs = rollout_log_probs; verl's bypass mode)."""
     compute_prox_log_prob: bool = False
@@ -117,9 +118,9 @@ def _setup_problems(config: Any) -> Iterable[str]:
     s = cfg.staleness_threshold
     if cfg.partial_rollout and isinstance(s, (int, float)) and s > 0 and rollout.name not in PAUSABLE_ENGINES:
         yield (f"async_training.partial_rollout=True needs an engine that can pause a generation at a weight push, "
-               f"and actor_rollout_ref.rollout.name={rollout.name} cannot (neither can hf or posttrain's vLLM "
-               "engine); set async_training.partial_rollout=False (finished samples only, dropped beyond the "
-               "staleness bound)")
+               f"and actor_rollout_ref.rollout.name={rollout.name} cannot (engines that can: "
+               f"{', '.join(PAUSABLE_ENGINES)}); set async_training.partial_rollout=False (finished samples only, "
+               "dropped beyond the staleness bound) or actor_rollout_ref.rollout.name=hf")
     if not cfg.use_rollout_log_probs and not cfg.compute_prox_log_prob:
         yield ("async_training.use_rollout_log_probs=False and async_training.compute_prox_log_prob=False leave a "
                "stale sample without an old policy: set use_rollout_log_probs=True (rollout log-probs are the "

@@ -83,6 +83,8 @@ class RolloutWorker:
         self.index, self.version, self.lora_only = index, 0, False
         self.actor = _build_actor(config, device)
         self.lora_only = self.actor.lora is not None
+        if config.async_training.partial_rollout and hasattr(self.actor.rollout, "pause_point"):
+            self.actor.rollout.pause_point = self._apply_pending  # pushes land between two decoding steps
         torch.manual_seed(config.trainer.seed + 1 + index)
         self._lock = threading.Lock()
         self._pending: tuple[dict, int] | None = None
@@ -101,9 +103,11 @@ class RolloutWorker:
         with the weight version they were generated with and this worker's busy/wall seconds."""
         start = time.perf_counter()
         self._apply_pending()
+        first = self.version
         batch = self.actor.generate_sequences(prompts)
         self._busy_s += time.perf_counter() - start
-        batch.meta_info.update(weight_version=self.version, rollout_worker=self.index,
+        # a partial rollout may have taken a push mid-way: the unit's age is that of its first tokens
+        batch.meta_info.update(weight_version=first, weight_version_end=self.version, rollout_worker=self.index,
                                rollout_busy_s=self._busy_s, rollout_wall_s=time.perf_counter() - self._started)
         return batch
 
@@ -128,16 +132,20 @@ class RolloutWorker:
             self._pending = (received, version)
         return version
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> bool:
+        """Load the last push received, if any (True). At a unit's start, or between two decoding steps with
+        partial rollouts (`HFRolloutEngine.pause_point`: the engine then prefills its running rows again)."""
         from posttrain.distributed.weight_sync import load_weights
 
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return False
         load_weights(self.actor.module, iter(pending[0].items()), lora_only=self.lora_only)
+        self.actor.refresh_generation_weights()  # LoRA merged for a generation under way follows the adapters
         self.actor.weights_version += 1  # an engine with its own copy (vllm) reloads before generating
         self.version = pending[1]
+        return True
 
     def weights(self) -> dict[str, Any]:
         """This worker's current weights (pending pushes applied first), for checks."""

@@ -52,6 +52,7 @@ __all__ = [
     "check_lora_targets",
     "has_lora",
     "lora_settings",
+    "MergedWeights",
     "merged_for_generation",
     "merged_named_tensors",
     "unmerged_base_names",
@@ -414,8 +415,22 @@ def merged_named_tensors(module: nn.Module, dtype: torch.dtype | None = None) ->
 
 
 # --------------------------------------------------------------------------- merged weights (hf decoding)
+class MergedWeights:
+    """What `merged_for_generation` swapped in: ``refresh()`` recomputes ``W + scaling * B @ A`` in place after
+    the adapters changed inside the block (a weight push that lands mid-generation: partial rollouts)."""
+
+    def __init__(self, swapped: list[tuple[nn.Module, torch.Tensor]]):
+        self.swapped = swapped
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for layer, base in self.swapped:
+            merged = layer.base_layer._parameters["weight"]
+            merged.copy_((base.float() + _lora_delta(layer)).to(merged.dtype))
+
+
 @contextlib.contextmanager
-def merged_for_generation(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[None]:
+def merged_for_generation(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator["MergedWeights"]:
     """Within the block, every LoRA layer of ``module`` computes one product with ``W + scaling * B @ A``
     (held in ``dtype``, the compute precision, so bf16 autocast need not cast it at every step) instead
     of the base product plus the two adapter products: unmerged adapters made generation much slower
@@ -441,7 +456,7 @@ def merged_for_generation(module: nn.Module, dtype: torch.dtype | None = None) -
                 layer.base_layer._parameters["weight"] = merged
                 layer.merged_adapters = [_ADAPTER_NAME]
                 swapped.append((layer, base))
-        yield
+        yield MergedWeights(swapped)
     finally:
         for layer, base in swapped:
             layer.base_layer._parameters["weight"] = base

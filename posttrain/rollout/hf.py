@@ -56,6 +56,11 @@ class HFRolloutEngine:
         eos_token_ids: stop tokens; default the tokenizer's EOS plus the model generation config's.
         lean_decode: decode Llama-family models with :mod:`posttrain.rollout.lean_decoder` (the same
             logits in fewer ops); False keeps the model's own forward for every step.
+
+    ``pause_point`` (set by an asynchronous rollout worker for verl's partial rollouts): called between two
+    decoding steps; it may load new weights into ``model`` and returns True when it did. The rows still
+    running are then prefilled again (prompt and tokens so far) under the new weights, which sample the
+    rest of the response: every token comes from, and carries the log-prob of, the weights that sampled it.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class HFRolloutEngine:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = eos_token_ids or self._default_eos_ids()
         self.lean_decode = lean_decode
+        self.pause_point: Callable[[], bool] | None = None
 
     def _default_eos_ids(self) -> list[int]:
         ids = [self.tokenizer.eos_token_id]
@@ -128,6 +134,7 @@ class HFRolloutEngine:
         ctx = self.autocast() if self.autocast is not None else contextlib.nullcontext()
         eos = torch.tensor(self.eos_token_ids, device=device)
         alive = torch.arange(rows, device=device)  # output row of each decoding-batch row
+        prompt_rows = tuple(x.repeat_interleave(n, dim=0) for x in (ids, mask, pos))  # for a re-prefill
         steps = 0
         with ctx, fast_cpu_attention(self.model):
             logits, mask = _prefill(step, ids, mask, pos)  # [B, V]; the prompts' mask as the cache holds them
@@ -155,10 +162,27 @@ class HFRolloutEngine:
                     keep = (~ended).nonzero().flatten()
                     if step.select(keep):
                         alive, token, mask, pos, ended = alive[keep], token[keep], mask[keep], pos[keep], ended[keep]
+                if self.pause_point is not None and self.pause_point():  # new weights: the cache is stale
+                    step, logits, mask, pos = self._prefill_again(prompt_rows, responses, alive, t, steps_max)
+                    continue
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 pos = pos + 1
                 logits = step.decode(token[:, None], mask, pos)
         return responses[:, :steps], (log_probs[:, :steps] if sampling.calculate_log_probs else None)
+
+    def _prefill_again(self, prompt_rows: tuple, responses: torch.Tensor, alive: torch.Tensor, t: int,
+                       steps_max: int):
+        """A fresh cache for the decoding batch's rows (prompt + tokens ``0..t``) under the model's current
+        weights: ``(stepper, next-token logits, mask, last position)``, room reserved for the rest."""
+        ids, mask, pos = (x[alive] for x in prompt_rows)
+        generated = t + 1
+        ids = torch.cat([ids, responses[alive, :generated]], dim=1)
+        mask = torch.cat([mask, mask.new_ones(len(alive), generated)], dim=1)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, generated + 1, device=pos.device)], dim=1)
+        step = _ModelStepper(self.model, self.lean_decode)
+        logits, mask = _prefill(step, ids, mask, pos)
+        step.reserve(steps_max - generated)
+        return step, logits, mask, pos[:, -1:]
 
     def _assemble(self, rows: Batch, outs: list, sampling: SamplingParams) -> Batch:
         dev = rows["input_ids"].device  # outputs live where the prompts do

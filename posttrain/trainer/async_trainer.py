@@ -46,7 +46,7 @@ from posttrain.trainer.trainer import GREEDY_BASELINE_ESTIMATORS, RLTrainer
 __all__ = ["AsyncRLTrainer", "split_by_lag"]
 
 WEIGHT_VERSION_KEY = "async_weight_version"
-_UNIT_META = ("weight_version", "rollout_worker", "rollout_busy_s", "rollout_wall_s")
+_UNIT_META = ("weight_version", "weight_version_end", "rollout_worker", "rollout_busy_s", "rollout_wall_s")
 
 
 def split_by_lag(sample_versions: list[int], trainer_version: int, bound: int) -> tuple[list[int], list[int]]:
@@ -91,7 +91,7 @@ class AsyncRLTrainer(RLTrainer):
         self._open: OrderedDict[int, dict] = OrderedDict()  # train batch id -> loader state before, unit seqs
         self._next_batch_id = 0
         self._primed = False
-        self._counts = {"stale_samples_processed": 0, "stale_samples_dropped": 0}
+        self._counts = {"stale_samples_processed": 0, "stale_samples_dropped": 0, "partial_rollout_samples": 0}
         self.samples_used: list[Batch] | None = None  # set to [] to record each step's samples (replay tests)
 
     # ------------------------------------------------------------------ the window
@@ -133,6 +133,8 @@ class AsyncRLTrainer(RLTrainer):
             if kept:
                 if batch.meta_info["weight_version"] < self.weight_version:
                     self._counts["stale_samples_processed"] += len(batch)
+                if batch.meta_info.get("weight_version_end", 0) > batch.meta_info["weight_version"]:
+                    self._counts["partial_rollout_samples"] += len(batch)  # a push landed mid-generation
                 return batch
             self._counts["stale_samples_dropped"] += len(batch)
             seq = self.pool.submit(tag[1], tag)

@@ -107,6 +107,7 @@ class ActorWorker:
         self.rollout = None if rollout_config is None else get_rollout_engine(
             rollout_config.name, model=self.module, tokenizer=self.tokenizer, autocast=self.autocast,
             config=rollout_config, seed=seed + rank)
+        self._merged = None  # the merged LoRA weights of a generation under way (`refresh_generation_weights`)
 
     def generate_sequences(self, prompts: Any, validate: bool = False) -> Any:
         """Responses for ``prompts`` with ``rollout.*`` (or ``rollout.val_kwargs.*``) sampling.
@@ -120,8 +121,11 @@ class ActorWorker:
             self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
         engine = self.multi_turn_rollout() if self.rollout_config.multi_turn.enable else self.rollout
-        with self._generation_weights(), seeded_sampling(prompts.meta_info):
-            out = engine.generate(prompts, sampling)
+        with self._generation_weights() as self._merged, seeded_sampling(prompts.meta_info):
+            try:
+                out = engine.generate(prompts, sampling)
+            finally:
+                self._merged = None
         out.meta_info.pop(SEED_KEY, None)  # the batch's own: rounds or units joined later each had theirs
         return out
 
@@ -134,6 +138,12 @@ class ActorWorker:
             self._multi_turn = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.rollout_config,
                                                             getattr(self, "extra_tools", ()))
         return self._multi_turn
+
+    def refresh_generation_weights(self) -> None:
+        """Weights were loaded into the module inside a generation (a partial rollout's push, between two
+        decoding steps): the generation's merged LoRA weights follow them. Nothing to do without LoRA."""
+        if self._merged is not None:
+            self._merged.refresh()
 
     def _generation_weights(self) -> contextlib.AbstractContextManager:
         """LoRA with the ``hf`` engine (which decodes with the module itself): the adapters merged into

@@ -2,8 +2,9 @@
 ``verl`` -> ``posttrain``): the rollout pool streams work units of data.gen_batch_size prompts, samples may
 lag by ceil(async_training.staleness_threshold) versions, weights are pushed every
 async_training.trigger_parameter_sync_step updates. Its defaults (overridable) are verl's fully-async yaml's
-(staleness_threshold=0.1, trigger_parameter_sync_step=4) except partial_rollout=False (no posttrain engine
-can pause a generation yet), with hybrid_engine=False and one rollout worker."""
+(staleness_threshold=0.1, trigger_parameter_sync_step=4) except partial_rollout=False (only the hf engine can
+pause a generation: set async_training.partial_rollout=True with it), with hybrid_engine=False and one rollout
+worker."""
 
 from __future__ import annotations
 
