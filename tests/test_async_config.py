@@ -109,3 +109,16 @@ def test_more_rollout_workers_than_the_cluster_holds(tmp_path):
     message = str(info.value)
     assert "\n" not in message
     assert "actor_rollout_ref.rollout.n_gpus_per_node=3 rollout workers plus 1 trainer device(s)" in message
+
+
+def test_plan_names_the_pools_the_budget_and_partial_rollouts(tmp_path):
+    from posttrain.plan.flow import async_pools
+
+    plain = load_config(overrides=tiny_overrides(tmp_path, [*ASYNC, "async_training.staleness_threshold=1"]))
+    text = async_pools(plain)
+    assert "rollout pool 1 x 1 = 1 hf worker(s)" in text and "samples may lag <= 1 weight version(s)" in text
+    assert "at most 2 train batch(es)" in text and "partial" not in text
+    partial = load_config(overrides=tiny_overrides(tmp_path, [*ASYNC, "async_training.staleness_threshold=1",
+                                                              "async_training.partial_rollout=True"]))
+    assert async_pools(partial).endswith("partial rollouts: a push lands between two decoding steps")
+    assert async_pools(load_config(overrides=tiny_overrides(tmp_path))) is None  # colocated: no pools

@@ -243,7 +243,9 @@ def async_pools(config: PostTrainConfig) -> Optional[str]:
     r, t = config.actor_rollout_ref.rollout, config.trainer
     return (f"asynchronous: trainer pool {t.nnodes} x {t.n_gpus_per_node} device(s); rollout pool "
             f"{r.nnodes} x {r.n_gpus_per_node} = {rollout_workers(config)} {r.name} worker(s) (on CPU: each its own "
-            f"cores), work units of {config.data.gen_batch_size} prompts; " + async_budget(config).describe())
+            f"cores), work units of {config.data.gen_batch_size} prompts; " + async_budget(config).describe()
+            + ("; partial rollouts: a push lands between two decoding steps" if config.async_training.partial_rollout
+               and config.async_training.staleness_threshold > 0 else ""))
 
 
 def rollout_description(f: Flow) -> str:
