@@ -104,7 +104,10 @@ def child(args) -> None:
                                  "samples_per_s": samples / (ends[-1] - start),
                                  "trainer_idle_ratio": mean("trainer/idle_ratio"),
                                  "rollouter_idle_ratio": mean("rollouter/idle_ratio"),
-                                 "accuracy": next(iter(acc.values()), None)}), flush=True)
+                                 "accuracy": next(iter(acc.values()), None),
+                                 **{name: sum(r.get(f"fully_async/count/{key}", 0) for r in rows) for name, key in
+                                    (("stale_samples", "stale_samples_processed"),
+                                     ("partial_rollout_samples", "partial_rollout_samples"))}}), flush=True)
 
 
 def run_mode(args, mode: str, work: Path) -> dict:
@@ -160,7 +163,8 @@ def main() -> None:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
         print(f"{mode:10s} {r['samples']} samples in {r['seconds']:.1f} s = {r['samples_per_s']:.2f} samples/s; "
               f"trainer idle {idle(r['trainer_idle_ratio'])}, rollout idle {idle(r['rollouter_idle_ratio'])}; "
-              f"held-out accuracy {acc}")
+              f"held-out accuracy {acc}" + (f"; stale samples trained on {r['stale_samples']:.0f}, taking a push "
+                                            f"mid-generation {r['partial_rollout_samples']:.0f}" if mode == "async" else ""))
     ratio = None
     if len(results) == 2:
         ratio = results["async"]["samples_per_s"] / results["colocated"]["samples_per_s"]
