@@ -134,7 +134,8 @@ class HFRolloutEngine:
         ctx = self.autocast() if self.autocast is not None else contextlib.nullcontext()
         eos = torch.tensor(self.eos_token_ids, device=device)
         alive = torch.arange(rows, device=device)  # output row of each decoding-batch row
-        prompt_rows = tuple(x.repeat_interleave(n, dim=0) for x in (ids, mask, pos))  # for a re-prefill
+        prompt_rows = (tuple(x.repeat_interleave(n, dim=0) for x in (ids, mask, pos))  # kept for a re-prefill
+                       if self.pause_point is not None else None)
         steps = 0
         with ctx, fast_cpu_attention(self.model):
             logits, mask = _prefill(step, ids, mask, pos)  # [B, V]; the prompts' mask as the cache holds them
