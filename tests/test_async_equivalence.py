@@ -215,20 +215,7 @@ def test_with_per_batch_seeds_staleness_zero_is_the_colocated_run(tmp_path, ray_
 
 def _short_turns_model(tmp_path):
     """The tiny Llama, made to end a turn after ~7 tokens (P(eos) ~ 0.14 a token), so that a 160-token
-    response holds several turns: residual dimension 0 is held at 1 (embeddings 1, no layer writes it)
-    and the eos row of the output layer reads it."""
-    from helpers.tiny_models import tiny_llama
-    from helpers.tokenizer import build_tiny_tokenizer
+    response holds several turns."""
+    from helpers.tiny_models import eos_biased_tiny_llama
 
-    tok = build_tiny_tokenizer()
-    model = tiny_llama(tok)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0] = 0.0
-            layer.mlp.down_proj.weight[0] = 0.0
-        model.lm_head.weight[tok.eos_token_id, 0] = 3.0 / 8  # the normed dimension 0 is ~8: eos logit + ~3
-    out = tmp_path / "short_turns_model"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return eos_biased_tiny_llama(tmp_path / "short_turns_model", eos_weight=3.0 / 8)

@@ -19,23 +19,10 @@ R = 256
 
 
 def _endless_model(tmp_path):
-    """The tiny Llama with EOS held far below every other token: residual dimension 0 is held at 1
-    (embeddings 1, no layer writes it) and the EOS row of the output layer reads it negatively."""
-    from helpers.tiny_models import tiny_llama
-    from helpers.tokenizer import build_tiny_tokenizer
+    """The tiny Llama with EOS held far below every other token (logit ~ -30): responses never end."""
+    from helpers.tiny_models import eos_biased_tiny_llama
 
-    tok = build_tiny_tokenizer()
-    model = tiny_llama(tok)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 1.0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0] = 0.0
-            layer.mlp.down_proj.weight[0] = 0.0
-        model.lm_head.weight[tok.eos_token_id, 0] = -4.0  # the normed dimension 0 is ~8: EOS logit ~ -30
-    out = tmp_path / "endless_model"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return eos_biased_tiny_llama(tmp_path / "endless_model", eos_weight=-4.0)
 
 
 LORA = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.optim.lr=5e-2"]

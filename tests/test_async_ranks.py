@@ -12,7 +12,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from helpers.tiny_run import digit_count_reward, tiny_config  # noqa: E402
+from helpers.tiny_run import digit_count_reward, record_pushes, tiny_config  # noqa: E402
 
 COMPARED = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/advantages/mean")
 
@@ -46,14 +46,7 @@ def test_two_trainer_ranks_at_staleness_zero_are_the_colocated_run(tmp_path, ray
         "async_training.compute_prox_log_prob=True", "async_training.use_rollout_log_probs=False"]))
     trainer.reward_fn = digit_count_reward
     trainer.samples_used = []
-    pushed, push = [], trainer._push
-
-    def push_and_read():
-        metrics = push()
-        pushed.append(trainer.pool.call(0, "weights"))
-        return metrics
-
-    trainer._push = push_and_read
+    pushed = record_pushes(trainer)
     history = trainer.fit()
     assert [row["weight_sync/version"] for row in history] == [1.0, 2.0, 3.0]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers.tiny_models import tiny_llama
-from helpers.tiny_run import tiny_config
+from helpers.tiny_run import record_pushes, tiny_config
 from helpers.tokenizer import build_tiny_tokenizer
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -120,14 +120,7 @@ def test_two_trainer_ranks_push_lora_into_the_workers_vllm_engine_multi_turn(tmp
         trainer = AsyncRLTrainer(tiny_config(tmp_path, overrides))
         trainer.reward_fn = lambda batch: (batch["responses"][:, 0] % 3).float()
         trainer.samples_used = []
-        pushed, push = [], trainer._push
-
-        def push_and_read():
-            metrics = push()
-            pushed.append(trainer.pool.call(0, "weights"))
-            return metrics
-
-        trainer._push = push_and_read
+        pushed = record_pushes(trainer)
         history = trainer.fit()
         assert [row["weight_sync/version"] for row in history] == [1.0, 2.0, 3.0]
         for batch in trainer.samples_used:

@@ -28,7 +28,7 @@ from posttrain.config.actor_rollout_ref import (
 )
 from posttrain.config.critic import CriticConfig, CriticModelConfig
 
-__all__ = ["grads_at_step", "tiny_llama", "tiny_prompt_batch", "tiny_worker_configs"]
+__all__ = ["eos_biased_tiny_llama", "grads_at_step", "tiny_llama", "tiny_prompt_batch", "tiny_worker_configs"]
 
 
 def tiny_llama(tokenizer: Any, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
@@ -40,6 +40,27 @@ def tiny_llama(tokenizer: Any, seed: int = 0, **overrides: Any) -> LlamaForCausa
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**kwargs))
 
+
+
+def eos_biased_tiny_llama(directory: Any, eos_weight: float) -> Any:
+    """The tiny Llama and tokenizer saved to ``directory``, with the EOS logit set by one residual dimension.
+
+    Dimension 0 is held at 1 (embeddings 1, no layer writes it), so after the final norm it reads ~8 and the
+    EOS row of the output layer adds ``8 * eos_weight`` to the EOS logit: -4 makes EOS never come (endless
+    responses), 3/8 makes a turn end after ~7 tokens."""
+    from helpers.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = tiny_llama(tok)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[tok.eos_token_id, 0] = eos_weight
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
 
 def tiny_prompt_batch(tokenizer: Any, texts: list[str], uids: list[str] | None = None) -> Batch:
     """Left-padded prompts: ``input_ids``, ``attention_mask``, ``position_ids`` ``[N, P]`` (+ ``uid``)."""

@@ -119,3 +119,17 @@ def run_main_ppo(argv: list[str], log_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def record_pushes(trainer) -> list[dict]:
+    """After each weight push of an async ``trainer``, read back what rollout worker 0 then holds; returns the
+    list those reads go into (one state dict per push, in order)."""
+    pushed, push = [], trainer._push
+
+    def push_and_read():
+        metrics = push()
+        pushed.append(trainer.pool.call(0, "weights"))
+        return metrics
+
+    trainer._push = push_and_read
+    return pushed
