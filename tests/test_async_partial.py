@@ -8,7 +8,6 @@ the trainer's own weights of both versions, which differ there)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
