@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """Console-script entry: exit quietly when the reader of our output goes away (`| head`)."""
-    from posttrain.host.allocator import keep_freed_memory
+    from posttrain.host.allocator import bound_kernel_caches
     from posttrain.host.threads import choose_wait_policy
 
     choose_wait_policy()  # before torch loads (posttrain.host.threads says why)
-    keep_freed_memory()  # posttrain.host.allocator says why
+    bound_kernel_caches()  # before the first matmul (posttrain.host.allocator says why)
     try:
         code = main()
         sys.stdout.flush()

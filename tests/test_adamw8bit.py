@@ -89,3 +89,32 @@ def test_zero_gradient_rows_stay_put_and_bad_settings_are_refused():
     assert torch.all(p[1:] == 0) and torch.all(p[0] < 0)
     with pytest.raises(ValueError, match="betas"):
         AdamW8bit([p], betas=(0.9, 1.0))
+
+
+def test_a_loaded_state_dict_continues_exactly_with_8bit_codes():
+    """torch's load casts state tensors to the parameter's dtype; the codes must come back int8/uint8 (a
+    float32 code was aliased by the update's ``.float()`` and corrupted: the resumed run jumped away)."""
+    import copy
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(64, 96, generator=g))]
+
+    def steps(opt, ps, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            ps[0].grad = torch.randn(ps[0].shape, generator=g) * 1e-2
+            opt.step()
+
+    straight, resumed = params(), params()
+    opt = AdamW8bit(straight, lr=1e-2)
+    steps(opt, straight, 2, 1)
+    saved = copy.deepcopy(opt.state_dict())
+    steps(opt, straight, 2, 5)
+    steps(AdamW8bit(resumed, lr=1e-2), resumed, 2, 1)
+    again = AdamW8bit(resumed, lr=1e-2)
+    again.load_state_dict(saved)
+    assert again.state[resumed[0]]["exp_avg_q"].dtype == torch.int8
+    assert again.state[resumed[0]]["exp_avg_sq_q"].dtype == torch.uint8
+    steps(again, resumed, 2, 5)
+    assert torch.equal(straight[0], resumed[0])

@@ -130,3 +130,45 @@ def test_a_block_allocated_memory_first_goes_back_to_the_kernel_when_freed(mappe
         assert free_mib < 64 and grown_mib < 64
     else:
         assert free_mib >= 256 and grown_mib >= 240
+
+
+# Runs a bf16 linear layer forward and backward over 300 row counts (a new matmul shape each time, as a
+# training run meets new sequence lengths every step) and prints how much malloc holds after the first 60
+# and after all of them: oneDNN's and PyTorch's per-shape kernel caches grow by ~0.9 MB a shape until full.
+CACHE_PROBE = LIBC + """
+import os, sys
+if sys.argv[1] == 'bounded':
+    from posttrain.host.allocator import bound_kernel_caches
+    bound_kernel_caches()
+import torch
+torch.set_num_threads(1)
+def in_use():
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) >> 20
+layer = torch.nn.Linear(64, 96)
+sizes = []
+for rows in range(1, 301):
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        layer(torch.randn(rows, 64, requires_grad=True)).sum().backward()
+    if rows in (60, 300):
+        sizes.append(in_use())
+print(sizes[0], sizes[1])
+"""
+
+
+def _cache_growth(mode: str, **env) -> int:
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", CACHE_PROBE, mode], capture_output=True, text=True, check=True,
+                         env={**clean, **env}).stdout.split()
+    return int(out[1]) - int(out[0])
+
+
+@needs_glibc
+def test_kernel_caches_stop_growing_once_bounded():
+    """240 more shapes after the first 60: bounded (128 entries each), malloc holds about what it held; the
+    control (a user's own setting of 1024, torch's default) grows by tens of MB, and the user's value is kept."""
+    bounded = _cache_growth("bounded")
+    control = _cache_growth("bounded", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    assert control > 4 * max(bounded, 5), (bounded, control)

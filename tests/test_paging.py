@@ -14,7 +14,7 @@ import torch
 
 from posttrain.errors import ConfigError
 from posttrain.host.paging import (IN_MEMORY_FILESYSTEMS, PagedAdamW, PagedTensors, _filesystem_type, offload_directory,
-                                   page_module, paged_weights, paging_directory)
+                                   one_pass, page_module, paged_weights, paging_directory)
 from posttrain.host.placement import InProcess
 from posttrain.host.resident import current_resident_bytes
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
@@ -130,6 +130,7 @@ def test_offload_keys_page_the_reference_and_the_moments_on_cpu(paging_dir):
     cfg = tiny_worker_configs(actor={"fsdp_config": dataclasses.replace(plain_cfg.actor.fsdp_config,
                                                                         optimizer_offload=True)})
     cfg.ref.fsdp_config.param_offload = True
+    plain_cfg.ref.fsdp_config.host_paging = "off"  # the control: in memory (auto would page it too)
     place = InProcess("cpu")  # the one-process placement decides the paging
     actors = [ActorWorker(c.model, c.actor, c.rollout, device="cpu", module=tiny_llama(tok), tokenizer=tok, seed=3,
                           placement=place) for c in (plain_cfg, cfg)]
@@ -240,3 +241,131 @@ def test_the_one_process_group_pages_out_after_each_call_and_updates_memory_firs
         trainer.fit()
     assert len(entered) >= 2  # the rollout and the update
     assert len(whole_page_outs) >= 2  # and again after the reference's pass
+
+
+def _two_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(1024, 512, generator=g)), torch.nn.Parameter(torch.randn(64, generator=g))]
+
+
+def _steps(opt, params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        opt.step()
+
+
+def test_paged_8bit_moments_equal_the_in_memory_ones_and_leave_memory(tmp_path):
+    """host_paging's claim for a trained role: the same updates, bit for bit, as 8-bit moments in memory, and
+    after a step the codes (2 bytes a parameter) are out of the process (the control: in memory, they stay)."""
+    from posttrain.host.adamw8bit import AdamW8bit
+
+    plain_params, paged_params = _two_params(), _two_params()
+    plain = AdamW8bit(plain_params, lr=1e-2)
+    paged = AdamW8bit(paged_params, lr=1e-2, directory=str(tmp_path))
+    _steps(plain, plain_params, 3)
+    _steps(paged, paged_params, 3)
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, paged_params))
+    codes = 2 * plain_params[0].numel()  # int8 m and uint8 v; the scales are 1/64 of that
+    for opt, params, held in ((plain, plain_params, True), (paged, paged_params, False)):
+        before = current_resident_bytes()
+        for t in opt.state[params[0]].values():
+            t.mul_(1)  # touch every state page: in memory already, or mapped back in from the page cache
+        touched = current_resident_bytes() - before
+        assert (touched < 0.2 * codes) == held, (touched, codes)
+    paged.page_out()  # as after a checkpoint read them all
+
+
+def test_paged_8bit_state_dict_resumes_exactly(tmp_path):
+    """A paged optimizer's state dict loads into a paged optimizer (codes copied into its file) and into an
+    in-memory one; both continue exactly as the uninterrupted run."""
+    from posttrain.host.adamw8bit import AdamW8bit
+
+    straight = _two_params()
+    opt = AdamW8bit(straight, lr=1e-2, directory=str(tmp_path))
+    _steps(opt, straight, 2)
+    state = copy.deepcopy(opt.state_dict())
+    _steps(opt, straight, 2, seed=5)
+    for directory in (str(tmp_path), None):
+        resumed = _two_params()
+        with torch.no_grad():
+            for a, b in zip(resumed, _two_params()):
+                a.copy_(b)
+        first = AdamW8bit(resumed, lr=1e-2, directory=str(tmp_path))
+        _steps(first, resumed, 2)  # the same two steps, then a restart from their state dict
+        again = AdamW8bit(resumed, lr=1e-2, directory=directory)
+        again.load_state_dict(copy.deepcopy(state))
+        if directory is not None:
+            held = again.state[resumed[0]]
+            assert again._paged.file.holds(0, held["exp_avg_q"])  # moved into the file, not left a copy
+        _steps(again, resumed, 2, seed=5)
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_host_paging_auto_pages_the_reference_and_the_8bit_moments(paging_dir):
+    """The default (host_paging=auto, TMPDIR on a disk) on a one-process CPU run: the frozen reference's
+    weights are paged, and a trained role's 8-bit moments; off keeps both in memory."""
+    from posttrain.host.adamw8bit import AdamW8bit
+    from posttrain.host.memory_plan import MIN_PARAMS_8BIT
+
+    cfg = tiny_worker_configs()
+    place = InProcess("cpu")
+    for mode, paged in (("auto", True), ("off", False)):
+        fsdp = dataclasses.replace(cfg.ref.fsdp_config, host_paging=mode)
+        ref = place.shard(tiny_llama(build_tiny_tokenizer()), fsdp, "fp32", forward_only=True,
+                          fsdp_section="actor_rollout_ref.ref")
+        assert (paged_weights(ref) is not None) == paged
+        module = torch.nn.Linear(4000, MIN_PARAMS_8BIT // 4000, bias=False)
+        actor_fsdp = dataclasses.replace(cfg.actor.fsdp_config, host_paging=mode)
+        opt = place.optimizer(module, cfg.actor.optim, actor_fsdp, "actor_rollout_ref.actor")
+        assert isinstance(opt, AdamW8bit) and (opt._paged is not None) == paged
+
+
+def test_host_paging_on_with_an_in_memory_temporary_directory_names_the_key(monkeypatch):
+    from posttrain.host.memory_plan import MemoryPlan
+
+    monkeypatch.setattr("posttrain.host.paging._filesystem_type", lambda path: "tmpfs")
+    plan = MemoryPlan(torch.device("cpu"))
+    assert plan.idle_state_directory("auto", "actor_rollout_ref.ref.fsdp_config.host_paging") is None
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.ref.fsdp_config.host_paging=True .* tmpfs"):
+        plan.idle_state_directory("on", "actor_rollout_ref.ref.fsdp_config.host_paging")
+
+
+class _Stack(torch.nn.Module):
+    """Six 1024 x 1024 float32 layers (4 MiB each) in a ModuleList, like a decoder's layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024, bias=False) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_a_paged_pass_holds_one_layer_at_a_time(tmp_path, per_layer):
+    """page_out_after_each_layer: when the last layer starts, the five before it are out of memory again
+    (the control, paged after the whole pass only, holds all five); the outputs are the same."""
+    from posttrain.host.paging import page_out_after_each_layer
+
+    plain, paged = _Stack(), _Stack()
+    page_module(paged, str(tmp_path), "a test stack")
+    if per_layer:
+        page_out_after_each_layer(paged, paged.layers)
+    held = {}
+    start = current_resident_bytes()
+
+    def measure(*_):  # returns None: the layer's input stays as it is
+        held["bytes"] = current_resident_bytes() - start
+
+    paged.layers[-1].register_forward_pre_hook(measure)
+    x = torch.randn(4, 1024)
+    with torch.no_grad(), one_pass(paged_weights(paged)):
+        out = paged(x)
+    assert torch.equal(out, plain(x))
+    layer = 1024 * 1024 * 4
+    assert (held["bytes"] < 2.5 * layer) == per_layer, held["bytes"] / layer

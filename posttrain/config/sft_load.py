@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES
+from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES, HOST_PAGING_MODES
 from posttrain.config.sft import TRUNCATION_MODES, DPOConfig, SFTConfig
 from posttrain.errors import ConfigError
 
@@ -98,6 +98,8 @@ def sft_problems(config: SFTConfig) -> list[str]:
         out.append(f"optim.lr={o.lr} must be positive")
     if m.fsdp_config.host_memory not in HOST_MEMORY_MODES:
         out.append(f"model.fsdp_config.host_memory={m.fsdp_config.host_memory!r}; valid: {', '.join(HOST_MEMORY_MODES)}")
+    if m.fsdp_config.host_paging not in HOST_PAGING_MODES:
+        out.append(f"model.fsdp_config.host_paging={m.fsdp_config.host_paging!r}; valid: {', '.join(HOST_PAGING_MODES)}")
     if o.lr_scheduler not in ("cosine", "constant"):
         out.append(f"optim.lr_scheduler={o.lr_scheduler!r}; valid: cosine, constant")
     ratio_key = "warmup_steps_ratio" if o.warmup_steps_ratio is not None else "lr_warmup_steps_ratio"  # the one used

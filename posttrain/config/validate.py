@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES
+from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES, HOST_PAGING_MODES
 from posttrain.config.async_training import async_problems, async_warnings
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
@@ -49,6 +49,10 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "actor_rollout_ref.actor.fsdp_config.model_dtype": DTYPES,
         "actor_rollout_ref.actor.fsdp_config.host_memory": HOST_MEMORY_MODES,
         "critic.model.fsdp_config.host_memory": HOST_MEMORY_MODES,  # read for the actor only; checked alike
+        "actor_rollout_ref.actor.fsdp_config.host_paging": HOST_PAGING_MODES,
+        "actor_rollout_ref.ref.fsdp_config.host_paging": HOST_PAGING_MODES,
+        "critic.model.fsdp_config.host_paging": HOST_PAGING_MODES,
+        "reward_model.model.fsdp_config.host_paging": HOST_PAGING_MODES,
         "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
         "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES,
         "critic.loss_agg_mode": LOSS_AGG_MODES,

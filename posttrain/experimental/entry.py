@@ -15,9 +15,9 @@ def entry_main(prog: str, defaults: tuple[str, ...], argv: list[str] | None = No
 
 
 def run_as_script(prog: str, defaults: tuple[str, ...]) -> None:
-    from posttrain.host.allocator import keep_freed_memory
+    from posttrain.host.allocator import bound_kernel_caches
     from posttrain.host.threads import choose_wait_policy
 
     choose_wait_policy()  # torch is not loaded yet (posttrain.host.threads says why)
-    keep_freed_memory()
+    bound_kernel_caches()  # before the first matmul (posttrain.host.allocator says why)
     sys.exit(entry_main(prog, defaults))

@@ -42,11 +42,21 @@ class AdamW8bit(torch.optim.Optimizer):
     """AdamW (``lr``, ``betas``, ``eps``, ``weight_decay`` as torch's) with 8-bit block-wise moments."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, directory: str | None = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"AdamW8bit: lr, eps and weight_decay must be >= 0 and betas in [0, 1), got "
                              f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._paged = None if directory is None else _PagedCodes(self._params_8bit(), directory)
+
+    def _params_8bit(self) -> list[torch.Tensor]:
+        """The parameters whose moments are stored in 8 bits (each once), in group order."""
+        seen: dict[int, torch.Tensor] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.numel() >= MIN_8BIT_SIZE:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,7 +76,7 @@ class AdamW8bit(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if not state:
-            _init_state(state, p)
+            _init_state(state, p, self._paged)
         state["step"] += 1
         step = int(state["step"])
         beta1, beta2 = group["betas"]
@@ -81,9 +91,69 @@ class AdamW8bit(torch.optim.Optimizer):
             p.addcdiv_(m, v.sqrt().div_(bias2_sqrt).add_(eps), value=-lr / bias1)
             return
         _update_blocks(p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
+        if self._paged is not None:
+            self._paged.page_out(p, state)
+
+    def page_out(self) -> None:
+        """Every paged code dropped from memory (after a checkpoint read them all); nothing when not paged."""
+        if self._paged is not None:
+            self._paged.file.page_out()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, with the codes given their own dtypes back, then (when paged) moved into the file and
+        paged out. torch casts every loaded state tensor to its parameter's dtype: int8 codes would come back
+        as float32, 4x the memory, and ``.float()`` in the update would alias them instead of copying."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            if "exp_avg_q" not in state:
+                continue
+            for key, (_, dtype) in zip(CODE_KEYS, _code_shapes(p)):
+                state[key] = state[key].to(dtype)  # exact: the codes are whole numbers in the dtype's range
+            if self._paged is not None:
+                self._paged.page_out(p, state)
 
 
-def _init_state(state: dict, p: torch.Tensor) -> None:
+CODE_KEYS = ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale")
+"""A large parameter's state tensors besides its step counter."""
+
+
+def _code_shapes(p: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of ``p``'s `CODE_KEYS` tensors, in that order."""
+    blocks = -(-p.numel() // BLOCK)
+    return [((blocks, BLOCK), torch.int8), ((blocks,), torch.float32), ((blocks, BLOCK), torch.uint8),
+            ((blocks,), torch.float32)]
+
+
+class _PagedCodes:
+    """The 8-bit codes and scales of ``params`` in one file paged out of memory between steps
+    (`posttrain.host.paging.PagedTensors`): a parameter's codes are in memory only while its own update
+    runs, so the forward and backward that precede the optimizer step do not hold them (0.27 GB for
+    SmolLM2-135M). Their pages stay in the kernel's page cache while memory is free."""
+
+    def __init__(self, params: list[torch.Tensor], directory: str):
+        from posttrain.host.paging import PagedTensors  # noqa: PLC0415 - host's one file-backed store
+
+        self.params = params
+        like = [torch.empty(shape, dtype=dtype, device="meta") for p in params for shape, dtype in _code_shapes(p)]
+        self.file = PagedTensors(like, directory, what="AdamW's 8-bit moments")
+        self._first = {p: i * len(CODE_KEYS) for i, p in enumerate(params)}
+
+    def slots(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """``p``'s `CODE_KEYS` tensors in the file (zeros until written)."""
+        first = self._first[p]
+        return self.file.tensors[first:first + len(CODE_KEYS)]
+
+    def page_out(self, p: torch.Tensor, state: dict) -> None:
+        """``p``'s codes moved into the file (when a checkpoint load put copies elsewhere) and dropped from memory."""
+        first = self._first[p]
+        for k, key in enumerate(CODE_KEYS):
+            if not self.file.holds(first + k, state[key]):
+                self.file.tensors[first + k].copy_(state[key])
+                state[key] = self.file.tensors[first + k]
+            self.file.page_out(first + k)
+
+
+def _init_state(state: dict, p: torch.Tensor, paged: _PagedCodes | None = None) -> None:
     state["step"] = torch.tensor(0.0)
     if p.numel() < MIN_8BIT_SIZE:
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -92,11 +162,11 @@ def _init_state(state: dict, p: torch.Tensor) -> None:
     if not p.is_contiguous():
         raise ValueError(f"AdamW8bit needs contiguous parameters; got one of shape {tuple(p.shape)} with strides "
                          f"{p.stride()}")
-    blocks = -(-p.numel() // BLOCK)
-    state["exp_avg_q"] = torch.zeros(blocks, BLOCK, dtype=torch.int8, device=p.device)
-    state["exp_avg_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-    state["exp_avg_sq_q"] = torch.zeros(blocks, BLOCK, dtype=torch.uint8, device=p.device)
-    state["exp_avg_sq_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+    if paged is not None:  # the file starts as zeros
+        state.update(zip(CODE_KEYS, paged.slots(p)))
+        return
+    for key, (shape, dtype) in zip(CODE_KEYS, _code_shapes(p)):
+        state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
 
 
 def _update_blocks(p, grad, state, beta1, beta2, eps, step_size, bias2_sqrt) -> None:

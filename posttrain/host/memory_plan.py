@@ -7,12 +7,19 @@ keys that trade memory for nothing or little:
   moments a parameter instead of 8; for SmolLM2-135M 0.27 GB instead of 1.08 GB) on a CPU for a role
   that trains >= 10M parameters, ``AdamW`` elsewhere (GPU ranks, tiny models, LoRA adapters) or when
   ``optimizer_offload`` already pages the moments to a file.
-- ``actor.fsdp_config.host_memory: auto`` -> ``memory`` on a machine with less than
-  `MEMORY_FIRST_BELOW_GIB` of RAM, else ``speed``: whether the actor's rollout and update hand their
-  freed blocks back to the kernel (`posttrain.host.placement.memory_first`). Kept for reuse (speed), the
-  heap's holes grow the peak step by step (the built-in run: 3.7 GB after 6 steps, 3.95 GB after 15);
-  handed back (memory), it grows less (3.1 GB after 6, 3.46 GB after 15), with steps ~1.26x as long
-  (fresh pages are zero-filled: ~0.9 s a GB on a 2-core VM). benchmarks/README.md has the figures.
+- ``actor.fsdp_config.host_memory: auto`` -> ``balanced``: glibc's own policy for freed memory (blocks
+  above its dynamic ``mmap`` threshold, up to 32 MiB, get mappings of their own and go back to the kernel
+  when freed; smaller ones are reused from the heap). ``speed`` keeps every freed block in the heap for
+  reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
+  buffers and trims the heap after them (`posttrain.host.placement.memory_first`). On the built-in run
+  (Zen 4, bf16, 15 steps, runs alternated) balanced peaks at 2.75 GB, speed at 3.0-3.2 GB (the heap's
+  holes grow it step by step), with the same step time (7.6-7.8 s against 7.4-7.9 s): the large blocks
+  that come back as fresh pages are few since the layers keep less. benchmarks/README.md has the figures.
+- ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary
+  directory when that is on a disk (`idle_state_directory`): a frozen role's weights between its passes,
+  a trained role's 8-bit moments between optimizer steps (`posttrain.host.adamw8bit.AdamW8bit`'s
+  ``directory``). The same numbers; it takes 0.27 + 0.27 GB out of the built-in run's update for
+  SmolLM2-135M, at the price of mapping them back from the page cache once a step.
 
 What the plan does not decide, and says: whether there is a reference model (KL used; under LoRA the
 actor with its adapters off; DPO's ``dpo.precompute_ref_log_probs``), and its precision (the actor's
@@ -29,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.errors import ConfigError
+from posttrain.host.paging import paging_directory
+
 __all__ = ["MemoryPlan", "machine_ram"]
 
 GiB = 2**30
-MEMORY_FIRST_BELOW_GIB = 12
-"""``host_memory: auto`` chooses memory over speed on machines with less RAM than this (an 8 GB laptop,
-where the OS and a browser hold half)."""
 MIN_PARAMS_8BIT = 10_000_000
 """``optim.optimizer: auto`` gives 8-bit moments from this many trained parameters on (below, the
 float32 moments are < 80 MB: not worth the rounding)."""
@@ -70,39 +77,52 @@ class MemoryPlan:
         small = trained_params < MIN_PARAMS_8BIT
         return "adamw_8bit" if self.device.type == "cpu" and not paged and not small else "adamw"
 
-    def memory_first(self, requested: str, total_ram_gib: float | None = None) -> bool:
-        """Whether the actor's rollout and update run memory-first for ``fsdp_config.host_memory=requested``
-        (``auto``: below `MEMORY_FIRST_BELOW_GIB` of RAM on a CPU; ``total_ram_gib``: this machine's by default)."""
-        if requested != "auto":
-            return requested == "memory"
+    def host_memory(self, requested: str) -> str:
+        """``speed``, ``balanced`` or ``memory`` for ``fsdp_config.host_memory=requested`` (``auto``: balanced)."""
+        return "balanced" if requested == "auto" else requested
+
+    def idle_state_directory(self, requested: str, key: str) -> str | None:
+        """Where a role pages its idle state for ``<key>=requested`` (``fsdp_config.host_paging``), None when it
+        keeps it in memory: ``off``, a GPU, or (``auto``) a temporary directory held in memory (a tmpfs).
+        ``on`` with a tmpfs is an error naming ``key`` (`posttrain.host.paging.paging_directory`)."""
+        if requested == "off" or self.device.type != "cpu":
+            return None
+        try:
+            return paging_directory(key)
+        except ConfigError:
+            if requested == "on":
+                raise
+            return None
+
+    def note_host_memory(self, mode: str, requested: str) -> None:
+        """``mode``: `host_memory`'s answer for ``requested``."""
         if self.device.type != "cpu":
-            return False
-        total = machine_ram()[0] if total_ram_gib is None else total_ram_gib
-        return total is not None and total < MEMORY_FIRST_BELOW_GIB
-
-    def note_host_memory(self, memory_first: bool, requested: str) -> None:
+            return
         how = "chosen" if requested == "auto" else "asked"
-        if memory_first:
-            self.notes.append(f"freed buffers returned to the kernel (host_memory=memory, {how}: a lower peak, "
-                              "slower steps)")
-        elif self.device.type == "cpu":
-            self.notes.append(f"freed buffers kept for reuse (host_memory=speed, {how})")
+        self.notes.append({
+            "memory": f"freed buffers returned to the kernel (host_memory=memory, {how}: a lower peak, slower steps)",
+            "speed": f"freed buffers kept for reuse (host_memory=speed, {how}: the heap grows from step to step)",
+            "balanced": f"large freed buffers returned to the kernel, small ones reused (host_memory=balanced, {how})",
+        }[mode])
 
-    def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int) -> None:
+    def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,
+                       idle_paged: bool = False) -> None:
         how = "chosen" if requested == "auto" else "asked"
         if paged:
             self.notes.append(f"{role}: AdamW moments paged to a file (optimizer_offload)")
         elif kind == "adamw_8bit":
+            between = ", paged to a file between steps (host_paging)" if idle_paged else ""
             self.notes.append(f"{role}: AdamW moments 8-bit ({kind}, {how}: {2 * trained_params / 1e9:.2f} GB instead "
-                              f"of {8 * trained_params / 1e9:.2f} GB)")
+                              f"of {8 * trained_params / 1e9:.2f} GB{between})")
         else:
             self.notes.append(f"{role}: AdamW moments fp32 ({8 * trained_params / 1e9:.2f} GB; {how})")
 
-    def note_reference(self, kind: str, param_dtype: str) -> None:
-        """``kind``: ``copy`` (a frozen copy of the weights), ``adapters-off`` (LoRA) or ``none``."""
+    def note_reference(self, kind: str, param_dtype: str, paged: bool = False) -> None:
+        """``kind``: ``copy`` (a frozen copy of the weights), ``adapters-off`` (LoRA) or ``none``; ``paged``: the
+        copy is paged to a file between passes."""
         if kind == "copy":
             kept = "bf16 (its compute precision)" if param_dtype == "bf16" else param_dtype
-            self.notes.append(f"reference: frozen copy in {kept}")
+            self.notes.append(f"reference: frozen copy in {kept}" + (", paged to a file between passes" if paged else ""))
         elif kind == "adapters-off":
             self.notes.append("reference: the actor with its LoRA adapters off (no copy)")
 

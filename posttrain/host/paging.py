@@ -32,7 +32,8 @@ from torch import nn
 
 from posttrain.errors import ConfigError
 
-__all__ = ["PAGED_WEIGHTS_ATTR", "PagedAdamW", "PagedTensors", "offload_directory", "one_pass", "page_module", "paged_weights",
+__all__ = ["PAGED_WEIGHTS_ATTR", "PagedAdamW", "PagedTensors", "offload_directory", "one_pass", "page_module",
+           "page_out_after_each_layer", "paged_weights",
            "paging_directory"]
 
 PAGE = mmap.PAGESIZE
@@ -139,6 +140,26 @@ def page_module(module: nn.Module, directory: str, what: str = "the reference's 
     paged.page_out()
     object.__setattr__(module, PAGED_WEIGHTS_ATTR, paged)
     return paged
+
+
+def page_out_after_each_layer(module: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """After each of ``layers`` (``module``'s decoder layers) has run, its weights are dropped from memory
+    again, so a pass over a paged module (`page_module`) holds one layer's weights at a time instead of all
+    of them (the embeddings and the output layer stay until `one_pass` ends). A layer run twice (a shared
+    prompt, then the responses) maps its weights back from the page cache: minor faults, no disk."""
+    paged = paged_weights(module)
+    if paged is None:
+        return
+    slot = {id(p): i for i, p in enumerate({id(p): p for p in module.parameters()}.values())}  # page_module's order
+
+    def drop(indices: list[int]):
+        def hook(*_: Any) -> None:  # returns None: the layer's output stays as it is
+            for i in indices:
+                paged.page_out(i)
+        return hook
+
+    for layer in layers:
+        layer.register_forward_hook(drop([slot[id(p)] for p in layer.parameters() if id(p) in slot]))
 
 
 def paged_weights(module: nn.Module | None) -> PagedTensors | None:

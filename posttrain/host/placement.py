@@ -4,13 +4,17 @@ What FSDP2's placement does for ranks (`posttrain.distributed.rank.RankPlacement
 to CPU memory between phases), this one does for a single process: move each module to the device,
 and on a CPU run apply the levers the config asks for, so that no role decides them:
 
-- ``param_offload`` on a frozen role (the reference, the reward model): its weights paged to a file
-  and dropped from memory after each pass (`posttrain.host.paging`);
+- ``param_offload`` on a frozen role (the reference, the reward model), or ``host_paging`` (``auto``: where
+  the temporary directory is on a disk): its weights paged to a file and dropped from memory after each
+  pass (`posttrain.host.paging`);
+- ``host_paging`` on a trained role with 8-bit moments: the moments paged to a file between optimizer
+  steps (`posttrain.host.adamw8bit.AdamW8bit`), so the update's forward and backward do not hold them;
 - ``optimizer_offload``: AdamW's moments paged to a file, one parameter's in memory at a time
   (`posttrain.host.paging.PagedAdamW`), and the actor's rollout and update run memory-first
   (`resident`);
-- ``host_memory``: the actor's rollout and update run memory-first when asked, or by the memory plan's
-  choice (``auto``: on a machine with little RAM, `posttrain.host.memory_plan`);
+- ``host_memory``: glibc's own policy for freed memory (``auto``/``balanced``), every freed block kept
+  for reuse (``speed``), or the actor's rollout and update run memory-first (``memory``);
+  `posttrain.host.memory_plan` says what each costs;
 - ``compile_layers``: the decoder layers through ``torch.compile`` in the scoring and training
   forwards (`posttrain.models.compile`; on any device);
 - a frozen role that computes in bf16: its weights kept in bf16 (`store_frozen_in_bf16`), half an fp32
@@ -30,11 +34,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from posttrain.host.allocator import mapped_allocations, release_freed_memory
+from posttrain.host.adamw8bit import AdamW8bit
+from posttrain.host.allocator import keep_freed_memory, mapped_allocations, release_freed_memory
 from posttrain.host.memory_plan import MemoryPlan
-from posttrain.host.paging import PagedAdamW, offload_directory, one_pass, page_module, paged_weights
+from posttrain.host.paging import (PagedAdamW, offload_directory, one_pass, page_module, page_out_after_each_layer,
+                                   paged_weights)
 from posttrain.host.process_tree import start_run_peak
-from posttrain.models.compile import enable_layer_compile
+from posttrain.models.compile import decoder_layers, enable_layer_compile
 from posttrain.models.lean_backward import keep_less_for_backward
 from posttrain.workers.optim import build_optimizer, optimizer_kind, trainable_parameters
 from posttrain.workers.prepare import OnDevice
@@ -68,9 +74,12 @@ class InProcess(OnDevice):
         elif param_dtype == "bf16":
             keep_less_for_backward(module)
         if forward_only:
-            directory = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
+            directory = (offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
+                         or self._idle_state_directory(fsdp_config, fsdp_section, module))
             if directory is not None:
                 page_module(module, directory, f"the weights of {fsdp_section or 'a frozen model'}")
+                with contextlib.suppress(ValueError):  # no list of decoder layers: paged out after the whole pass
+                    page_out_after_each_layer(module, decoder_layers(module))
         if compile_key is not None:
             enable_layer_compile(module, compile_key)
         return module
@@ -95,17 +104,31 @@ class InProcess(OnDevice):
         params = trainable_parameters(module)
         count = sum(p.numel() for p in {id(p): p for p in params}.values())
         kind = self.plan.optimizer(requested, paged=directory is not None, trained_params=count)
-        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count)
+        idle = (self._idle_state_directory(fsdp_config, section, module)
+                if directory is None and kind == "adamw_8bit" else None)
+        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, idle is not None)
         make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
+        if idle is not None:
+            make = functools.partial(AdamW8bit, directory=idle)
         optimizer = build_optimizer(params, optim_config, make, kind=kind)
         if role == "actor_rollout_ref.actor":  # the phases of MEMORY_FIRST_PHASES are the actor's
             requested = _setting(fsdp_config, "host_memory", "auto")
-            first = directory is not None or self.plan.memory_first(requested)  # paged moments: memory-first anyway
-            if first:
+            mode = "memory" if directory is not None else self.plan.host_memory(requested)  # paged moments: memory-first
+            if mode in ("speed", "memory") and self.device.type == "cpu":
+                keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
+            if mode == "memory":
                 self._memory_first.add(id(optimizer))
             if directory is None:  # the paged case is said by note_optimizer
-                self.plan.note_host_memory(first, requested)
+                self.plan.note_host_memory(mode, requested)
         return optimizer
+
+    def _idle_state_directory(self, fsdp_config: Any, section: str, module: nn.Module) -> str | None:
+        """Where ``<section>.fsdp_config.host_paging`` pages this role's idle state (`MemoryPlan.idle_state_directory`);
+        None when it stays in memory, or when the module is sharded on ranks (their offload is FSDP2's)."""
+        if getattr(module, "posttrain_fsdp", None) is not None:
+            return None
+        requested = _setting(fsdp_config, "host_paging", "auto")
+        return self.plan.idle_state_directory(requested, f"{section}.fsdp_config.host_paging")
 
     def announce_plan(self) -> None:
         """The memory plan's one console line (after every role is built)."""

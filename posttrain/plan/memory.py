@@ -300,7 +300,7 @@ def _trained_role(ctx: _Ctx, fsdp, update: tuple, forward: tuple, checkpointing:
         "params_offloaded": fsdp.param_offload,
         "grads": trained * GRAD_BYTES / ranks,
         "optimizer": trained * ctx.adam_bytes / ranks,
-        "optimizer_offloaded": fsdp.optimizer_offload,
+        "optimizer_offloaded": fsdp.optimizer_offload or (ctx.adam_bytes == 2 and _pages_idle_state(ctx, fsdp)),
         "gradient_checkpointing": checkpointing,
         "micro_batch_tokens": tokens,
         "forward_tokens": fwd_tokens,
@@ -331,7 +331,7 @@ def _reference_role(ctx: _Ctx, forward: tuple, in_actor: bool = False) -> dict[s
     out: dict[str, Any] = {
         "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
         "params": 0.0 if in_actor else own,
-        "params_offloaded": fsdp.param_offload,
+        "params_offloaded": fsdp.param_offload or _pages_idle_state(ctx, fsdp),
         "forward_tokens": tokens,
     }
     if in_actor:
@@ -343,6 +343,22 @@ def _reference_role(ctx: _Ctx, forward: tuple, in_actor: bool = False) -> dict[s
             out["forward_activations"] = forward_activation_bytes_per_token(d) * tokens * ctx.act_scale
             out["forward_logits"] = logits_bytes(d, scored, False)
     return out
+
+
+def _pages_idle_state(ctx: _Ctx, fsdp: Any) -> bool:
+    """Whether a one-process CPU run pages this role's idle state to a file (``fsdp_config.host_paging``, as
+    `posttrain.host.memory_plan.MemoryPlan.idle_state_directory` decides it on this machine)."""
+    if not (ctx.on_cpu and ctx.one_process):
+        return False
+    import torch
+
+    from posttrain.errors import ConfigError
+    from posttrain.host.memory_plan import MemoryPlan
+
+    try:
+        return MemoryPlan(torch.device("cpu")).idle_state_directory(getattr(fsdp, "host_paging", "auto"), "") is not None
+    except ConfigError:  # on, with a tmpfs: the run refuses it at start-up
+        return False
 
 
 def _frozen_bytes(ctx: _Ctx, model_dtype: str) -> int:
@@ -360,7 +376,7 @@ def _reward_model_role(ctx: _Ctx, tokens: Optional[float]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "fsdp_ranks": ranks, "on_cpu": ctx.on_cpu,
         "params": ctx.dims.params * _frozen_bytes(ctx, fsdp.model_dtype) / ranks,
-        "params_offloaded": fsdp.param_offload,
+        "params_offloaded": fsdp.param_offload or _pages_idle_state(ctx, fsdp),
         "forward_tokens": tokens,
     }
     if ctx.shaped:
@@ -623,10 +639,12 @@ class CpuTerms:
                f"fp32 compute ({'param_dtype=' + str(wanted) if has_bf16 else 'this CPU has no bf16 instructions'})")
         one = config.trainer.nnodes * config.trainer.n_gpus_per_node == 1
         requested = config.actor_rollout_ref.actor.fsdp_config.host_memory
-        first = MemoryPlan(torch.device("cpu")).memory_first(requested)
-        how = "chosen for this machine's RAM" if requested == "auto" else "asked"
-        host = (f"freed blocks go back to the kernel (host_memory=memory, {how})" if first else
-                f"freed blocks are kept for reuse (host_memory=speed, {how}): the heap grows past these terms")
+        mode = MemoryPlan(torch.device("cpu")).host_memory(requested)
+        how = "chosen" if requested == "auto" else "asked"
+        host = {"memory": f"freed blocks go back to the kernel (host_memory=memory, {how})",
+                "speed": f"freed blocks are kept for reuse (host_memory=speed, {how}): the heap grows past these terms",
+                "balanced": f"large freed blocks go back to the kernel, small ones are reused (host_memory=balanced, "
+                            f"{how}): the heap holds ~0.5 GB past these terms"}.get(mode, "")
         return cls(2 if bf16 else 4, one, why, host if one else "")
 
     def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:

@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from posttrain.host.allocator import keep_freed_memory
+    from posttrain.host.allocator import bound_kernel_caches
     from posttrain.host.threads import choose_wait_policy
 
     choose_wait_policy()  # torch is not loaded yet (posttrain.host.threads says why)
-    keep_freed_memory()
+    bound_kernel_caches()  # before the first matmul (posttrain.host.allocator says why)
     sys.exit(main())

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.roles import RoleSpec, RoleSpecs
+from posttrain.host.paging import paged_weights
 from posttrain.models.lora import lora_settings
 from posttrain.workers.actor import ActorWorker, LoraReference, RefWorker
 from posttrain.workers.critic import CriticWorker
@@ -76,7 +77,8 @@ def _announce_plan(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
     if plan is None or announce is None:
         return
     if roles.ref is not None:
-        plan.note_reference("adapters-off" if ref_in_actor else "copy", getattr(roles.ref, "param_dtype", "fp32"))
+        paged = paged_weights(getattr(roles.ref, "module", None)) is not None
+        plan.note_reference("adapters-off" if ref_in_actor else "copy", getattr(roles.ref, "param_dtype", "fp32"), paged)
     else:
         plan.notes.append("no reference model (no KL term, or a KL coefficient of 0)")
     announce()

@@ -54,8 +54,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
     ``kind``: ``adamw`` or ``adamw_8bit`` (default: `optimizer_kind` of ``optim``, ``auto`` read as
     ``adamw``). AdamW gets the fused kernel when every parameter is a floating tensor on CPU or CUDA
     (several times faster than the default ``foreach`` path on CPU: benchmarks/README.md); same update.
-    ``make``: the AdamW class to build, when the placement keeps the moments elsewhere (it hands
-    out the optimizer: `posttrain.workers.prepare.Placement.optimizer`).
+    ``make``: the AdamW (or, for ``adamw_8bit``, `AdamW8bit`) class to build, when the placement keeps the
+    moments elsewhere (it hands out the optimizer: `posttrain.workers.prepare.Placement.optimizer`).
     """
     betas = tuple(float(b) for b in optim.betas)
     if len(betas) != 2:
@@ -63,9 +63,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
     params = list(params)
     kwargs = dict(lr=float(optim.lr), betas=betas, weight_decay=float(optim.weight_decay))
     kind = kind or optimizer_kind(optim)
-    if make is None and kind == "adamw_8bit":
+    if kind == "adamw_8bit":
         from posttrain.host.adamw8bit import AdamW8bit  # a torch optimizer; none of host's process levers
-        return AdamW8bit(params, **kwargs)
+        return (make or AdamW8bit)(params, **kwargs)
     make = make or torch.optim.AdamW
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     if tensors and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors):
