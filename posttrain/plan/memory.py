@@ -644,7 +644,7 @@ class CpuTerms:
         host = {"memory": f"freed blocks go back to the kernel (host_memory=memory, {how})",
                 "speed": f"freed blocks are kept for reuse (host_memory=speed, {how}): the heap grows past these terms",
                 "balanced": f"large freed blocks go back to the kernel, small ones are reused (host_memory=balanced, "
-                            f"{how}): the heap holds ~0.5 GB past these terms"}.get(mode, "")
+                            f"{how})"}.get(mode, "")
         return cls(2 if bf16 else 4, one, why, host if one else "")
 
     def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:

@@ -104,6 +104,7 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
         state = load_file(actor / MODEL_FILE, device="cpu")
         model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
         _load_strict(model, state, actor / MODEL_FILE)
+        del state  # the model holds its own copy; the save below serializes one more (the run's last peak)
 
     _check_finite(model, actor)
     out = _check_output(Path(output_dir), step_dir)
