@@ -369,3 +369,29 @@ def test_a_paged_pass_holds_one_layer_at_a_time(tmp_path, per_layer):
     assert torch.equal(out, plain(x))
     layer = 1024 * 1024 * 4
     assert (held["bytes"] < 2.5 * layer) == per_layer, held["bytes"] / layer
+
+
+def test_host_paging_auto_keeps_state_in_memory_when_the_disk_is_full(paging_dir, monkeypatch, capsys):
+    """auto never stops a run: a file that cannot be reserved leaves the reference and the moments in memory,
+    said in the plan line; `on` (the user asked) is the full-disk error (the control)."""
+    from posttrain.host.adamw8bit import AdamW8bit
+    from posttrain.host.memory_plan import MIN_PARAMS_8BIT
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cfg = tiny_worker_configs()
+    place = InProcess("cpu")
+    ref = place.shard(tiny_llama(build_tiny_tokenizer()), cfg.ref.fsdp_config, "fp32", forward_only=True,
+                      fsdp_section="actor_rollout_ref.ref")
+    assert paged_weights(ref) is None
+    module = torch.nn.Linear(4000, MIN_PARAMS_8BIT // 4000, bias=False)
+    opt = place.optimizer(module, cfg.actor.optim, cfg.actor.fsdp_config, "actor_rollout_ref.actor")
+    assert isinstance(opt, AdamW8bit) and opt._paged is None
+    line = place.plan.line()
+    assert "actor_rollout_ref.ref: kept in memory, not paged (host_paging=auto: cannot reserve" in line
+    assert "actor_rollout_ref.actor: kept in memory, not paged" in line and "between steps" not in line
+    on = dataclasses.replace(cfg.ref.fsdp_config, host_paging="on")
+    with pytest.raises(OSError, match="cannot reserve"):
+        place.shard(tiny_llama(build_tiny_tokenizer()), on, "fp32", forward_only=True, fsdp_section="actor_rollout_ref.ref")

@@ -74,10 +74,11 @@ class InProcess(OnDevice):
         elif param_dtype == "bf16":
             keep_less_for_backward(module)
         if forward_only:
-            directory = (offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
-                         or self._idle_state_directory(fsdp_config, fsdp_section, module))
-            if directory is not None:
-                page_module(module, directory, f"the weights of {fsdp_section or 'a frozen model'}")
+            asked = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
+            directory = asked or self._idle_state_directory(fsdp_config, fsdp_section, module)
+            if directory is not None and self._paged_or_noted(
+                    lambda: page_module(module, directory, f"the weights of {fsdp_section or 'a frozen model'}"),
+                    asked is None and _setting(fsdp_config, "host_paging", "auto") == "auto", fsdp_section):
                 with contextlib.suppress(ValueError):  # no list of decoder layers: paged out after the whole pass
                     page_out_after_each_layer(module, decoder_layers(module))
         if compile_key is not None:
@@ -106,11 +107,18 @@ class InProcess(OnDevice):
         kind = self.plan.optimizer(requested, paged=directory is not None, trained_params=count)
         idle = (self._idle_state_directory(fsdp_config, section, module)
                 if directory is None and kind == "adamw_8bit" else None)
-        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, idle is not None)
         make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
+        optimizer = None
         if idle is not None:
-            make = functools.partial(AdamW8bit, directory=idle)
-        optimizer = build_optimizer(params, optim_config, make, kind=kind)
+            auto = _setting(fsdp_config, "host_paging", "auto") == "auto"
+            built = []
+            self._paged_or_noted(lambda: built.append(build_optimizer(
+                params, optim_config, functools.partial(AdamW8bit, directory=idle), kind=kind)), auto, role)
+            optimizer = built[0] if built else None
+        if optimizer is None:
+            optimizer = build_optimizer(params, optim_config, make, kind=kind)
+        paged_codes = getattr(optimizer, "_paged", None) is not None
+        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, paged_codes)
         if role == "actor_rollout_ref.actor":  # the phases of MEMORY_FIRST_PHASES are the actor's
             requested = _setting(fsdp_config, "host_memory", "auto")
             mode = "memory" if directory is not None else self.plan.host_memory(requested)  # paged moments: memory-first
@@ -121,6 +129,19 @@ class InProcess(OnDevice):
             if directory is None:  # the paged case is said by note_optimizer
                 self.plan.note_host_memory(mode, requested)
         return optimizer
+
+    def _paged_or_noted(self, page: Any, fall_back: bool, what: str) -> bool:
+        """Run ``page`` (it puts a role's state in a file); True when it did. With ``fall_back`` (``host_paging=auto``)
+        a file that cannot be reserved (a full disk) leaves the state in memory, said in the plan line; otherwise
+        the error stands (the user asked for paging)."""
+        try:
+            page()
+        except OSError as err:
+            if not fall_back:
+                raise
+            self.plan.notes.append(f"{what}: kept in memory, not paged (host_paging=auto: {err.strerror or err})")
+            return False
+        return True
 
     def _idle_state_directory(self, fsdp_config: Any, section: str, module: nn.Module) -> str | None:
         """Where ``<section>.fsdp_config.host_paging`` pages this role's idle state (`MemoryPlan.idle_state_directory`);
