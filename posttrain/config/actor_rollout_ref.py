@@ -50,7 +50,7 @@ class FSDPConfig:
     offload_policy: bool = False
     """FSDP2 CPUOffloadPolicy for parameters, gradients and optimizer state."""
     host_paging: str = "auto"
-    """(posttrain) Whether a one-process CPU run pages this role's idle state to a file in TMPDIR: a trained role's 8-bit AdamW moments between optimizer steps (the update's forward and backward do not hold them). Same numbers; the pages stay in the kernel's page cache while memory is free. auto: on when TMPDIR is on a disk, off on a tmpfs (paging there frees nothing); on: on (a tmpfs is an error); off: only where optimizer_offload asks (posttrain.host.paging; README: Memory)."""
+    """(posttrain) Whether a one-process CPU run pages this role's idle state to a file in TMPDIR: a trained role's 8-bit AdamW moments between optimizer steps (the update's forward and backward do not hold them). Same numbers; the pages stay in the kernel's page cache while memory is free. auto: on when TMPDIR is on a disk and the file can be reserved there, else in memory (said in the memory plan line; a tmpfs frees nothing); on: on (a tmpfs is an error); off: only where optimizer_offload asks (posttrain.host.paging; README: Memory)."""
     host_memory: str = "auto"
     """(posttrain; the actor's) What a one-process CPU run does with freed memory: balanced (glibc's own policy: large blocks get mappings of their own and go back to the kernel when freed, small ones are reused), speed (every freed block kept in the heap for reuse: the heap's holes grow the peak from step to step), memory (the actor's rollout and update buffers mapped and handed back, the heap trimmed after them: the lowest heap, slower steps), or auto: balanced (the built-in run: 2.75 GB against speed's 3.0-3.2 GB at the same step time; posttrain.host.memory_plan; README: Memory)."""
     reshard_after_forward: bool = True
@@ -187,7 +187,7 @@ class RefFSDPConfig:
     param_offload: bool = False
     """Keep reference parameters in CPU memory between uses. On a one-process CPU run: paged to a file in TMPDIR (on a disk) after each pass of the model (reference or reward model; posttrain.host.paging)."""
     host_paging: str = "auto"
-    """(posttrain) Whether a one-process CPU run pages the frozen weights to a file in TMPDIR between passes when param_offload is False: auto: on when TMPDIR is on a disk, off on a tmpfs; on: on (a tmpfs is an error); off: never. Same numbers; the pages stay in the kernel's page cache while memory is free (posttrain.host.paging; README: Memory)."""
+    """(posttrain) Whether a one-process CPU run pages the frozen weights to a file in TMPDIR between passes when param_offload is False: auto: on when TMPDIR is on a disk and the file can be reserved there, else in memory (said in the memory plan line); on: on (a tmpfs is an error); off: never. Same numbers; the pages stay in the kernel's page cache while memory is free (posttrain.host.paging; README: Memory)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after forward."""
     forward_prefetch: bool = False
