@@ -76,9 +76,9 @@ class InProcess(OnDevice):
         if forward_only:
             asked = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
             directory = asked or self._idle_state_directory(fsdp_config, fsdp_section, module)
-            if directory is not None and self._paged_or_noted(
+            if directory is not None and self._page_or_keep(
                     lambda: page_module(module, directory, f"the weights of {fsdp_section or 'a frozen model'}"),
-                    asked is None and _setting(fsdp_config, "host_paging", "auto") == "auto", fsdp_section):
+                    fsdp_config, fsdp_section, asked=asked is not None) is not None:
                 with contextlib.suppress(ValueError):  # no list of decoder layers: paged out after the whole pass
                     page_out_after_each_layer(module, decoder_layers(module))
         if compile_key is not None:
@@ -108,13 +108,9 @@ class InProcess(OnDevice):
         idle = (self._idle_state_directory(fsdp_config, section, module)
                 if directory is None and kind == "adamw_8bit" else None)
         make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
-        optimizer = None
-        if idle is not None:
-            auto = _setting(fsdp_config, "host_paging", "auto") == "auto"
-            built = []
-            self._paged_or_noted(lambda: built.append(build_optimizer(
-                params, optim_config, functools.partial(AdamW8bit, directory=idle), kind=kind)), auto, role)
-            optimizer = built[0] if built else None
+        optimizer = None if idle is None else self._page_or_keep(
+            lambda: build_optimizer(params, optim_config, functools.partial(AdamW8bit, directory=idle), kind=kind),
+            fsdp_config, role)
         if optimizer is None:
             optimizer = build_optimizer(params, optim_config, make, kind=kind)
         paged_codes = getattr(optimizer, "_paged", None) is not None
@@ -130,18 +126,17 @@ class InProcess(OnDevice):
                 self.plan.note_host_memory(mode, requested)
         return optimizer
 
-    def _paged_or_noted(self, page: Any, fall_back: bool, what: str) -> bool:
-        """Run ``page`` (it puts a role's state in a file); True when it did. With ``fall_back`` (``host_paging=auto``)
-        a file that cannot be reserved (a full disk) leaves the state in memory, said in the plan line; otherwise
-        the error stands (the user asked for paging)."""
+    def _page_or_keep(self, page: Any, fsdp_config: Any, what: str, asked: bool = False) -> Any:
+        """``page()`` (it puts a role's state in a file), or None where ``host_paging=auto`` could not reserve the
+        file (a full disk): the state stays in memory, said in the plan line. Where the user asked for paging
+        (``host_paging=on``, or ``asked``: ``param_offload``) the error stands."""
         try:
-            page()
+            return page()
         except OSError as err:
-            if not fall_back:
+            if asked or _setting(fsdp_config, "host_paging", "auto") != "auto":
                 raise
             self.plan.notes.append(f"{what}: kept in memory, not paged (host_paging=auto: {err.strerror or err})")
-            return False
-        return True
+            return None
 
     def _idle_state_directory(self, fsdp_config: Any, section: str, module: nn.Module) -> str | None:
         """Where ``<section>.fsdp_config.host_paging`` pages this role's idle state (`MemoryPlan.idle_state_directory`);
