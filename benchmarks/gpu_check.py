@@ -175,7 +175,9 @@ def build_actor(setting: dict, work: Work, device: str, mesh: Any, tiny: bool) -
                               param_dtype=param_dtype, temperature=1.0, n=work.n, lr=1e-6,
                               actor={"fsdp_config": fsdp, "grad_clip": 1.0})
     tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
-    actor = ActorWorker(None, cfg.actor, cfg.rollout, device=device, module=model, tokenizer=tokenizer)
+    # param_dtype given: the sharded model is taken as placed (OnDevice would move it, offloaded parameters too)
+    actor = ActorWorker(None, cfg.actor, cfg.rollout, device=device, module=model, tokenizer=tokenizer,
+                        param_dtype=param_dtype)
     if setting["param_offload"]:
         offload_model_to_cpu(model)
     if setting["optimizer_offload"]:
@@ -275,6 +277,7 @@ def run_setting(name: str, args: argparse.Namespace, device: str, mesh: Any) -> 
               "step_seconds_all": [s["step_seconds"] for s in steps]}
     for ph in ("gen", "old_log_prob", "update"):
         result["last_step"][ph]["fraction_of_peak"] = result["last_step"][ph]["tflops"] / args.peak_tflops
+    print(json.dumps({**table_row(result), "step_seconds_all": result["step_seconds_all"]}), flush=True)  # kept if a later setting fails
     del actor, steps
     gc.collect()
     if device == "cuda":
