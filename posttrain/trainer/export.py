@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import math
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,7 +81,6 @@ def _looks_like_a_run_folder(path: Path) -> bool:
 
 def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
     """Write the actor of a checkpoint as a Hugging Face folder (safetensors + config + tokenizer)."""
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     step_dir = resolve_checkpoint(checkpoint_path)
@@ -101,10 +102,8 @@ def export_actor(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLi
         model = AutoModelForCausalLM.from_config(config)
         read_full_weights(actor, model)
     else:
-        state = load_file(actor / MODEL_FILE, device="cpu")
-        model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(state))
-        _load_strict(model, state, actor / MODEL_FILE)
-        del state  # the model holds its own copy; the save below serializes one more (the run's last peak)
+        model = AutoModelForCausalLM.from_config(config).to(_weights_dtype(actor / MODEL_FILE))
+        _load_strict(model, actor / MODEL_FILE)
 
     _check_finite(model, actor)
     out = _check_output(Path(output_dir), step_dir)
@@ -207,26 +206,56 @@ def _write_atomically(out: Path, write) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _weights_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
-    """The floating dtype most weights were saved in (the export keeps the training precision)."""
+# safetensors' dtype names of the floating types a model may be saved in
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _weights_dtype(source: Path) -> torch.dtype:
+    """The floating dtype most weights of ``source`` were saved in (the export keeps the training precision)."""
+    from safetensors import safe_open
+
     counts: dict[torch.dtype, int] = {}
-    for tensor in state.values():
-        if tensor.is_floating_point():
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    with safe_open(source, "pt") as file:
+        for name in file.keys():
+            part = file.get_slice(name)
+            dtype = _FLOAT_DTYPES.get(part.get_dtype())
+            if dtype is not None:
+                counts[dtype] = counts.get(dtype, 0) + math.prod(part.get_shape())
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
-    """load_state_dict(strict) that forgives a missing key only when it is tied to a loaded one."""
-    result = model.load_state_dict(state, strict=False)
-    shared: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        shared.setdefault(param.data_ptr(), []).append(name)
-    tied_to_loaded = {n for names in shared.values() if any(m in state for m in names) for n in names}
-    missing = [k for k in result.missing_keys if k not in tied_to_loaded]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"{source} does not match the model built from its config: "
-                              f"missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+def _read_tensors(source: Path) -> Any:
+    """``safe_open`` reading with pread(2) (safetensors >= 0.8); older versions map the file instead."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(source, "pt", backend="pread")
+    except TypeError:
+        return safe_open(source, "pt")
+
+
+def _load_strict(model: torch.nn.Module, source: Path) -> None:
+    """``source``'s tensors read into ``model`` one at a time, strictly: a missing key is forgiven only
+    when it is tied to a loaded one. One at a time, and read rather than mapped, because a mapped file
+    keeps the pages it was read from until it is closed: a whole file beside the model, which was the
+    peak of a run's final export (beside the trainer's state)."""
+    target = model.state_dict()
+    with _read_tensors(source) as file:
+        names = list(file.keys())
+        unexpected = [k for k in names if k not in target]
+        wrong = [f"{k} {list(file.get_slice(k).get_shape())} (model: {list(target[k].shape)})" for k in names
+                 if k in target and list(file.get_slice(k).get_shape()) != list(target[k].shape)]
+        shared: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(param.data_ptr(), []).append(name)
+        tied_to_loaded = {n for tied in shared.values() if any(m in names for m in tied) for n in tied}
+        missing = [k for k in target if k not in names and k not in tied_to_loaded]
+        if missing or unexpected or wrong:
+            raise CheckpointError(f"{source} does not match the model built from its config: "
+                                  f"missing {missing[:5]}, unexpected {unexpected[:5]}, shapes {wrong[:5]}")
+        with torch.no_grad():
+            for name in names:
+                target[name].copy_(file.get_tensor(name))
 
 
 def build_parser() -> argparse.ArgumentParser:

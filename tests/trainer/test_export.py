@@ -142,3 +142,78 @@ def test_a_full_disk_inside_safetensors_is_the_same_clear_error(saved, tmp_path,
                                                    r"No space left on device \(ENOSPC: the disk is full\)"):
         export_actor(root, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_export")]
+
+
+def _saved_weights(tmp_path, **config):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**shape, **config}))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+    return model, tmp_path / "model.safetensors"
+
+
+def test_a_checkpoint_that_does_not_fit_its_config_names_the_keys(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from posttrain.checkpoint import CheckpointError
+    from posttrain.trainer.export import _load_strict
+
+    model, path = _saved_weights(tmp_path, intermediate_size=96)
+    other = AutoModelForCausalLM.from_config(LlamaConfig(**{**model.config.to_dict(), "intermediate_size": 64}))
+    with pytest.raises(CheckpointError, match=r"shapes \['model.layers.0.mlp.down_proj.weight \[32, 96\] "
+                                              r"\(model: \[32, 64\]\)"):
+        _load_strict(other, path)
+    state = load_file(path)
+    state["extra.weight"] = state.pop("model.norm.weight")
+    save_file(state, path)
+    with pytest.raises(CheckpointError, match=r"missing \['model.norm.weight'\], unexpected \['extra.weight'\]"):
+        _load_strict(model, path)
+
+
+def test_the_export_reads_one_tensor_at_a_time(tmp_path):
+    """The memory claim: loading the checkpoint into the export's model adds about one tensor to the
+    process, not the file (a mapped whole-file load, the control, keeps every page it read)."""
+    import threading
+    import time
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.trainer.export import _load_strict
+
+    model, path = _saved_weights(tmp_path, hidden_size=512, intermediate_size=4096, num_hidden_layers=6)
+    target = AutoModelForCausalLM.from_config(model.config)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    del model
+    size = path.stat().st_size  # 213 MB, its largest tensor 8 MB
+
+    def rss() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
+
+    def growth(load) -> float:
+        peak, done = [rss()], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss())
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=sample)
+        base = peak[0]
+        thread.start()
+        try:
+            load()
+        finally:
+            done.set()
+            thread.join()
+        return (max(peak[0], rss()) - base) / size
+
+    read_one_at_a_time = growth(lambda: _load_strict(target, path))
+    assert all(torch.equal(v, expected[k]) for k, v in target.state_dict().items())
+    mapped_whole_file = growth(lambda: target.load_state_dict(load_file(path)))  # the control
+    assert read_one_at_a_time < 0.25 < 0.8 < mapped_whole_file, (read_one_at_a_time, mapped_whole_file)
