@@ -150,7 +150,7 @@ def test_host_memory_auto_is_glibcs_own_policy():
 def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expected, kept, tmp_path, monkeypatch,
                                                                     capsys):
     """memory: the rollout and the update run memory-first; speed: freed memory kept for reuse (glibc told so);
-    auto (balanced): neither, glibc's own policy."""
+    auto (balanced): neither, glibc's own policy, and the heap's free pages returned after the update."""
     import contextlib
 
     from helpers.tiny_run import one_thread, tiny_overrides
@@ -169,6 +169,8 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     monkeypatch.setattr(placement, "memory_first", memory_first)
     keeps = []  # not the real call: it would change this test process's allocator for the tests after it
     monkeypatch.setattr(placement, "keep_freed_memory", lambda: keeps.append(1))
+    trims = []  # the trim after the update (balanced), and memory_first's after each of its phases
+    monkeypatch.setattr(placement, "release_freed_memory", lambda: trims.append(1))
     overrides = tiny_overrides(tmp_path, ["trainer.total_training_steps=1", "trainer.val_before_train=False",
                                       f"actor_rollout_ref.actor.fsdp_config.host_memory={mode}"])
     with one_thread():
@@ -177,8 +179,10 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory plan:"))
     assert ("returned to the kernel (host_memory=memory, asked" in line) is expected
     assert ("kept for reuse (host_memory=speed, asked" in line) is (mode == "speed")
-    assert ("small ones reused (host_memory=balanced, chosen" in line) is (mode == "auto")
+    assert ("small ones reused, the heap's free pages after each update (host_memory=balanced, chosen"
+            in line) is (mode == "auto")
     assert bool(keeps) is kept
+    assert len(trims) == {"auto": 1, "speed": 0, "memory": len(phases)}[mode]  # one step: one update
 
 
 def test_a_host_memory_value_that_is_not_a_mode_is_refused_naming_the_key():

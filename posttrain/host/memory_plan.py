@@ -102,7 +102,8 @@ class MemoryPlan:
         self.notes.append({
             "memory": f"freed buffers returned to the kernel (host_memory=memory, {how}: a lower peak, slower steps)",
             "speed": f"freed buffers kept for reuse (host_memory=speed, {how}: the heap grows from step to step)",
-            "balanced": f"large freed buffers returned to the kernel, small ones reused (host_memory=balanced, {how})",
+            "balanced": f"large freed buffers returned to the kernel, small ones reused, the heap's free pages after "
+                        f"each update (host_memory=balanced, {how})",
         }[mode])
 
     def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,

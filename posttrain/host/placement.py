@@ -89,6 +89,7 @@ class InProcess(OnDevice):
         super().__init__(device)
         self.plan = MemoryPlan(self.device)
         self._memory_first: set[int] = set()  # ids of the optimizers whose role's phases run memory_first
+        self._trim_after_update: set[int] = set()  # ids of the optimizers whose update returns its freed pages (balanced)
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
@@ -122,6 +123,8 @@ class InProcess(OnDevice):
                 keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
             if mode == "memory":
                 self._memory_first.add(id(optimizer))
+            elif mode == "balanced" and self.device.type == "cpu":
+                self._trim_after_update.add(id(optimizer))
             if directory is None:  # the paged case is said by note_optimizer
                 self.plan.note_host_memory(mode, requested)
         return optimizer
@@ -154,12 +157,19 @@ class InProcess(OnDevice):
     def resident(self, worker: Any, *, with_optimizer: bool = False, phase: str | None = None) -> Iterator[None]:
         """One call on ``worker`` (None: nothing to do): its paged weights, if any, dropped from memory
         after the call however it ends (`posttrain.host.paging.one_pass`); and when its role chose memory
-        over speed (paged moments, or ``host_memory``), the phases of `MEMORY_FIRST_PHASES` run `memory_first`.
+        over speed (paged moments, or ``host_memory``), the phases of `MEMORY_FIRST_PHASES` run `memory_first`;
+        under ``host_memory=balanced`` the actor's update returns the heap's free pages once it is done.
         ``with_optimizer``: nothing to move in one process (the moments page themselves)."""
         paged = paged_weights(getattr(worker, "module", None))
-        first = phase in MEMORY_FIRST_PHASES and id(getattr(worker, "optimizer", None)) in self._memory_first
+        optimizer = id(getattr(worker, "optimizer", None))
+        first = phase in MEMORY_FIRST_PHASES and optimizer in self._memory_first
         with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
             yield
+        if phase == "update_actor" and optimizer in self._trim_after_update:
+            # the update's activations leave holes between the tensors that outlive it (gradients, moments);
+            # glibc returns only the heap's top, so the holes stayed resident and the next update's peak
+            # crept up from step to step (the multi-turn retry run: 3.62 -> 3.72 GB over 4 steps)
+            release_freed_memory()
 
 
 def _setting(section: Any, key: str, default: Any) -> Any:
