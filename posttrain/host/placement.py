@@ -88,8 +88,7 @@ class InProcess(OnDevice):
     def __init__(self, device: str | torch.device):
         super().__init__(device)
         self.plan = MemoryPlan(self.device)
-        self._memory_first: set[int] = set()  # ids of the optimizers whose role's phases run memory_first
-        self._trim_after_update: set[int] = set()  # ids of the optimizers whose update returns its freed pages (balanced)
+        self._host_memory: dict[int, str] = {}  # the actor optimizer's id -> its host_memory mode (memory_plan)
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
@@ -121,10 +120,7 @@ class InProcess(OnDevice):
             mode = "memory" if directory is not None else self.plan.host_memory(requested)  # paged moments: memory-first
             if mode in ("speed", "memory") and self.device.type == "cpu":
                 keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
-            if mode == "memory":
-                self._memory_first.add(id(optimizer))
-            elif mode == "balanced" and self.device.type == "cpu":
-                self._trim_after_update.add(id(optimizer))
+            self._host_memory[id(optimizer)] = mode
             if directory is None:  # the paged case is said by note_optimizer
                 self.plan.note_host_memory(mode, requested)
         return optimizer
@@ -161,11 +157,11 @@ class InProcess(OnDevice):
         under ``host_memory=balanced`` the actor's update returns the heap's free pages once it is done.
         ``with_optimizer``: nothing to move in one process (the moments page themselves)."""
         paged = paged_weights(getattr(worker, "module", None))
-        optimizer = id(getattr(worker, "optimizer", None))
-        first = phase in MEMORY_FIRST_PHASES and optimizer in self._memory_first
+        mode = self._host_memory.get(id(getattr(worker, "optimizer", None)))
+        first = phase in MEMORY_FIRST_PHASES and mode == "memory"
         with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
             yield
-        if phase == "update_actor" and optimizer in self._trim_after_update:
+        if phase == "update_actor" and mode == "balanced" and self.device.type == "cpu":
             # the update's activations leave holes between the tensors that outlive it (gradients, moments);
             # glibc returns only the heap's top, so the holes stayed resident and the next update's peak
             # crept up from step to step (the multi-turn retry run: 3.62 -> 3.72 GB over 4 steps)

@@ -643,8 +643,8 @@ class CpuTerms:
         how = "chosen" if requested == "auto" else "asked"
         host = {"memory": f"freed blocks go back to the kernel (host_memory=memory, {how})",
                 "speed": f"freed blocks are kept for reuse (host_memory=speed, {how}): the heap grows past these terms",
-                "balanced": f"large freed blocks go back to the kernel, small ones are reused (host_memory=balanced, "
-                            f"{how})"}.get(mode, "")
+                "balanced": f"large freed blocks go back to the kernel, small ones are reused, the heap's free pages "
+                            f"after each update (host_memory=balanced, {how})"}.get(mode, "")
         return cls(2 if bf16 else 4, one, why, host if one else "")
 
     def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:

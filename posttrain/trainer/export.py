@@ -241,10 +241,11 @@ def _load_strict(model: torch.nn.Module, source: Path) -> None:
     peak of a run's final export (beside the trainer's state)."""
     target = model.state_dict()
     with _read_tensors(source) as file:
-        names = list(file.keys())
+        shapes = {k: list(file.get_slice(k).get_shape()) for k in file.keys()}  # the header alone
+        names = list(shapes)
         unexpected = [k for k in names if k not in target]
-        wrong = [f"{k} {list(file.get_slice(k).get_shape())} (model: {list(target[k].shape)})" for k in names
-                 if k in target and list(file.get_slice(k).get_shape()) != list(target[k].shape)]
+        wrong = [f"{k} {shape} (model: {list(target[k].shape)})" for k, shape in shapes.items()
+                 if k in target and shape != list(target[k].shape)]
         shared: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             shared.setdefault(param.data_ptr(), []).append(name)
