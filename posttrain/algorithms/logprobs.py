@@ -2,8 +2,9 @@
 
 `logprob_and_entropy` is what training computes: `posttrain.models.logprobs` (model + batch ->
 response log-probs) runs the backbone, keeps the hidden states of valid response tokens, and calls
-it on one chunk of their logits at a time (each chunk checkpointed, so no `[batch, seq, vocab]`
-float32 tensor ever exists). `logprobs_from_logits` and `entropy_from_logits` are verl 0.9's
+it on one chunk of their logits at a time (so no `[batch, seq, vocab]` float32 tensor ever exists);
+`logit_gradient` is its backward's formula, which that module's one-node ``lm_head`` backward applies
+to slices of the vocabulary. `logprobs_from_logits` and `entropy_from_logits` are verl 0.9's
 direct forms (`verl/utils/torch_functional.py`) for code ported from verl and the entropy loss.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["entropy_from_logits", "logprob_and_entropy", "logprobs_from_logits"]
+__all__ = ["entropy_from_logits", "logit_gradient", "logprob_and_entropy", "logprobs_from_logits"]
 
 
 def logprob_and_entropy(logits: torch.Tensor, labels: torch.Tensor, calculate_entropy: bool = True,
@@ -77,14 +78,40 @@ class _LogProbEntropy(torch.autograd.Function):
             grad_logp = probs.new_zeros(probs.shape[0])
         if ctx.entropy_grad and grad_entropy is not None:
             log_probs, entropy = rest
-            grad = probs * -(grad_logp[:, None] + grad_entropy[:, None] * (log_probs + entropy[:, None]))
-        elif ctx.probs_kept:
-            grad = probs * -grad_logp[:, None]
-        else:
-            grad = probs.mul_(-grad_logp[:, None])  # probs is this pass's own exp(): built in place
-        at_label = torch.arange(grad.shape[0], device=grad.device) * grad.shape[1] + labels
-        grad.view(-1).index_add_(0, at_label, grad_logp.to(grad.dtype))  # (advanced-index += is far slower on CPU)
-        return grad, None, None, None
+            return logit_gradient(probs, grad_logp, labels, log_probs, entropy, grad_entropy), None, None, None
+        # without kept probs, ``probs`` is this pass's own exp(): the gradient is built in place
+        return logit_gradient(probs, grad_logp, labels, reuse=not ctx.probs_kept), None, None, None
+
+
+def logit_gradient(probs: torch.Tensor, grad_logp: torch.Tensor, labels: torch.Tensor,
+                   log_probs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                   grad_entropy: torch.Tensor | None = None, reuse: bool = False) -> torch.Tensor:
+    """Gradient ``[t, v]`` with respect to the logits of the ``v`` columns that ``probs`` covers:
+    ``-p * (g_logp + g_H * (log p + H))`` plus ``g_logp`` at the label (:class:`_LogProbEntropy`).
+
+    probs, log_probs: ``[t, v]``, softmax over the *whole* vocabulary restricted to these columns;
+    grad_logp, entropy, grad_entropy ``[t]`` (no entropy term when ``grad_entropy`` is None); labels
+    ``[t]`` index these columns: a label outside ``[0, v)`` adds nothing, so a caller can walk the
+    vocabulary in slices. ``reuse``: ``probs`` and ``log_probs`` are the caller's own temporaries,
+    overwritten to build the result (no other ``[t, v]`` tensor).
+    """
+    if grad_entropy is None:
+        scale = -grad_logp[:, None]
+    else:
+        shifted = log_probs.add_(entropy[:, None]) if reuse else log_probs + entropy[:, None]
+        scale = shifted.mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).neg_()
+    grad = probs.mul_(scale) if reuse else probs * scale
+    _add_at_labels(grad, labels, grad_logp)
+    return grad
+
+
+def _add_at_labels(grad: torch.Tensor, labels: torch.Tensor, values: torch.Tensor) -> None:
+    """``grad[i, labels[i]] += values[i]`` for the rows whose label is one of ``grad``'s columns."""
+    width = grad.shape[1]
+    inside = (labels >= 0) & (labels < width)  # a mask, not a selection: no device sync on a GPU
+    at = torch.arange(grad.shape[0], device=grad.device) * width + labels.clamp(0, max(width - 1, 0))
+    # (advanced-index += is far slower on CPU)
+    grad.view(-1).index_add_(0, at, torch.where(inside, values, 0).to(grad.dtype))
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,9 @@ backward must choose the same function). ``posttrain_sdpa`` uses transformers' s
 
 - one-token queries on CPU: :func:`single_query_attention` (grouped-query heads packed, no ``repeat_kv``);
 - multi-token queries on CPU computed in bf16/fp16 (autocast or half inputs), when the score
-  tensor is small (``batch * heads * q * kv <= MAX_SCORE_ELEMENTS``): :func:`matmul_attention`;
+  tensor is small (``batch * heads * q * kv <= MAX_SCORE_ELEMENTS``): :func:`matmul_attention`,
+  which in training keeps q, k and v for backward and recomputes the probabilities there
+  (:class:`_RecomputedProbs`: autograd would keep 6 bytes a score);
 - everything else (fp32, CUDA, long sequences): transformers' own ``sdpa`` function;
 - a shared-prompt layout (``posttrain.models.shared_prefix``, which passes ``posttrain_prefix_slots``
   through the backbone): :func:`block_attention`, the beginning all prompts share, each prompt's own
@@ -44,8 +46,8 @@ PREFIX_SLOTS_KWARG = "posttrain_prefix_slots"
 """Keyword a backbone passes through to its attention: the :class:`AttentionBlocks` of a shared-prompt layout."""
 MAX_SCORE_ELEMENTS = 1 << 24
 """Largest ``batch * q_heads * q_len * kv_len`` computed with :func:`matmul_attention` (64 MiB of
-float32 scores per layer, 32 MiB of bf16 probabilities kept for backward); longer inputs use the
-memory-efficient sdpa kernel."""
+float32 scores per layer while it runs, forward or backward); longer inputs use the memory-efficient
+sdpa kernel."""
 
 _state: dict[str, bool] = {}
 
@@ -90,21 +92,94 @@ def matmul_attention(module: nn.Module, query, key, value, attention_mask, scali
     """Causal (or masked) attention as matmul -> float32 softmax -> matmul, grouped-query heads packed.
 
     query ``[B, Hq, q, d]``, key/value ``[B, Hkv, L, d]``, mask ``[B|1, 1, q, L]`` or None (then
-    causal, the queries being the last ``q`` positions). Returns ``[B, q, Hq, d]``.
+    causal, the queries being the last ``q`` positions). Returns ``[B, q, Hq, d]``. With gradients
+    (and no dropout) the probabilities are not kept for backward: :class:`_RecomputedProbs`.
     """
     batch, q_heads, q_len, dim, group = _grouped(query, key)
     kv_heads, kv_len = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim ** -0.5
     q = query.reshape(batch, kv_heads, group * q_len, dim)
-    scores = (torch.matmul(q, key.transpose(-1, -2)).float() * scale).view(batch, kv_heads, group, q_len, kv_len)
     if attention_mask is None and is_causal and q_len > 1:
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
-    scores = _apply_mask(scores, attention_mask)
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    if dropout > 0.0 and module.training:
-        probs = nn.functional.dropout(probs, p=dropout)
-    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, kv_len), value)
+    dropping = dropout > 0.0 and module.training
+    if torch.is_grad_enabled() and not dropping and any(t.requires_grad for t in (query, key, value)):
+        dtype = _compute_dtype(query, value)
+        out = _RecomputedProbs.apply(q.to(dtype), key.to(dtype), value.to(dtype), attention_mask, scale, group)
+    else:
+        probs = _probabilities(q, key, attention_mask, scale, group).to(value.dtype)
+        if dropping:
+            probs = nn.functional.dropout(probs, p=dropout)
+        out = torch.matmul(probs.view(batch, kv_heads, group * q_len, kv_len), value)
     return out.view(batch, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, dim)
+
+
+def _probabilities(q: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   group: int) -> torch.Tensor:
+    """Softmax (float32, float64 inputs: float64) of the masked, scaled scores: q ``[B, Hkv, g * q, d]``,
+    key ``[B, Hkv, L, d]`` -> ``[B, Hkv, g, q, L]``. :func:`_apply_mask`'s arithmetic, in place on the
+    scores' own upcast copy (two fewer passes over the largest tensor of the layer)."""
+    batch, kv_heads, rows, _ = q.shape
+    scores = torch.matmul(q, key.transpose(-1, -2))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale)
+    scores = scores.view(batch, kv_heads, group, rows // group, -1)
+    if mask is not None:
+        mask = mask[:, :, None]  # [B|1, 1, 1, q, L]
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, torch.finfo(torch.float32).min)
+        else:
+            scores.add_(mask.to(scores.dtype))
+    return torch.softmax(scores, dim=-1)
+
+
+def _compute_dtype(query: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The dtype the products run in: autocast's on CPU when it is on, else the values' (as a matmul would)."""
+    if query.device.type == "cpu" and _autocast_dtype() is not None:
+        return _autocast_dtype()
+    return torch.promote_types(query.dtype, value.dtype)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    try:
+        on, dtype = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
+    except TypeError:  # torch < 2.4
+        on, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    return dtype if on else None
+
+
+class _RecomputedProbs(torch.autograd.Function):
+    """``softmax(q k^T * scale + mask) v`` that keeps q, k and v for backward, not the probabilities.
+
+    Autograd would keep the float32 probabilities (the softmax's output) and their bf16 cast (the
+    second product's input): 6 bytes per score, 0.23 GB of a multi-turn micro-batch of 8 responses
+    (SmolLM2-135M, 30 layers, a response block of 96 x 186 scores a head). Backward recomputes them
+    from q and k instead (one more ``q k^T`` product and softmax: the same bits as the forward's), as
+    flash attention does. The arithmetic is autograd's own, op for op: the forward's values and the
+    gradients are the same bits as the plain path's (`tests/models/test_attention.py`).
+    """
+
+    @staticmethod
+    def forward(ctx, q, key, value, mask, scale: float, group: int):
+        ctx.save_for_backward(q, key, value, mask)
+        ctx.scale, ctx.group = scale, group
+        probs = _probabilities(q, key, mask, scale, group).to(value.dtype)
+        return torch.matmul(probs.view(*q.shape[:3], key.shape[2]), value)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, key, value, mask = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            probs = _probabilities(q, key, mask, ctx.scale, ctx.group)  # [B, Hkv, g, q, L], float32 at least
+            flat = probs.view(*q.shape[:3], key.shape[2])
+            grad_value = torch.matmul(flat.to(value.dtype).transpose(-1, -2), grad_out)
+            grad_probs = torch.matmul(grad_out, value.transpose(-1, -2)).to(probs.dtype).view_as(probs)
+            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+            del probs, flat, grad_probs
+            if mask is not None and mask.dtype == torch.bool:  # masked_fill passes no gradient to filled scores
+                grad_scores.masked_fill_(~mask[:, :, None], 0.0)
+            grad_scores = grad_scores.mul_(ctx.scale).to(q.dtype).view(*q.shape[:3], key.shape[2])
+            grad_q = torch.matmul(grad_scores, key)
+            grad_key = torch.matmul(grad_scores.transpose(-1, -2), q)
+        return grad_q, grad_key, grad_value, None, None, None
 
 
 class QueryBlock(NamedTuple):
@@ -149,12 +224,7 @@ def block_attention(module: nn.Module, query, key, value, layout: AttentionBlock
 
 
 def _half_compute(query: torch.Tensor) -> bool:
-    if query.dtype in (torch.bfloat16, torch.float16):
-        return True
-    try:
-        return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in (torch.bfloat16, torch.float16)
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled() and torch.get_autocast_cpu_dtype() in (torch.bfloat16, torch.float16)
+    return query.dtype in (torch.bfloat16, torch.float16) or _autocast_dtype() in (torch.bfloat16, torch.float16)
 
 
 def posttrain_sdpa(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,

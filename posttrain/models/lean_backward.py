@@ -9,8 +9,10 @@ op needs for backward. For a Llama-style decoder layer that is more than the lay
 - an RMSNorm keeps its float32 output, and each projection that reads it keeps its own bf16 cast of it
   (q, k and v: three). `LeanRMSNorm` keeps only its input and the per-row scale, and hands out its
   output already in bf16, so the projections share one cast;
-- the SwiGLU product ``silu(gate) * up`` keeps ``gate``, ``silu(gate)`` and ``up``; `LeanSwiGLU`
-  keeps ``gate`` and ``up`` and recomputes the activation in backward.
+- the SwiGLU product ``silu(gate) * up`` keeps ``gate``, ``silu(gate)`` and ``up``, and ``down_proj`` keeps
+  the product (its input): four bf16 ``[tokens, intermediate]`` tensors. `LeanSwiGLU` keeps ``gate`` and
+  ``up`` and the float32 down weight, and recomputes the activation and the product in backward; with a
+  ``down_proj`` of another class (a LoRA wrapper) it keeps the product too (three).
 
 The forward values are the same bits (the products read the same bf16 operands); the gradients are the
 same up to where bf16 rounding lands: the norm's output gradient is summed over its readers in bf16
@@ -57,15 +59,27 @@ class _LinearRecastInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x_low, weight = ctx.saved_tensors
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad_out @ weight.to(grad_out.dtype)).to(ctx.input_dtype)
-        rows = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.needs_input_grad[1]:
-            grad_weight = (rows.t() @ x_low.reshape(-1, x_low.shape[-1]).to(rows.dtype)).to(weight.dtype)
-        if ctx.needs_input_grad[2]:
-            grad_bias = rows.sum(0).to(ctx.bias_dtype)
+        grad_x = _recast_input_grad(grad_out, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x_low, weight, ctx.bias_dtype,
+                                                        ctx.needs_input_grad[1:3])
         return grad_x, grad_weight, grad_bias, None
+
+
+def _recast_input_grad(grad_out: torch.Tensor, weight: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
+    """``grad_out @ weight`` with the float32 weight cast again to the gradient's dtype (bf16), as forward did."""
+    return (grad_out @ weight.to(grad_out.dtype)).to(input_dtype)
+
+
+def _weight_and_bias_grads(grad_out: torch.Tensor, x_low: torch.Tensor, weight: torch.Tensor,
+                           bias_dtype: torch.dtype | None, needed: tuple[bool, bool]):
+    """A linear layer's weight and bias gradients (None where not ``needed``) from its low-precision input."""
+    rows = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_weight = grad_bias = None
+    if needed[0]:
+        grad_weight = (rows.t() @ x_low.reshape(-1, x_low.shape[-1]).to(rows.dtype)).to(weight.dtype)
+    if needed[1]:
+        grad_bias = rows.sum(0).to(bias_dtype)
+    return grad_weight, grad_bias
 
 
 class RecastLinear(nn.Linear):
@@ -121,18 +135,69 @@ class _SiluTimes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate, up = ctx.saved_tensors
-        grad_up = grad_out * F.silu(gate)
-        grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
-        return grad_gate, grad_up
+        return _silu_times_grads(grad_out, gate, up, F.silu(gate))
+
+
+def _silu_times_grads(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, silu_gate: torch.Tensor):
+    """The gradients of ``silu(gate) * up`` for ``gate`` and ``up``, given ``silu(gate)`` recomputed."""
+    grad_up = grad_out * silu_gate
+    grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate)
+    return grad_gate, grad_up
+
+
+class _SiluTimesDown(torch.autograd.Function):
+    """``down(silu(gate) * up)`` with the down weight cast to ``dtype``; saves ``gate``, ``up`` and the float32
+    weight itself, not the product: backward recomputes it for the weight gradient. Forward and every
+    gradient are bitwise those of `_SiluTimes` followed by `RecastLinear`: the same ops on the same operands
+    (the recomputed product is the forward's bits), under the same autocast states."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.dtype, ctx.bias_dtype = dtype, None if bias is None else bias.dtype
+        product = F.silu(gate) * up  # under the caller's autocast, as `_SiluTimes`
+        ctx.product_dtype = product.dtype
+        with torch.autocast(gate.device.type, enabled=False):  # the casts are ours, as in `RecastLinear`
+            return F.linear(product.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        silu_gate = F.silu(gate)  # once, for the product and for up's gradient
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, (silu_gate * up).to(ctx.dtype), weight,
+                                                        ctx.bias_dtype, ctx.needs_input_grad[2:4])
+        grad_product = _recast_input_grad(grad_out, weight, ctx.product_dtype)
+        grad_gate, grad_up = _silu_times_grads(grad_product, gate, up, silu_gate)
+        return grad_gate, grad_up, grad_weight, grad_bias, None
+
+
+_FUSABLE_DOWN_PROJS = (RecastLinear, nn.Linear)
+"""``down_proj`` classes (exactly: a LoRA wrapper or any subclass keeps its own forward) whose product
+`_SiluTimesDown` computes itself."""
+
+
+def _fusable(down: nn.Module) -> bool:
+    """``down`` is a plain linear layer that nothing observes: its forward may be skipped (hooks would not run)."""
+    hooks = nn.modules.module
+    hooked = (down._forward_hooks or down._forward_pre_hooks or hooks._global_forward_hooks
+              or hooks._global_forward_pre_hooks)
+    return type(down) in _FUSABLE_DOWN_PROJS and not hooked
 
 
 class LeanSwiGLU(nn.Module):
-    """A SwiGLU MLP (`SWIGLU_MLPS`) whose autocast training forward keeps ``gate`` and ``up`` only."""
+    """A SwiGLU MLP (`SWIGLU_MLPS`) whose autocast training forward keeps ``gate`` and ``up`` (and the down
+    weight, a parameter) only; with an unfusable ``down_proj`` that also keeps its input, the product."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _low_dtype(x, self.gate_proj.weight) is None:
             return self._original_forward(x)
-        return self.down_proj(_SiluTimes.apply(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        down = self.down_proj
+        dtype = _low_dtype(x, down.weight) if _fusable(down) else None
+        if dtype is None:
+            return down(_SiluTimes.apply(gate, up))
+        return _SiluTimesDown.apply(gate, up, down.weight, down.bias, dtype)
 
 
 def _is_silu(act: nn.Module | None) -> bool:

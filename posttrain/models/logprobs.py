@@ -17,9 +17,15 @@ How one micro-batch is computed (``response_logprobs``):
 4. ``lm_head`` + log-softmax run over chunks of those ``T`` rows: each chunk's logits ``[t, V]``
    are upcast to float32, divided by the temperature (as verl does), and reduced to a log-prob and
    an entropy per token (`posttrain.algorithms.logprobs.logprob_and_entropy`, the one copy of that
-   math). With gradients on, each chunk keeps one ``[t, V]`` float32 tensor for backward while the
-   micro-batch's total stays within ``KEEP_ELEMENTS`` floats; beyond that every chunk is
-   checkpointed, so backward keeps ``[t, H]`` per chunk and recomputes its logits.
+   math). With gradients on and a plain bias-free linear head, all chunks are one autograd node
+   (`_LinearHeadLogProbs`, the same forward bits) that keeps each chunk's logits in the compute
+   dtype (bf16 under autocast: half of the float32 softmax autograd would keep) and a logsumexp per
+   row, while the micro-batch's total stays within ``KEEP_ELEMENTS`` logits, else nothing (backward
+   recomputes each chunk's logits). Its backward walks the vocabulary in slices, so no float32
+   ``[t, V]`` gradient, no bf16 copy of the weight and one float32 weight gradient exist: the
+   backward of the actor update's lm_head was the step's memory peak. Other heads (a LoRA wrapper,
+   a bias, Gemma's softcap, an FSDP unit of its own) go through autograd chunk by chunk: each
+   chunk keeps its float32 softmax within ``KEEP_ELEMENTS``, beyond it is checkpointed.
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
 
@@ -31,16 +37,18 @@ runs the same number of micro-batches on every rank (``equal_micro_batch_count``
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.algorithms.logprobs import logprob_and_entropy
+from posttrain.algorithms.logprobs import logit_gradient, logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.models.compile import compiled_layers
+from posttrain.models.lean_backward import RecastLinear
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
 from posttrain.models.shared_prefix import prompt_key, shared_prefix_hidden_states
 
@@ -63,9 +71,9 @@ def call_as_forward(model: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -
 
 CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
 KEEP_ELEMENTS = 1 << 26
-"""Largest ``tokens x vocabulary`` of a micro-batch whose chunks keep their ``[t, V]`` tensor for
-backward (256 MiB in float32) instead of recomputing it: a recomputation costs another ``lm_head``
-product and ``log_softmax`` per chunk (timed: benchmarks/README.md, "Log-probs")."""
+"""Largest ``tokens x vocabulary`` of a micro-batch whose chunks keep their ``[t, V]`` logits for
+backward (128 MiB in bf16, 256 MiB in float32) instead of recomputing them: a recomputation costs
+another ``lm_head`` product and ``log_softmax`` per chunk (timed: benchmarks/README.md, "Log-probs")."""
 
 
 def split_lm(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] | None:
@@ -157,14 +165,26 @@ def _chunk_stats(
     logits = head(hidden).float()  # [t, V]: the only vocab-sized tensor, one chunk at a time
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    if temperature != 1.0:  # x / 1 == x: skip a pass over the [t, V] chunk
-        logits = logits / temperature
-    return logprob_and_entropy(logits, labels, calculate_entropy, entropy_grad)
+    return logprob_and_entropy(_divided(logits, temperature), labels, calculate_entropy, entropy_grad)
+
+
+def _divided(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; x / 1 == x, so a temperature of 1 skips a pass over the ``[t, V]`` chunk."""
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def _keeps_logits(rows: int, vocab: int) -> bool:
+    """Whether a micro-batch of ``rows`` scored tokens keeps its chunks' logits for backward (else recomputes them)."""
+    return rows * vocab <= KEEP_ELEMENTS
 
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
-    rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
-    use_ckpt = use_ckpt and hidden.shape[0] * vocab > KEEP_ELEMENTS
+    rows = _rows_per_chunk(vocab)
+    use_ckpt = use_ckpt and not _keeps_logits(hidden.shape[0], vocab)
     lps, ents = [], []
     for h, y in zip(hidden.split(rows), labels.split(rows)):
         lp, ent = checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)
@@ -173,6 +193,154 @@ def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: in
     if not lps:
         return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
     return torch.cat(lps), torch.cat(ents)
+
+
+def _head_logprobs(hidden, labels, head, temperature, softcap, calculate_entropy, entropy_grad):
+    """hidden ``[T, H]``, labels ``[T]`` -> (log-prob ``[T]``, entropy ``[T]`` or empty), float32: step 4."""
+    if torch.is_grad_enabled() and _is_plain_linear_head(head, softcap):
+        dtype = _compute_dtype(hidden, head.weight)
+        return _LinearHeadLogProbs.apply(hidden, head.weight, labels, temperature, calculate_entropy, entropy_grad,
+                                         dtype, _keeps_logits(hidden.shape[0], head.weight.shape[0]))
+    fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731
+    return _chunked(fn, hidden, labels, head.weight.shape[0], torch.is_grad_enabled())
+
+
+def _is_plain_linear_head(head: nn.Module, softcap: float | None) -> bool:
+    """A head whose call is nothing but ``hidden @ weight.T``: exactly an ``nn.Linear`` or `RecastLinear`
+    (not a LoRA wrapper, not an FSDP unit: its hooks gather the weight), no bias, no hooks, no softcap."""
+    return (type(head) in (nn.Linear, RecastLinear) and head.bias is None and not softcap
+            and not (head._forward_hooks or head._forward_pre_hooks))
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's product runs in: autocast's for a float32 weight, else the weight's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class _LinearHeadLogProbs(torch.autograd.Function):
+    """``lm_head`` + log-prob/entropy of a micro-batch's ``[T, H]`` hidden states, chunk by chunk, as one
+    autograd node that keeps the logits in the compute dtype (bf16 under autocast) instead of float32.
+
+    Through autograd, each chunk would keep its float32 softmax ``[t, V]``, and its backward would build a
+    float32 logit gradient ``[t, V]``, its bf16 cast, the weight's gradient in bf16 and again in float32, on
+    top of the tied weight's running sum. Here forward computes the same bits as that path (the same bf16
+    product, ``.float()``, temperature, `logprob_and_entropy`) and keeps the chunk's bf16 logits (half of
+    the float32 softmax) and each row's logsumexp; or, past ``KEEP_ELEMENTS``, nothing (backward recomputes
+    the chunk's logits, as the checkpointed path does). Backward walks the vocabulary in ``VOCAB_SLICE``
+    columns: softmax from the kept logits, the logit gradient (`logit_gradient`, the same formula), and its
+    two products, so the largest temporaries are a few ``[t, VOCAB_SLICE]`` slices and the weight's gradient
+    is one tensor (float32 for a float32 weight) summed into slice by slice.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, calculate_entropy: bool, entropy_grad: bool,
+                dtype: torch.dtype, keep: bool):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not a zero tensor
+        rows = _rows_per_chunk(weight.shape[0])
+        with torch.autocast(hidden.device.type, enabled=False):  # the casts are ours, as in `RecastLinear`
+            hidden_low = hidden.to(dtype)
+            logits = _logits_by_chunk(hidden_low.split(rows), weight)
+            if keep:  # every product first: the weight's cast is freed before the float32 passes
+                logits = list(logits)
+            stats = [_chunk_forward(z, y, temperature, calculate_entropy) for z, y in zip(logits, labels.split(rows))]
+        logp, entropy, logsumexp = (torch.cat(parts) for parts in zip(*stats))
+        ctx.rows, ctx.temperature, ctx.hidden_dtype = rows, temperature, hidden.dtype
+        ctx.entropy_grad = calculate_entropy and entropy_grad
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden_low, weight, labels, logsumexp, entropy, *(logits if keep else ()))
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden_low, weight, labels, logsumexp, entropy, *kept = ctx.saved_tensors
+        if not ctx.entropy_grad or grad_entropy is None:
+            grad_entropy = entropy = None  # no entropy term in the logits' gradient
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 8
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(logsumexp)
+        grads = _HeadGrads(hidden_low, weight, *ctx.needs_input_grad[:2])
+        with torch.autocast(hidden_low.device.type, enabled=False):
+            for i, start in enumerate(range(0, max(1, labels.shape[0]), ctx.rows)):
+                rows = slice(start, start + ctx.rows)
+                h = hidden_low[rows]
+                z = kept[i] if kept else F.linear(h, weight.to(h.dtype))  # recomputed: the forward's bits
+                needs = _LogitGrad(logsumexp[rows], grad_logp[rows], _rows_of(entropy, rows),
+                                   _rows_of(grad_entropy, rows), ctx.temperature)
+                grads.add_chunk(rows, z, labels[rows], needs)
+        return grads.hidden_grad(ctx.hidden_dtype), grads.weight, None, None, None, None, None, None
+
+
+def _logits_by_chunk(hidden_chunks, weight):
+    """Each chunk's logits ``[t, V]`` in the chunks' dtype, from one cast of the weight (held until the last)."""
+    weight_low = weight.to(hidden_chunks[0].dtype)  # (split always gives a chunk, an empty one for no rows)
+    for h in hidden_chunks:
+        yield F.linear(h, weight_low)
+
+
+def _chunk_forward(z: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool):
+    """A chunk's logits ``z`` ``[t, V]`` -> (log-prob, entropy or empty, logsumexp), each ``[t]`` float32."""
+    logits = _divided(z.float(), temperature)
+    logp, entropy = logprob_and_entropy(logits, labels, calculate_entropy)
+    # log p_y = z_y - logsumexp(z): the label's logit gives it without another pass over the chunk
+    logsumexp = logits.gather(1, labels[:, None]).squeeze(1) - logp
+    return logp, entropy, logsumexp
+
+
+VOCAB_SLICE = 8192
+"""Vocabulary columns `_LinearHeadLogProbs`'s backward handles at once: a float32 ``[t, VOCAB_SLICE]`` is
+11 MB for a 341-row chunk."""
+
+
+class _LogitGrad(NamedTuple):
+    """What a chunk's logit gradient needs beside its logits, per row ``[t]`` (the entropy's: None without one)."""
+
+    logsumexp: torch.Tensor
+    grad_logp: torch.Tensor
+    entropy: torch.Tensor | None
+    grad_entropy: torch.Tensor | None
+    temperature: float
+
+    def of_columns(self, z: torch.Tensor, labels: torch.Tensor, cols: slice) -> torch.Tensor:
+        """float32 gradient with respect to the logits ``z[:, cols]`` (before the temperature's division)."""
+        log_p = z[:, cols].to(torch.float32, copy=True)  # a copy even of float32 logits: the kept ones stay intact
+        if self.temperature != 1.0:
+            log_p.div_(self.temperature)
+        log_p.sub_(self.logsumexp[:, None])
+        grad = logit_gradient(log_p.exp(), self.grad_logp, labels - cols.start, log_p, self.entropy,
+                              self.grad_entropy, reuse=True)
+        return grad.div_(self.temperature) if self.temperature != 1.0 else grad  # d(z / T)/dz = 1 / T
+
+
+def _rows_of(values: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if values is None else values[rows]
+
+
+class _HeadGrads:
+    """The gradients of the hidden states (summed in float32) and of the head's weight (one tensor in its dtype,
+    not one per chunk), each a sum over chunks and vocabulary slices of products in the compute dtype."""
+
+    def __init__(self, hidden_low: torch.Tensor, weight: torch.Tensor, hidden_needed: bool, weight_needed: bool):
+        self.hidden_low, self.full_weight = hidden_low, weight
+        self.hidden = hidden_low.new_zeros(hidden_low.shape, dtype=torch.float32) if hidden_needed else None
+        self.weight = torch.zeros_like(weight) if weight_needed else None
+
+    def add_chunk(self, rows: slice, z: torch.Tensor, labels: torch.Tensor, logit_grad: _LogitGrad) -> None:
+        h = self.hidden_low[rows]
+        for start in range(0, z.shape[1], VOCAB_SLICE):
+            cols = slice(start, start + VOCAB_SLICE)
+            grad = logit_grad.of_columns(z, labels, cols).to(h.dtype)  # the product's dtype, as `.float()`'s backward
+            if self.hidden is not None:
+                self.hidden[rows].add_(grad @ self.full_weight[cols].to(h.dtype))
+            if self.weight is not None:
+                self.weight[cols].add_(grad.t() @ h)
+
+    def hidden_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if self.hidden is None else self.hidden.to(dtype)
 
 
 def response_logprobs(
@@ -213,8 +381,8 @@ def _response_logprobs(model, input_ids, attention_mask, position_ids, responses
                                               remove_padding, shared_prefix)
     valid = attention_mask[:, -resp_len:][:, :take].bool()  # [B, take]
     labels = responses[:, :take][valid]  # [T]
-    fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731
-    lp_flat, ent_flat = _chunked(fn, hidden[valid], labels, head.weight.shape[0], torch.is_grad_enabled())
+    lp_flat, ent_flat = _head_logprobs(hidden[valid], labels, head, temperature, softcap, calculate_entropy,
+                                       entropy_grad)
     full_valid = torch.zeros(batch, resp_len, dtype=torch.bool, device=responses.device)
     full_valid[:, :take] = valid
     log_probs = torch.zeros(batch, resp_len, dtype=torch.float32, device=responses.device)

@@ -15,8 +15,9 @@ The model, stated so a reader can check it (bytes per parameter P, per token T, 
   layer's input (2 h B per token per layer) plus one layer recomputed during backward. A forward
   pass without gradients (log-probs, values) holds one layer's live tensors: (4 h + 4 i) B per token.
 - Logits (`posttrain.models.logprobs`): the lm_head runs on response positions only, in chunks of 16M
-  float32 logits; a training micro-batch of up to 64M response logits keeps them all for backward (plus
-  one chunk's gradient), a larger one recomputes each chunk in backward (two chunks live).
+  logits turned to float32 one at a time; a training micro-batch of up to 64M response logits keeps them
+  all for backward in the compute dtype (its backward works in slices of a chunk), a larger one keeps
+  none and recomputes each chunk in backward (one float32 chunk live).
 - `actor.use_prefix_grouper`: each distinct prompt of a micro-batch is encoded once for its responses
   (rows of one prompt are kept together): ceil(micro / rollout.n) prompts + micro responses per micro-batch.
 - Reward model (`reward_model.enable`): frozen like the reference (parameters in `model_dtype`,
@@ -65,7 +66,8 @@ ASSUMPTIONS = (
     "one FSDP unit (largest of a decoder layer and the embedding) gathered in bf16, x2 during backward",
     "activations saved per token per layer: (16 h + 8 i) B in bf16 (Korthikanti et al. 2022, flash attention, SwiGLU); "
     "with gradient checkpointing 2 h B plus one recomputed layer; forward without gradients (4 h + 4 i) B",
-    "logits: response tokens x vocab in float32 chunks of 16M; a training micro-batch keeps up to 64M of them for backward",
+    "logits: response tokens x vocab, one float32 chunk of 16M live; a training micro-batch keeps up to 64M of them "
+    "for backward in the compute dtype",
     "rollout engine: gpu_memory_utilization x GPU memory = the full bf16 weights (TP 1 on every rank) + KV cache "
     "(2 x layers x kv_heads x head_dim x 2 B per token)",
     "roles colocated on every GPU; phases run one after another; peak = largest phase",
@@ -163,15 +165,19 @@ def training_activation_bytes(dims: ModelDims, tokens: float, checkpointing: boo
     return dims.layers * 2 * dims.hidden * tokens + per_layer
 
 
-def logits_bytes(dims: ModelDims, response_tokens: float, training: bool) -> float:
-    """Live float32 logits of a micro-batch with ``response_tokens`` scored tokens (see the module doc)."""
+def logits_bytes(dims: ModelDims, response_tokens: float, training: bool, compute_bytes: int = COMPUTE_BYTES) -> float:
+    """Live logits of a micro-batch with ``response_tokens`` scored tokens (`posttrain.models.logprobs`, step 4):
+    one float32 chunk at a time; a training micro-batch of at most ``KEEP_ELEMENTS`` logits also keeps all of
+    them for backward in the compute dtype, whose backward then works in slices of a chunk (a larger one keeps
+    none and recomputes each chunk in the compute dtype: under the float32 chunk of its forward). Assumes a
+    plain linear head; a softcapped or adapter-wrapped one keeps float32 softmaxes (twice ``compute_bytes``)."""
     from posttrain.models.logprobs import CHUNK_ELEMENTS, KEEP_ELEMENTS
 
     elements = response_tokens * dims.vocab
     chunk = min(elements, CHUNK_ELEMENTS) * 4
-    if not training:
-        return chunk
-    return elements * 4 + chunk if elements <= KEEP_ELEMENTS else 2 * chunk
+    if training and elements <= KEEP_ELEMENTS:
+        return elements * compute_bytes + chunk
+    return chunk
 
 
 def gathered_unit_bytes(dims: ModelDims, dtype_bytes: int = COMPUTE_BYTES) -> float:
@@ -314,7 +320,7 @@ def _trained_role(ctx: _Ctx, fsdp, update: tuple, forward: tuple, checkpointing:
             out["activations_gc"] = training_activation_bytes(d, tokens, True) * ctx.act_scale
             out["activations_no_gc"] = training_activation_bytes(d, tokens, False) * ctx.act_scale
             out["activations"] = out["activations_gc" if checkpointing else "activations_no_gc"]
-            out["logits"] = logits_bytes(d, scored, True) if has_lm_head else 0.0
+            out["logits"] = logits_bytes(d, scored, True, ctx.compute_bytes) if has_lm_head else 0.0
         if fwd_tokens is not None:
             out["forward_activations"] = forward_activation_bytes_per_token(d) * fwd_tokens * ctx.act_scale
             out["forward_logits"] = logits_bytes(d, fwd_scored, False) if has_lm_head else 0.0
@@ -477,7 +483,7 @@ def _phases(roles: dict[str, dict[str, Any]]) -> list[Phase]:
                 Term(f"{name} activations ({gc} gradient checkpointing)", role.get("activations"),
                      _tok(role["micro_batch_tokens"]) + " per micro-batch")]
             if name == "actor":
-                terms.append(Term("actor logits (+ their gradient)", role.get("logits")))
+                terms.append(Term("actor logits (kept for backward + one float32 chunk)", role.get("logits")))
             phases.append(Phase(f"{name} update", tuple(terms)))
     return phases
 

@@ -133,7 +133,7 @@ def _role_lines(name: str, r: dict[str, Any]) -> list[str]:
                 f"{fmt_bytes(r['activations_gc'])} with / {fmt_bytes(r['activations_no_gc'])} without gradient "
                 f"checkpointing (configured: {on})")
         if r.get("logits"):
-            text += f"; logits + gradient {fmt_bytes(r['logits'])}"
+            text += f"; logits {fmt_bytes(r['logits'])}"
         lines.append(pad + text)
     if r.get("forward_activations") is not None:
         text = (f"forward micro-batch ({_tokens(r['forward_tokens'])} tokens): "

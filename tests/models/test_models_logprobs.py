@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from posttrain.models import (
     response_logprobs,
 )
 from posttrain.models import logprobs as logprobs_mod
+from posttrain.models.lean_backward import RecastLinear, keep_less_for_backward
 from helpers.tiny_models import tiny_llama
 
 R = 6
@@ -127,3 +130,192 @@ def test_fallback_for_models_without_separate_head(tok, data):
 def test_measure_matmul_flops_is_positive():
     assert measure_matmul_flops("fp32", (64, 64, 64), min_time_s=0.01) > 1e6
     assert measure_matmul_flops("bf16", (64, 64, 64), min_time_s=0.01) > 1e6
+
+
+# --- the lm_head + log-prob step as one autograd node (`_LinearHeadLogProbs`) against today's chunked path ---
+
+def _head_case(vocab=1000, hidden_size=64, rows=70, seed=0, head_cls=RecastLinear):
+    """hidden ``[rows, H]`` (a float32 leaf, as the final norm hands it out), a bias-free head, labels ``[rows]``."""
+    g = torch.Generator().manual_seed(seed)
+    head = head_cls(hidden_size, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden_size, generator=g) * 0.3)
+    hidden = torch.randn(rows, hidden_size, generator=g).requires_grad_(True)
+    return hidden, head, torch.randint(0, vocab, (rows,), generator=g)
+
+
+@contextlib.contextmanager
+def _todays_path(today: bool):
+    """With ``today``, every head takes the chunked path, as all did before the one node (non-plain heads still do)."""
+    plain = logprobs_mod._is_plain_linear_head
+    logprobs_mod._is_plain_linear_head = (lambda *_: False) if today else plain
+    try:
+        yield
+    finally:
+        logprobs_mod._is_plain_linear_head = plain
+
+
+def _stats(hidden, head, labels, temperature=0.7, entropy=True, entropy_grad=True, bf16=True, today=False):
+    """(log-prob, entropy) from step 4 as the grad-enabled update runs it (``today``: `_todays_path`)."""
+    with _todays_path(today), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return logprobs_mod._head_logprobs(hidden, labels, head, temperature, None, entropy, entropy_grad)
+
+
+def _objective(logp, ent, with_entropy=True):
+    """A weighted sum of log-probs and (when ``with_entropy``) entropies, as a policy loss with an entropy bonus."""
+    g = torch.Generator().manual_seed(7)
+    loss = (logp * torch.randn(logp.shape, generator=g).to(logp.dtype)).sum()
+    return loss + (ent * torch.randn(ent.shape, generator=g).to(ent.dtype)).sum() if with_entropy else loss
+
+
+def _float64_grads(objective, hidden, head, labels, temperature=0.7):
+    """Plain autograd in float64 on the same float32 values: gradients of hidden and weight."""
+    h64 = hidden.detach().double().requires_grad_(True)
+    w64 = head.weight.detach().double().requires_grad_(True)
+    logp_all = torch.log_softmax(h64 @ w64.t() / temperature, -1)
+    objective(logp_all.gather(-1, labels[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)).backward()
+    return h64.grad, w64.grad
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """16 rows per chunk, 256 vocabulary columns per backward slice (the last one partial for a 1000 vocabulary)."""
+    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 16 * 1000)
+    monkeypatch.setattr(logprobs_mod, "VOCAB_SLICE", 256)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy", [True, False])
+@pytest.mark.parametrize("head_cls", [RecastLinear, torch.nn.Linear])
+def test_one_node_forward_is_todays_bits(small_chunks, bf16, temperature, entropy, head_cls):
+    hidden, head, labels = _head_case(head_cls=head_cls)
+    logp, ent = _stats(hidden, head, labels, temperature, entropy, bf16=bf16)
+    want_logp, want_ent = _stats(hidden, head, labels, temperature, entropy, bf16=bf16, today=True)
+    assert logp.requires_grad and logp.grad_fn is not None and "LinearHeadLogProbs" in type(logp.grad_fn).__name__
+    assert torch.equal(logp, want_logp) and torch.equal(ent, want_ent)  # bitwise
+    assert ent.requires_grad == entropy and ent.numel() == (labels.numel() if entropy else 0)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("entropy,entropy_grad", [(True, True), (True, False), (False, True)])
+def test_one_node_gradients_match_float64(small_chunks, monkeypatch, bf16, keep, entropy, entropy_grad):
+    """Gradients of hidden and weight, from kept bf16/float32 logits or recomputed ones, against float64
+    autograd: float32 to float32 rounding; bf16 no further from float64 than today's path (which rounds the
+    same logits, the logit gradient and the weight gradient to bf16 as well)."""
+    monkeypatch.setattr(logprobs_mod, "KEEP_ELEMENTS", (1 << 30) if keep else 0)
+    hidden, head, labels = _head_case()
+    errors = {}
+    for today in (False, True):
+        hidden.grad = head.weight.grad = None
+        with_entropy = entropy and entropy_grad
+        logp, ent = _stats(hidden, head, labels, 0.7, entropy, entropy_grad, bf16=bf16, today=today)
+        _objective(logp, ent, with_entropy).backward()
+        want_h, want_w = _float64_grads(lambda lp, e: _objective(lp, e, with_entropy), hidden, head, labels)
+        assert hidden.grad.dtype == head.weight.grad.dtype == torch.float32
+        errors[today] = _relative_error(hidden.grad, want_h), _relative_error(head.weight.grad, want_w)
+    if bf16:  # bf16 logits and products: ~0.4% per rounding
+        assert max(errors[False]) < 0.02
+        assert errors[False][0] < 1.2 * errors[True][0] and errors[False][1] < 1.2 * errors[True][1]
+    else:
+        assert max(errors[False]) < 1e-5
+
+
+def test_one_node_handles_only_an_entropy_loss_and_an_empty_micro_batch(small_chunks):
+    hidden, head, labels = _head_case()
+    _, ent = _stats(hidden, head, labels, bf16=False)
+    ent.sum().backward()  # the log-prob's gradient arrives as None
+    want_h, want_w = _float64_grads(lambda lp, e: e.sum(), hidden, head, labels)
+    assert _relative_error(hidden.grad, want_h) < 1e-5 and _relative_error(head.weight.grad, want_w) < 1e-5
+    logp, ent = _stats(hidden[:0], head, labels[:0], bf16=True)
+    assert logp.shape == ent.shape == (0,)
+    (logp.sum() + ent.sum()).backward()
+
+
+def _kept_bytes(fn):
+    """``fn()``'s outputs, and the bytes autograd keeps for backward while it runs forward: each storage once;
+    parameters (in memory anyway) count 0."""
+    kept = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return [t.detach() for t in out], sum(kept.values())
+
+
+@pytest.mark.parametrize("entropy,share", [(False, 1 / 2), (True, 1 / 4)])
+def test_one_node_keeps_bf16_logits_not_float32_softmax(entropy, share):
+    """SmolLM2's head (V=49152, H=576), 600 scored tokens (2 chunks of 341 rows), bf16 autocast: today's path
+    keeps each chunk's float32 softmax (and with an entropy gradient its float32 log-softmax too); the one
+    node keeps the bf16 logits, half (a quarter) of that. Today's path is the negative control: it fails
+    the same bound."""
+    rows, vocab, width = 600, 49152, 576
+    hidden, head, labels = _head_case(vocab, width, rows)
+    out, kept = _kept_bytes(lambda: _stats(hidden, head, labels, 1.0, entropy))
+    out_today, kept_today = _kept_bytes(lambda: _stats(hidden, head, labels, 1.0, entropy, today=True))
+    assert all(torch.equal(a, b) for a, b in zip(out, out_today))  # the same bits at this size too
+    # per row: bf16 logits and hidden state, the label (8 B), logsumexp (4 B) and the entropy (4 B) if any
+    assert kept == rows * ((vocab + width) * 2 + 8 + 4 + (4 if entropy else 0))
+    assert kept == pytest.approx(share * kept_today, rel=0.01)  # today's: float32 [t, V] tensors and bf16 hidden
+    assert not kept_today <= 1.01 * rows * (vocab + width) * 2
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_tied_head_gets_the_same_gradient_as_todays_path(tok, data, monkeypatch, bf16):
+    """The head's weight is the input embedding: autograd sums the node's weight gradient with the embedding's.
+    4 rows per chunk, vocabulary slices of 32 columns (the last one partial)."""
+    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 4 * len(tok))
+    monkeypatch.setattr(logprobs_mod, "VOCAB_SLICE", 32)
+    calls, one_node = [], logprobs_mod._LinearHeadLogProbs.apply
+    monkeypatch.setattr(logprobs_mod._LinearHeadLogProbs, "apply", lambda *args: calls.append(1) or one_node(*args))
+    grads = {}
+    for today in (False, True):
+        model = tiny_llama(tok, tie_word_embeddings=True).train()
+        keep_less_for_backward(model)
+        assert model.lm_head.weight is model.model.embed_tokens.weight and type(model.lm_head) is RecastLinear
+        with _todays_path(today), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            lp, ent = response_logprobs(model, **data, temperature=0.9, calculate_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        grads[today] = {n: p.grad for n, p in model.named_parameters()}
+        assert len(calls) == 1  # the one node's micro-batch only
+    tied = "model.embed_tokens.weight"
+    for name, want in grads[True].items():  # bf16: the same products, rounded to bf16 per slice instead of per chunk
+        assert _relative_error(grads[False][name], want.double()) < (1e-2 if bf16 else 1e-6), name
+    assert grads[False][tied].abs().sum() > 0
+
+
+def test_frozen_head_gets_no_gradient_and_hidden_the_right_one(small_chunks):
+    """A frozen head (LoRA's, with adapters elsewhere): no weight gradient built, hidden's as float64's."""
+    hidden, head, labels = _head_case()
+    head.weight.requires_grad_(False)
+    _objective(*_stats(hidden, head, labels, bf16=False)).backward()
+    want_h, _ = _float64_grads(_objective, hidden, head, labels)
+    assert head.weight.grad is None and _relative_error(hidden.grad, want_h) < 1e-5
+
+
+def test_heads_that_are_more_than_a_product_keep_todays_path():
+    """A LoRA wrapper (peft's, on the head), a bias, a softcap, or hooks (an FSDP unit gathers its weight in
+    them): the chunked path, through the head's own forward."""
+    import peft
+
+    hidden, head, labels = _head_case()
+    plain = logprobs_mod._is_plain_linear_head
+    assert plain(head, None) and plain(torch.nn.Linear(4, 4, bias=False), None)
+    assert not plain(head, 30.0) and not plain(torch.nn.Linear(4, 4), None)
+    holder = torch.nn.Sequential()
+    holder.add_module("lm_head", head)
+    lora_head = peft.get_peft_model(holder, peft.LoraConfig(r=2, target_modules=["lm_head"])).base_model.model.lm_head
+    assert not plain(lora_head, None)
+    head.register_forward_pre_hook(lambda *_: None)
+    assert not plain(head, None)
+    logp, _ = _stats(hidden, head, labels)
+    assert "LinearHeadLogProbs" not in type(logp.grad_fn).__name__

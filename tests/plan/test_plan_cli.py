@@ -24,7 +24,7 @@ def test_grpo_script_text(capsys, grpo_script, deepseek_dir):
     assert "each: 2 micro-batches of 80 (gradient accumulation 2)" in out
     assert "105 training steps in total" in out and "420 actor optimizer steps" in out
     assert "because actor.use_kl_loss=True" in out and "grpo is critic-free" in out
-    assert "verdict: fits: peak 60.3 GiB of 80.0 GiB in actor update" in out and "Problems: 0 errors, 0 warnings" in out
+    assert "verdict: fits: peak 60.2 GiB of 80.0 GiB in actor update" in out and "Problems: 0 errors, 0 warnings" in out
 
 
 def test_json_matches_the_text(capsys, ppo_script, deepseek_dir):
