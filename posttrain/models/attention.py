@@ -58,22 +58,24 @@ def _grouped(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int, int
     return batch, q_heads, q_len, dim, q_heads // kv_heads
 
 
-def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """scores ``[B, Hkv, g, q, L]`` float32; mask ``[B|1, 1, q, L]`` bool (True = attend) or additive."""
+def _mask_scores_(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """scores ``[B, Hkv, g, q, L]`` float32 (or float64), masked in place and returned: the caller's own
+    scaled copy, so no other tensor of that size is made; mask ``[B|1, 1, q, L]`` bool (True = attend) or
+    additive."""
     if mask is None:
         return scores
-    mask = mask[:, :, None]  # [B, 1, 1, q, L]
+    mask = mask[:, :, None]  # [B|1, 1, 1, q, L]
     if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-    return scores + mask.float()
+        return scores.masked_fill_(~mask, torch.finfo(torch.float32).min)
+    return scores.add_(mask.to(scores.dtype))
 
 
 def single_query_probs(scores: torch.Tensor, mask: torch.Tensor | None, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Attention probabilities of one query token: scores ``[B, Hkv, g, L]`` scaled and softmaxed in
     float32 at least, mask ``[B|1, 1, 1, L]`` (bool, True = attend, or additive) applied as
-    :func:`_apply_mask` does; returned in ``dtype``."""
+    :func:`_mask_scores_` does; returned in ``dtype``."""
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-    scores = _apply_mask(scores[:, :, :, None], mask)[:, :, :, 0]
+    _mask_scores_(scores[:, :, :, None], mask)
     return torch.softmax(scores, dim=-1).to(dtype)
 
 
@@ -116,19 +118,13 @@ def matmul_attention(module: nn.Module, query, key, value, attention_mask, scali
 def _probabilities(q: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float,
                    group: int) -> torch.Tensor:
     """Softmax (float32, float64 inputs: float64) of the masked, scaled scores: q ``[B, Hkv, g * q, d]``,
-    key ``[B, Hkv, L, d]`` -> ``[B, Hkv, g, q, L]``. :func:`_apply_mask`'s arithmetic, in place on the
-    scores' own upcast copy (two fewer passes over the largest tensor of the layer)."""
+    key ``[B, Hkv, L, d]`` -> ``[B, Hkv, g, q, L]``. Scaled and masked in place on the scores' own upcast
+    copy (two fewer passes over the largest tensor of the layer)."""
     batch, kv_heads, rows, _ = q.shape
     scores = torch.matmul(q, key.transpose(-1, -2))
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale)
     scores = scores.view(batch, kv_heads, group, rows // group, -1)
-    if mask is not None:
-        mask = mask[:, :, None]  # [B|1, 1, 1, q, L]
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, torch.finfo(torch.float32).min)
-        else:
-            scores.add_(mask.to(scores.dtype))
-    return torch.softmax(scores, dim=-1)
+    return torch.softmax(_mask_scores_(scores, mask), dim=-1)
 
 
 def _compute_dtype(query: torch.Tensor, value: torch.Tensor) -> torch.dtype:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanRMSNorm", "LeanSwiGLU", "RecastLinear", "keep_less_for_backward"]
+__all__ = ["LeanRMSNorm", "LeanSwiGLU", "RecastLinear", "keep_less_for_backward", "low_dtype"]
 
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 """RMSNorm classes computing ``weight * (x * rsqrt(mean(x^2) + eps))`` (Gemma's ``1 + weight`` is not one)."""
@@ -38,7 +38,7 @@ SWIGLU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 """MLP classes computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
 
 
-def _low_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+def low_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype when this forward should keep less (module docstring), else None."""
     device = x.device.type
     if torch.is_grad_enabled() and torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
@@ -86,7 +86,7 @@ class RecastLinear(nn.Linear):
     """An ``nn.Linear`` whose autocast forward keeps its float32 weight, not a cast, for backward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _low_dtype(x, self.weight)
+        dtype = low_dtype(x, self.weight)
         if dtype is None:
             return super().forward(x)
         with torch.autocast(x.device.type, enabled=False):  # the casts are ours: autocast would cache another copy
@@ -117,7 +117,7 @@ class LeanRMSNorm(nn.Module):
     """An RMSNorm (`RMS_NORMS`) whose autocast training forward returns bf16 and keeps only its input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = _low_dtype(hidden_states, self.weight)
+        dtype = low_dtype(hidden_states, self.weight)
         if dtype is None or hidden_states.dtype != torch.float32:
             return self._original_forward(hidden_states)
         with torch.autocast(hidden_states.device.type, enabled=False):
@@ -190,11 +190,11 @@ class LeanSwiGLU(nn.Module):
     weight, a parameter) only; with an unfusable ``down_proj`` that also keeps its input, the product."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _low_dtype(x, self.gate_proj.weight) is None:
+        if low_dtype(x, self.gate_proj.weight) is None:
             return self._original_forward(x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         down = self.down_proj
-        dtype = _low_dtype(x, down.weight) if _fusable(down) else None
+        dtype = low_dtype(x, down.weight) if _fusable(down) else None
         if dtype is None:
             return down(_SiluTimes.apply(gate, up))
         return _SiluTimesDown.apply(gate, up, down.weight, down.bias, dtype)

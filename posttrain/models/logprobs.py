@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from posttrain.algorithms.logprobs import logit_gradient, logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.models.compile import compiled_layers
-from posttrain.models.lean_backward import RecastLinear
+from posttrain.models.lean_backward import RecastLinear, low_dtype
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
 from posttrain.models.shared_prefix import prompt_key, shared_prefix_hidden_states
 
@@ -198,7 +198,7 @@ def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: in
 def _head_logprobs(hidden, labels, head, temperature, softcap, calculate_entropy, entropy_grad):
     """hidden ``[T, H]``, labels ``[T]`` -> (log-prob ``[T]``, entropy ``[T]`` or empty), float32: step 4."""
     if torch.is_grad_enabled() and _is_plain_linear_head(head, softcap):
-        dtype = _compute_dtype(hidden, head.weight)
+        dtype = low_dtype(hidden, head.weight) or head.weight.dtype  # autocast's for a float32 weight
         return _LinearHeadLogProbs.apply(hidden, head.weight, labels, temperature, calculate_entropy, entropy_grad,
                                          dtype, _keeps_logits(hidden.shape[0], head.weight.shape[0]))
     fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731
@@ -210,14 +210,6 @@ def _is_plain_linear_head(head: nn.Module, softcap: float | None) -> bool:
     (not a LoRA wrapper, not an FSDP unit: its hooks gather the weight), no bias, no hooks, no softcap."""
     return (type(head) in (nn.Linear, RecastLinear) and head.bias is None and not softcap
             and not (head._forward_hooks or head._forward_pre_hooks))
-
-
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the head's product runs in: autocast's for a float32 weight, else the weight's."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device) and weight.dtype == torch.float32:
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
 
 
 class _LinearHeadLogProbs(torch.autograd.Function):

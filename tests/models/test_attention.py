@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.models.attention import _apply_mask, matmul_attention
+from helpers.saved import kept_for_backward
+from posttrain.models.attention import _mask_scores_, matmul_attention
 
 BATCH, Q_HEADS, KV_HEADS, Q_LEN, KV_LEN, DIM = 3, 6, 2, 5, 9, 8
 
@@ -25,7 +26,7 @@ def _autograd_attention(query, key, value, mask, scale):
     group = q_heads // kv_heads
     q = query.reshape(batch, kv_heads, group * q_len, dim)
     scores = (torch.matmul(q, key.transpose(-1, -2)).float() * scale).view(batch, kv_heads, group, q_len, kv_len)
-    probs = torch.softmax(_apply_mask(scores, mask), dim=-1).to(value.dtype)
+    probs = torch.softmax(_mask_scores_(scores, mask), dim=-1).to(value.dtype)
     out = torch.matmul(probs.view(batch, kv_heads, group * q_len, kv_len), value)
     return out.view(batch, kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, dim)
 
@@ -92,17 +93,9 @@ def test_gradients_match_a_float64_reference():
 
 def _saved_bytes(fn, inputs) -> tuple[int, list[tuple[int, ...]]]:
     """Bytes of the distinct storages autograd keeps for ``fn``'s backward, and the kept shapes."""
-    seen: dict[int, int] = {}
-    shapes: list[tuple[int, ...]] = []
-
-    def pack(t):
-        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        shapes.append(tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with kept_for_backward() as kept, torch.autocast("cpu", dtype=torch.bfloat16):
         fn(*inputs)
-    return sum(seen.values()), shapes
+    return kept.bytes, kept.shapes
 
 
 def test_training_attention_keeps_q_k_v_not_the_probabilities():

@@ -5,13 +5,13 @@ the same gradients up to bf16 rounding, less kept by autograd."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 from torch import nn
 
+from helpers.saved import kept_for_backward
 from helpers.tokenizer import build_tiny_tokenizer
 from helpers.tiny_models import tiny_llama
 from posttrain.host.placement import InProcess
@@ -22,25 +22,11 @@ def _loss_grads_and_kept_bytes(model: nn.Module, ids: torch.Tensor, autocast: bo
     """Loss, every parameter's gradient, and the bytes autograd keeps for backward (each storage once;
     parameters are in memory anyway and count 0)."""
     model.zero_grad(set_to_none=True)
-    with _kept_for_backward() as kept:
+    with kept_for_backward() as kept:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=ids).loss
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, sum(kept.values())
-
-
-@contextlib.contextmanager
-def _kept_for_backward():
-    """A dict filled, inside the block, with the bytes of each storage autograd keeps (parameters count 0)."""
-    kept = {}
-
-    def pack(t):
-        if not isinstance(t, nn.Parameter):
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield kept
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, kept.bytes
 
 
 def _float64_grads(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -133,12 +119,12 @@ def _mlp_output_grads_and_kept_bytes(mlp: nn.Module, x: torch.Tensor):
     parameters 0)."""
     x = x.detach().requires_grad_()
     mlp.zero_grad(set_to_none=True)
-    with _kept_for_backward() as kept:
+    with kept_for_backward() as kept:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = mlp(x)
     out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.dtype))
     grads = {"x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
-    return out.detach(), grads, sum(kept.values())
+    return out.detach(), grads, kept.bytes
 
 
 @pytest.mark.parametrize("mlp_bias", [False, True])

@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+from helpers.saved import kept_for_backward
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.models import (
     autocast_context,
@@ -240,16 +241,9 @@ def test_one_node_handles_only_an_entropy_loss_and_an_empty_micro_batch(small_ch
 def _kept_bytes(fn):
     """``fn()``'s outputs, and the bytes autograd keeps for backward while it runs forward: each storage once;
     parameters (in memory anyway) count 0."""
-    kept = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept_for_backward() as kept:
         out = fn()
-    return [t.detach() for t in out], sum(kept.values())
+    return [t.detach() for t in out], kept.bytes
 
 
 @pytest.mark.parametrize("entropy,share", [(False, 1 / 2), (True, 1 / 4)])
