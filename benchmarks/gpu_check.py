@@ -4,6 +4,7 @@
     python benchmarks/gpu_check.py --json gpu_check.json    # also write the summary to a file
     python benchmarks/gpu_check.py --tiny                   # CPU smoke test (gloo, fp32, tiny model)
     python benchmarks/gpu_check.py --checks weight_sync     # only the trainer -> rollout weight sync
+    python benchmarks/gpu_check.py --checks lean            # only the lean backward paths against autograd
 
 Needs torch, transformers and posttrain only (no Ray, no vLLM, no downloads): the model is
 ``Qwen2ForCausalLM`` built from a Qwen2.5-0.5B-shaped ``Qwen2Config`` with random weights, and
@@ -40,6 +41,16 @@ it (NCCL refuses two ranks on one device, "Duplicate GPU detected"), and ``nccl`
 skipped; ``--tiny``: gloo on CPU. Cases ``fp32`` (every weight) and ``bf16`` (cast on the trainer,
 what a bf16 engine takes): median seconds of ``--sync-reps`` pushes until the receiver has loaded,
 bytes, GB/s, and ``bit_equal`` (a float64 digest of every weight as sent, compared across processes).
+
+``lean`` (issue 41's autograd functions, written for the CPU and run on CUDA here): one process, no FSDP,
+float32 weights under bf16 autocast (the one-process placement's mixed precision on a GPU), one micro-batch's
+forward + backward through ``response_logprobs`` (log-prob and entropy terms) on the same weights:
+``autograd`` (a no-op hook on ``lm_head``, so the head goes through autograd chunk by chunk, and the layers as
+transformers builds them), ``lean`` (`keep_less_for_backward` on the layers, the head as one
+`_LinearHeadLogProbs` node) and the reference, the model in float64 without autocast. The two bf16 paths round
+differently, so each is compared with float64: per gradient tensor the relative error (norm of the difference
+over the reference's norm), and the ratio of lean's error to autograd's (the CPU test's bound is 1.2x).
+Also, of each, the CUDA peak above the weights and the median seconds of ``--lean-reps`` passes after a warm-up.
 """
 
 from __future__ import annotations
@@ -79,6 +90,8 @@ from posttrain.distributed.weight_sync import (  # noqa: E402
     receive_into,
     trainer_weights,
 )
+from posttrain.models.lean_backward import keep_less_for_backward  # noqa: E402
+from posttrain.models.logprobs import response_logprobs  # noqa: E402
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.workers import ActorWorker  # noqa: E402
 from helpers.tiny_models import tiny_worker_configs  # noqa: E402
@@ -121,7 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=16, help="rows per micro-batch (log-prob and update)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak of the GPU, for the fraction")
     p.add_argument("--json", type=Path, help="also write the summary here")
-    p.add_argument("--checks", default="fsdp,weight_sync", help="comma list of fsdp, weight_sync")
+    p.add_argument("--checks", default="fsdp,weight_sync,lean", help="comma list of fsdp, weight_sync, lean")
+    p.add_argument("--lean-reps", type=int, default=3, help="timed forward + backward passes per lean variant")
     p.add_argument("--sync-reps", type=int, default=3, help="timed weight pushes per case (after one warm-up)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -309,6 +323,9 @@ def main(argv: list[str] | None = None) -> dict:
                "params": sum(p.numel() for p in build_model("meta", args.tiny).parameters())}
     if "weight_sync" in checks:  # first: its processes are spawned before this one holds a process group
         summary["weight_sync"] = weight_sync_check(args)
+    if "lean" in checks:
+        summary["lean"] = lean_check(args, device)
+        print(json.dumps({"lean": summary["lean"]}), flush=True)
     if "fsdp" in checks:
         start_process_group(device)
         mesh = build_mesh(device, 1)
@@ -396,6 +413,72 @@ def weight_sync_check(args: argparse.Namespace) -> dict:
                        "bytes": result["bytes"], "GB_per_s": round(result["bytes"] / median / 1e9, 3),
                        "bit_equal": result["digest"] == rollout[case]["digest"]}
     return {**plan, "cases": cases}
+
+
+# --------------------------------------------------------------------------- lean backward (issue 41)
+def lean_micro_batch(work: Work, vocab: int, device: str) -> dict[str, torch.Tensor]:
+    """``--micro`` rows of random prompt + response ids, every position valid."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, vocab, (work.micro, work.prompt_len + work.response_len), generator=g).to(device)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids).contiguous()
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions,
+            "responses": ids[:, work.prompt_len:]}
+
+
+def lean_variant(kind: str, args: argparse.Namespace, device: str, work: Work) -> dict:
+    """Log-probs, gradients, peak above the weights and seconds of one variant (``lean_check``): ``autograd``,
+    ``lean`` (both float32 weights under bf16 autocast) or ``float64`` (the reference: no autocast)."""
+    model = build_model(device, args.tiny)  # same seed: the same weights for every variant
+    if kind == "lean":
+        keep_less_for_backward(model)
+    elif kind == "autograd":
+        model.lm_head.register_forward_pre_hook(lambda module, inputs: None)  # a hooked head: autograd's path
+    else:
+        model.double()
+    batch = lean_micro_batch(work, model.config.vocab_size, device)
+    seconds, peaks = [], []
+    for _ in range(args.lean_reps + 1 if kind != "float64" else 1):
+        model.zero_grad(set_to_none=True)
+        with phase({}, "pass", device) as stats:
+            before = torch.cuda.memory_allocated() if device == "cuda" else 0
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=kind != "float64"):
+                log_probs, entropy = response_logprobs(model, **batch, calculate_entropy=True)
+            (-(log_probs.mean()) - 0.01 * entropy.mean()).backward()
+        seconds.append(stats["seconds"])
+        peaks.append(stats["peak_gib"] - before / 2**30 if device == "cuda" else None)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    timed = sorted(seconds[1:]) or seconds
+    return {"log_probs": log_probs.detach(), "grads": grads, "peak_gib": peaks[-1], "median_s": timed[len(timed) // 2]}
+
+
+def relative_error(grad: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.double()
+    return float((grad.double() - reference).norm() / reference.norm().clamp_min(1e-300))
+
+
+def lean_check(args: argparse.Namespace, device: str) -> dict:
+    """The lean paths against autograd on the same micro-batch, both against float64 (module docstring, ``lean``)."""
+    work = Work(args.prompts, args.n, args.prompt_len, args.response_len, args.micro)
+    exact = lean_variant("float64", args, device, work)
+    out: dict[str, Any] = {"tokens": work.micro * (work.prompt_len + work.response_len)}
+    errors = {}
+    for kind in ("autograd", "lean"):
+        result = lean_variant(kind, args, device, work)
+        errors[kind] = {n: relative_error(g, exact["grads"][n]) for n, g in result["grads"].items()}
+        out[kind] = {"peak_gib": result["peak_gib"], "median_s": result["median_s"],
+                     "log_probs_max_abs_error": float((result["log_probs"].double() - exact["log_probs"]).abs().max()),
+                     "grad_error_median": sorted(errors[kind].values())[len(errors[kind]) // 2],
+                     "grad_error_max": max(errors[kind].values())}
+    # per tensor, the lean error over autograd's: <= 1 where lean is as close to float64 as autograd
+    ratios = {n: errors["lean"][n] / max(e, 1e-12) for n, e in errors["autograd"].items()}
+    worst = max(ratios, key=ratios.get)
+    out.update(worst_error_ratio=ratios[worst], worst_error_ratio_tensor=worst,
+               tensors_within_1_2x=sum(r <= 1.2 for r in ratios.values()), tensors=len(ratios))
+    return out
 
 
 if __name__ == "__main__":
