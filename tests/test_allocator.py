@@ -172,3 +172,52 @@ def test_kernel_caches_stop_growing_once_bounded():
     bounded = _cache_growth("bounded")
     control = _cache_growth("bounded", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
     assert control > 4 * max(bounded, 5), (bounded, control)
+
+
+# A 24 MiB block allocated and freed (glibc's own threshold rises to its size), then a 12 MiB block written,
+# a 1 MiB block allocated after it (so the 12 MiB is not the heap's top) and the 12 MiB freed: prints whether
+# the threshold was held, the heap's free MiB and how much of the 12 MiB is still resident.
+LARGE_PROBE = LIBC + """
+import ctypes, sys
+from posttrain.host.resident import current_resident_bytes
+if sys.argv[1] == 'held':
+    from posttrain.host.allocator import map_large_blocks
+    print(map_large_blocks())
+else:
+    print(False)
+first = libc.malloc(24 << 20)
+ctypes.memset(first, 1, 24 << 20)
+libc.free(ctypes.c_void_p(first))
+block = libc.malloc(12 << 20)
+ctypes.memset(block, 1, 12 << 20)
+guard = libc.malloc(1 << 20)
+before = current_resident_bytes() >> 20
+libc.free(ctypes.c_void_p(block))
+print(libc.mallinfo2().fordblks >> 20, before - (current_resident_bytes() >> 20))
+"""
+
+
+@pytest.mark.parametrize("held", [True, False])
+@needs_glibc
+def test_blocks_of_8_mib_and_up_go_back_to_the_kernel_when_the_threshold_is_held(held):
+    """``host_memory=balanced`` (posttrain.host.allocator.map_large_blocks): after a larger block came and went,
+    a 12 MiB block still gets a mapping of its own, and its pages leave with its free; at glibc's own
+    threshold (the negative control) it comes from the heap and stays there, resident, as a hole."""
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
+    applied, free_mib, returned_mib = subprocess.run(
+        [sys.executable, "-c", LARGE_PROBE, "held" if held else "glibc"], capture_output=True, text=True,
+        check=True, env=clean).stdout.split()
+    if held:
+        assert applied == "True" and int(free_mib) < 8 and int(returned_mib) >= 11
+    else:
+        assert applied == "False" and int(free_mib) >= 12 and int(returned_mib) < 2
+
+
+@needs_glibc
+def test_holding_the_threshold_leaves_a_users_allocator_setting_alone():
+    out = subprocess.run([sys.executable, "-c", "from posttrain.host.allocator import map_large_blocks; "
+                          "print(map_large_blocks())"], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "131072"}).stdout.split()
+    assert out == ["False"]

@@ -179,7 +179,7 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory plan:"))
     assert ("returned to the kernel (host_memory=memory, asked" in line) is expected
     assert ("kept for reuse (host_memory=speed, asked" in line) is (mode == "speed")
-    assert ("small ones reused, the heap's free pages after each update (host_memory=balanced, chosen"
+    assert ("smaller ones reused, the heap's free pages after each update (host_memory=balanced, chosen"
             in line) is (mode == "auto")
     assert bool(keeps) is kept
     assert len(trims) == {"auto": 1, "speed": 0, "memory": len(phases)}[mode]  # one step: one update

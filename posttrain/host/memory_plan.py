@@ -7,9 +7,10 @@ keys that trade memory for nothing or little:
   moments a parameter instead of 8; for SmolLM2-135M 0.27 GB instead of 1.08 GB) on a CPU for a role
   that trains >= 10M parameters, ``AdamW`` elsewhere (GPU ranks, tiny models, LoRA adapters) or when
   ``optimizer_offload`` already pages the moments to a file.
-- ``actor.fsdp_config.host_memory: auto`` -> ``balanced``: glibc's own policy for freed memory (blocks
-  above its dynamic ``mmap`` threshold, up to 32 MiB, get mappings of their own and go back to the kernel
-  when freed; smaller ones are reused from the heap). ``speed`` keeps every freed block in the heap for
+- ``actor.fsdp_config.host_memory: auto`` -> ``balanced``: blocks of 8 MiB and up get mappings of their own
+  and go back to the kernel when freed, smaller ones are reused from the heap (glibc's ``mmap`` threshold
+  held there, `posttrain.host.allocator.map_large_blocks`, where glibc would raise it to 32 MiB), and the
+  heap's free pages are returned after each update. ``speed`` keeps every freed block in the heap for
   reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
   buffers and trims the heap after them (`posttrain.host.placement.memory_first`). On the built-in run
   (Zen 4, bf16, 15 steps, runs alternated) balanced peaks at 2.75 GB, speed at 3.0-3.2 GB (the heap's
@@ -102,8 +103,8 @@ class MemoryPlan:
         self.notes.append({
             "memory": f"freed buffers returned to the kernel (host_memory=memory, {how}: a lower peak, slower steps)",
             "speed": f"freed buffers kept for reuse (host_memory=speed, {how}: the heap grows from step to step)",
-            "balanced": f"large freed buffers returned to the kernel, small ones reused, the heap's free pages after "
-                        f"each update (host_memory=balanced, {how})",
+            "balanced": f"buffers of 8 MiB and up returned to the kernel when freed, smaller ones reused, the heap's "
+                        f"free pages after each update (host_memory=balanced, {how})",
         }[mode])
 
     def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,

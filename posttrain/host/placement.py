@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from posttrain.host.adamw8bit import AdamW8bit
-from posttrain.host.allocator import keep_freed_memory, mapped_allocations, release_freed_memory
+from posttrain.host.allocator import keep_freed_memory, map_large_blocks, mapped_allocations, release_freed_memory
 from posttrain.host.memory_plan import MemoryPlan
 from posttrain.host.paging import (PagedAdamW, offload_directory, one_pass, page_module, page_out_after_each_layer,
                                    paged_weights)
@@ -120,6 +120,8 @@ class InProcess(OnDevice):
             mode = "memory" if directory is not None else self.plan.host_memory(requested)  # paged moments: memory-first
             if mode in ("speed", "memory") and self.device.type == "cpu":
                 keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
+            elif mode == "balanced" and self.device.type == "cpu":
+                map_large_blocks()  # blocks of 8 MiB and up mapped and unmapped, not left as holes in the heap
             self._host_memory[id(optimizer)] = mode
             if directory is None:  # the paged case is said by note_optimizer
                 self.plan.note_host_memory(mode, requested)

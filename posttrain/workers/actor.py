@@ -24,6 +24,7 @@ from posttrain.checkpoint.ranks import process_rank
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import autocast_context, compute_response_logprobs, default_device, load_tokenizer, parse_dtype
 from posttrain.models import response_logprobs
+from posttrain.models.logprobs import head_grad_into_param
 from posttrain.models.lora import LoraAdapter, merged_for_generation
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
@@ -200,12 +201,15 @@ class ActorWorker:
         entropy, entropy_grad = objective.entropy(cfg)
 
         def micro_step(mb: dict, info: dict, meter: MetricMeter) -> torch.Tensor:
-            with self.autocast():
-                log_prob, ent = response_logprobs(
-                    self.module, *(mb[k] for k in LOGPROB_KEYS), temperature=temperature, calculate_entropy=entropy,
-                    entropy_grad=entropy_grad, remove_padding=bool(cfg.use_remove_padding),
-                    shared_prefix=bool(cfg.use_prefix_grouper))
-            loss = objective.loss(log_prob, ent, mb, info, meter, cfg)
+            # the graph is built and used only by this backward: the head's weight gradient may go straight
+            # into .grad (no second vocabulary-sized buffer at the update's peak)
+            with head_grad_into_param():
+                with self.autocast():
+                    log_prob, ent = response_logprobs(
+                        self.module, *(mb[k] for k in LOGPROB_KEYS), temperature=temperature,
+                        calculate_entropy=entropy, entropy_grad=entropy_grad,
+                        remove_padding=bool(cfg.use_remove_padding), shared_prefix=bool(cfg.use_prefix_grouper))
+                loss = objective.loss(log_prob, ent, mb, info, meter, cfg)
             loss.backward()
             return loss.detach()
 

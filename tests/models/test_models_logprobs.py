@@ -313,3 +313,88 @@ def test_heads_that_are_more_than_a_product_keep_todays_path():
     assert not plain(head, None)
     logp, _ = _stats(hidden, head, labels)
     assert "LinearHeadLogProbs" not in type(logp.grad_fn).__name__
+
+
+# --------------------------------------------------------------------------- head_grad_into_param
+class _MadeTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Shapes and dtypes of every tensor an op makes inside the block (views and in-place results excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.made.append((tuple(t.shape), t.dtype))
+        return out
+
+
+def _two_micro_batches(model, data, into_param: bool):
+    """Gradients after two micro-batches' forward + backward (bf16 autocast) and, for the second backward,
+    how many float32 tensors of the tied weight's shape were made."""
+    model.zero_grad(set_to_none=True)
+    made = None
+    for step in range(2):
+        with logprobs_mod.head_grad_into_param() if into_param else contextlib.nullcontext():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                lp, ent = response_logprobs(model, **data, calculate_entropy=True)
+            loss = -(lp.sum() + 0.1 * ent.sum()) / (step + 1)
+        with _MadeTensors() as made:
+            loss.backward()
+    weight = model.lm_head.weight
+    n_weight_sized = sum(1 for shape, dtype in made.made if shape == tuple(weight.shape) and dtype == torch.float32)
+    return {name: p.grad.clone() for name, p in model.named_parameters()}, n_weight_sized
+
+
+@pytest.fixture
+def tied_lean(tok):
+    model = tiny_llama(tok, tie_word_embeddings=True)
+    keep_less_for_backward(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def test_head_grad_into_param_leaves_the_same_grads_without_a_second_weight_buffer(tied_lean, data):
+    """Two micro-batches with a tied embedding: the same gradients as through autograd (the tied weight's
+    three terms added in another order: float32 rounding), and on the second backward, where ``.grad``
+    exists, one weight-sized float32 tensor fewer is made (autograd's path is the negative control: the
+    head's gradient buffer and its sum with the embedding's)."""
+    grads, made = _two_micro_batches(tied_lean, data, into_param=False)
+    grads_into, made_into = _two_micro_batches(tied_lean, data, into_param=True)
+    for name, g in grads.items():
+        if "embed_tokens" in name:
+            torch.testing.assert_close(grads_into[name], g, rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(grads_into[name], g), name  # only the tied weight's sum is reordered
+    assert made_into <= made - 1, (made_into, made)
+
+
+def test_head_grad_into_param_falls_back_where_autograd_must_see_the_gradient(tied_lean, data):
+    """A hooked weight (its hook must see the gradient), ``torch.autograd.grad`` (nothing accumulates) and
+    ``create_graph`` keep autograd's path."""
+    grads, _ = _two_micro_batches(tied_lean, data, into_param=False)
+    seen = []
+    handle = tied_lean.lm_head.weight.register_hook(lambda g: seen.append(g.shape))
+    try:
+        grads_hooked, _ = _two_micro_batches(tied_lean, data, into_param=True)
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # one sum (head + embedding) per backward, as without the switch
+    assert all(torch.equal(grads_hooked[n], g) for n, g in grads.items())
+    weight = tied_lean.lm_head.weight
+    weight_grads = []
+    for create_graph in (False, True):
+        tied_lean.zero_grad(set_to_none=True)
+        with logprobs_mod.head_grad_into_param(), torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = response_logprobs(tied_lean, **data)
+        (weight_grad,) = torch.autograd.grad(-lp.sum(), [weight], create_graph=create_graph)
+        assert weight.grad is None
+        weight_grads.append(weight_grad.detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = response_logprobs(tied_lean, **data)
+    (want,) = torch.autograd.grad(-lp.sum(), [weight])
+    assert all(torch.equal(g, want) for g in weight_grads)  # the head's term and the embedding's, both
