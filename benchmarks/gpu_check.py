@@ -47,7 +47,9 @@ float32 weights under bf16 autocast (the one-process placement's mixed precision
 forward + backward through ``response_logprobs`` (log-prob and entropy terms) on the same weights:
 ``autograd`` (a no-op hook on ``lm_head``, so the head goes through autograd chunk by chunk, and the layers as
 transformers builds them), ``lean`` (`keep_less_for_backward` on the layers, the head as one
-`_LinearHeadLogProbs` node) and the reference, the model in float64 without autocast. The two bf16 paths round
+`_LinearHeadLogProbs` node summing the weight's gradient into ``.grad`` as the update's micro-step does) and
+the reference, the model in float64 without autocast; each runs two micro-batches per repetition (the
+second, with ``.grad`` already there as in gradient accumulation, is the one measured). The two bf16 paths round
 differently, so each is compared with float64: per gradient tensor the relative error (norm of the difference
 over the reference's norm), and the ratio of lean's error to autograd's (the CPU test's bound is 1.2x).
 Also, of each, the CUDA peak above the weights and the median seconds of ``--lean-reps`` passes after a warm-up.
@@ -61,7 +63,7 @@ import json
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,7 +93,7 @@ from posttrain.distributed.weight_sync import (  # noqa: E402
     trainer_weights,
 )
 from posttrain.models.lean_backward import keep_less_for_backward  # noqa: E402
-from posttrain.models.logprobs import response_logprobs  # noqa: E402
+from posttrain.models.logprobs import head_grad_into_param, response_logprobs  # noqa: E402
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.workers import ActorWorker  # noqa: E402
 from helpers.tiny_models import tiny_worker_configs  # noqa: E402
@@ -436,16 +438,20 @@ def lean_variant(kind: str, args: argparse.Namespace, device: str, work: Work) -
     else:
         model.double()
     batch = lean_micro_batch(work, model.config.vocab_size, device)
+    into_param = head_grad_into_param if kind == "lean" else nullcontext  # as the update's micro-step
     seconds, peaks = [], []
     for _ in range(args.lean_reps + 1 if kind != "float64" else 1):
         model.zero_grad(set_to_none=True)
-        with phase({}, "pass", device) as stats:
-            before = torch.cuda.memory_allocated() if device == "cuda" else 0
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=kind != "float64"):
-                log_probs, entropy = response_logprobs(model, **batch, calculate_entropy=True)
-            (-(log_probs.mean()) - 0.01 * entropy.mean()).backward()
+        for accumulated in (False, True):  # two micro-batches: the second is timed, with .grad already there
+            with phase({}, "pass", device) as stats:
+                before = torch.cuda.memory_allocated() if device == "cuda" else 0
+                with into_param(), torch.autocast(device, dtype=torch.bfloat16, enabled=kind != "float64"):
+                    log_probs, entropy = response_logprobs(model, **batch, calculate_entropy=True)
+                (-(log_probs.mean()) - 0.01 * entropy.mean()).backward()
         seconds.append(stats["seconds"])
         peaks.append(stats["peak_gib"] - before / 2**30 if device == "cuda" else None)
+    for p in model.parameters():
+        p.grad.div_(2)  # the two identical micro-batches' sum: exactly twice each term
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     del model
     gc.collect()
