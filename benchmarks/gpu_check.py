@@ -442,7 +442,7 @@ def lean_variant(kind: str, args: argparse.Namespace, device: str, work: Work) -
     seconds, peaks = [], []
     for _ in range(args.lean_reps + 1 if kind != "float64" else 1):
         model.zero_grad(set_to_none=True)
-        for accumulated in (False, True):  # two micro-batches: the second is timed, with .grad already there
+        for _micro_batch in range(2):  # two micro-batches: the second is timed, with .grad already there
             with phase({}, "pass", device) as stats:
                 before = torch.cuda.memory_allocated() if device == "cuda" else 0
                 with into_param(), torch.autocast(device, dtype=torch.bfloat16, enabled=kind != "float64"):

@@ -18,15 +18,33 @@ libc.mallinfo2.restype = MallInfo2
 """
 """glibc's malloc, free and mallinfo2 for the probes below."""
 
-# Allocates and frees 256 MiB through malloc, then prints the heap's free bytes (mallinfo2().fordblks):
-# kept for reuse, they are all there; served by mmap (glibc's default for large blocks), none are.
-PROBE = LIBC + """
+
+def _applied_if(mode: str, function: str) -> str:
+    """Probe text: with ``mode`` as its argument the probe calls ``posttrain.host.allocator.<function>()`` and
+    prints its answer, else prints False (the negative control)."""
+    return f"""
 import sys
-if sys.argv[1] == 'keep':
-    from posttrain.host.allocator import keep_freed_memory
-    print(keep_freed_memory())
+if sys.argv[1] == {mode!r}:
+    from posttrain.host.allocator import {function}
+    print({function}())
 else:
     print(False)
+"""
+
+
+def _run_probe(probe: str, mode: str, **env) -> list[str]:
+    """``probe``'s printed words, run as a fresh interpreter with ``mode`` as its argument, without the
+    allocator settings of this environment (``env`` added)."""
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
+    return subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True,
+                          env={**clean, **env}).stdout.split()
+
+
+# Allocates and frees 256 MiB through malloc, then prints the heap's free bytes (mallinfo2().fordblks):
+# kept for reuse, they are all there; served by mmap (glibc's default for large blocks), none are.
+PROBE = LIBC + _applied_if("keep", "keep_freed_memory") + """
 block = libc.malloc(256 << 20)
 ctypes.memset(block, 1, 256 << 20)
 libc.free(ctypes.c_void_p(block))
@@ -35,12 +53,8 @@ print(libc.mallinfo2().fordblks >> 20)
 
 
 def _probe(mode: str, **env) -> tuple[str, int]:
-    import os
-
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
-                         env={**clean, **env}).stdout.split()
-    return out[0], int(out[1])
+    applied, free_mib = _run_probe(PROBE, mode, **env)
+    return applied, int(free_mib)
 
 
 needs_glibc = pytest.mark.skipif(_glibc() is None or not hasattr(_glibc(), "mallinfo2"),
@@ -88,11 +102,7 @@ print(before, current_resident_bytes() >> 20)
 @pytest.mark.parametrize("release", [True, False])
 @needs_glibc
 def test_release_hands_kept_memory_back(release):
-    import os
-
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
-    before, after = map(int, subprocess.run([sys.executable, "-c", RELEASE_PROBE, "release" if release else "keep"],
-                                            capture_output=True, text=True, check=True, env=clean).stdout.split())
+    before, after = map(int, _run_probe(RELEASE_PROBE, "release" if release else "keep"))
     if release:
         assert before - after >= 240  # the freed block's pages went back to the kernel
     else:
@@ -121,11 +131,7 @@ print(libc.mallinfo2().fordblks >> 20, (current_resident_bytes() >> 20) - base)
 def test_a_block_allocated_memory_first_goes_back_to_the_kernel_when_freed(mapped):
     """What ``host_memory=memory`` relies on (posttrain.host.placement.memory_first): the block has a mapping
     of its own, unmapped at its free; kept for reuse otherwise (the negative control), still resident."""
-    import os
-
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
-    free_mib, grown_mib = map(int, subprocess.run([sys.executable, "-c", MAPPED_PROBE, "mapped" if mapped else "kept"],
-                                                  capture_output=True, text=True, check=True, env=clean).stdout.split())
+    free_mib, grown_mib = map(int, _run_probe(MAPPED_PROBE, "mapped" if mapped else "kept"))
     if mapped:
         assert free_mib < 64 and grown_mib < 64
     else:
@@ -177,14 +183,8 @@ def test_kernel_caches_stop_growing_once_bounded():
 # A 24 MiB block allocated and freed (glibc's own threshold rises to its size), then a 12 MiB block written,
 # a 1 MiB block allocated after it (so the 12 MiB is not the heap's top) and the 12 MiB freed: prints whether
 # the threshold was held, the heap's free MiB and how much of the 12 MiB is still resident.
-LARGE_PROBE = LIBC + """
-import ctypes, sys
+LARGE_PROBE = LIBC + _applied_if("held", "map_large_blocks") + """
 from posttrain.host.resident import current_resident_bytes
-if sys.argv[1] == 'held':
-    from posttrain.host.allocator import map_large_blocks
-    print(map_large_blocks())
-else:
-    print(False)
 first = libc.malloc(24 << 20)
 ctypes.memset(first, 1, 24 << 20)
 libc.free(ctypes.c_void_p(first))
@@ -203,12 +203,7 @@ def test_blocks_of_8_mib_and_up_go_back_to_the_kernel_when_the_threshold_is_held
     """``host_memory=balanced`` (posttrain.host.allocator.map_large_blocks): after a larger block came and went,
     a 12 MiB block still gets a mapping of its own, and its pages leave with its free; at glibc's own
     threshold (the negative control) it comes from the heap and stays there, resident, as a hole."""
-    import os
-
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES",)}
-    applied, free_mib, returned_mib = subprocess.run(
-        [sys.executable, "-c", LARGE_PROBE, "held" if held else "glibc"], capture_output=True, text=True,
-        check=True, env=clean).stdout.split()
+    applied, free_mib, returned_mib = _run_probe(LARGE_PROBE, "held" if held else "glibc")
     if held:
         assert applied == "True" and int(free_mib) < 8 and int(returned_mib) >= 11
     else:
@@ -217,7 +212,5 @@ def test_blocks_of_8_mib_and_up_go_back_to_the_kernel_when_the_threshold_is_held
 
 @needs_glibc
 def test_holding_the_threshold_leaves_a_users_allocator_setting_alone():
-    out = subprocess.run([sys.executable, "-c", "from posttrain.host.allocator import map_large_blocks; "
-                          "print(map_large_blocks())"], capture_output=True, text=True, check=True,
-                         env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "131072"}).stdout.split()
+    out = _run_probe(_applied_if("held", "map_large_blocks"), "held", MALLOC_MMAP_THRESHOLD_="131072")
     assert out == ["False"]
