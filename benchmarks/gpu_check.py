@@ -93,7 +93,8 @@ from posttrain.distributed.weight_sync import (  # noqa: E402
     trainer_weights,
 )
 from posttrain.models.lean_backward import keep_less_for_backward  # noqa: E402
-from posttrain.models.logprobs import head_grad_into_param, response_logprobs  # noqa: E402
+from posttrain.models.into_grad import embeddings_add_into_grad, grads_into_params  # noqa: E402
+from posttrain.models.logprobs import response_logprobs  # noqa: E402
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.workers import ActorWorker  # noqa: E402
 from helpers.tiny_models import tiny_worker_configs  # noqa: E402
@@ -433,12 +434,13 @@ def lean_variant(kind: str, args: argparse.Namespace, device: str, work: Work) -
     model = build_model(device, args.tiny)  # same seed: the same weights for every variant
     if kind == "lean":
         keep_less_for_backward(model)
+        embeddings_add_into_grad(model)
     elif kind == "autograd":
         model.lm_head.register_forward_pre_hook(lambda module, inputs: None)  # a hooked head: autograd's path
     else:
         model.double()
     batch = lean_micro_batch(work, model.config.vocab_size, device)
-    into_param = head_grad_into_param if kind == "lean" else nullcontext  # as the update's micro-step
+    into_param = grads_into_params if kind == "lean" else nullcontext  # as the update's micro-step
     seconds, peaks = [], []
     for _ in range(args.lean_reps + 1 if kind != "float64" else 1):
         model.zero_grad(set_to_none=True)

@@ -21,6 +21,8 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   copy's memory for the same products (autocast would round them to bf16 at every matmul anyway);
 - a trained role that computes in bf16: its layers keep less for backward (`posttrain.models.lean_backward`:
   the fp32 weights rather than a bf16 cast of each, the norms' inputs rather than their outputs);
+- a trained role's input embedding: in the update, its gradient's rows summed into ``.grad`` rather than a
+  zero-filled vocabulary-sized tensor per micro-batch (`posttrain.models.into_grad`);
 - ``optim.optimizer: auto``: the memory plan's choice (`posttrain.host.memory_plan`: 8-bit AdamW moments
   on a CPU), said in one console line once the roles are built (`announce_plan`).
 """
@@ -41,6 +43,7 @@ from posttrain.host.paging import (PagedAdamW, offload_directory, one_pass, page
                                    paged_weights)
 from posttrain.host.process_tree import start_run_peak
 from posttrain.models.compile import decoder_layers, enable_layer_compile
+from posttrain.models.into_grad import embeddings_add_into_grad
 from posttrain.models.lean_backward import keep_less_for_backward
 from posttrain.workers.optim import build_optimizer, optimizer_kind, trainable_parameters
 from posttrain.workers.prepare import OnDevice
@@ -65,14 +68,17 @@ class InProcess(OnDevice):
     def shard(self, module: nn.Module, fsdp_config: Any, param_dtype: str, *, forward_only: bool = False,
               gradient_checkpointing: bool = False, compile_key: str | None = None,
               fsdp_section: str = "") -> nn.Module:
-        """On the device (`OnDevice.shard`); a trained bf16 role's layers keeping less for backward; a frozen role's weights paged to a file when its
-        ``param_offload`` asks on a CPU run; compiled decoder layers when ``compile_key`` is set."""
+        """On the device (`OnDevice.shard`); a trained bf16 role's layers keeping less for backward; a trained
+        role's input embedding adding its gradient into ``.grad``; a frozen role's weights paged to a file when
+        its ``param_offload`` asks on a CPU run; compiled decoder layers when ``compile_key`` is set."""
         module = super().shard(module, fsdp_config, param_dtype, forward_only=forward_only,
                                gradient_checkpointing=gradient_checkpointing)
         if forward_only and param_dtype == "bf16":
             store_frozen_in_bf16(module)
         elif param_dtype == "bf16":
             keep_less_for_backward(module)
+        if not forward_only:  # its gradient summed into .grad inside the update's micro-step (into_grad)
+            embeddings_add_into_grad(module)
         if forward_only:
             asked = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
             directory = asked or self._idle_state_directory(fsdp_config, fsdp_section, module)

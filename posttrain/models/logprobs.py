@@ -23,11 +23,12 @@ How one micro-batch is computed (``response_logprobs``):
    row, while the micro-batch's total stays within ``KEEP_ELEMENTS`` logits, else nothing (backward
    recomputes each chunk's logits). Its backward walks the vocabulary in slices, so no float32
    ``[t, V]`` gradient, no bf16 copy of the weight and one float32 weight gradient exist: the
-   backward of the actor update's lm_head was the step's memory peak. Inside `head_grad_into_param`
-   (the update engine's micro-step) that gradient is summed into ``weight.grad`` itself once it exists,
-   rather than handed to autograd (which holds it to the end of backward for a tied embedding). Other heads (a LoRA wrapper,
-   a bias, Gemma's softcap, an FSDP unit of its own) go through autograd chunk by chunk: each
-   chunk keeps its float32 softmax within ``KEEP_ELEMENTS``, beyond it is checkpointed.
+   backward of the actor update's lm_head was the step's memory peak. Inside
+   `posttrain.models.into_grad.grads_into_params` (the update engine's micro-step) that gradient is
+   summed into ``weight.grad`` itself, rather than handed to autograd (which holds it to the end of
+   backward for a tied embedding). Other heads (a LoRA wrapper, a bias, Gemma's softcap, an FSDP unit
+   of its own) go through autograd chunk by chunk: each chunk keeps its float32 softmax within
+   ``KEEP_ELEMENTS``, beyond it is checkpointed.
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
 
@@ -39,10 +40,9 @@ runs the same number of micro-batches on every rank (``equal_micro_batch_count``
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -50,12 +50,13 @@ from torch.utils.checkpoint import checkpoint
 from posttrain.algorithms.logprobs import logit_gradient, logprob_and_entropy
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.models.compile import compiled_layers
+from posttrain.models.into_grad import adds_into_grad, grad_accumulator
 from posttrain.models.lean_backward import RecastLinear, low_dtype
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
 from posttrain.models.shared_prefix import prompt_key, shared_prefix_hidden_states
 
 __all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "forget_forward_record",
-           "head_grad_into_param", "response_logprobs", "response_hidden_states", "split_lm"]
+           "response_logprobs", "response_hidden_states", "split_lm"]
 
 FSDP_CALL_ATTR = "posttrain_fsdp_call"
 """Name of the FSDP forward method ``shard_model`` registers on a sharded root: ``root.<name>(fn, *args)``."""
@@ -70,58 +71,6 @@ def call_as_forward(model: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -
     """
     runner = getattr(model, FSDP_CALL_ATTR, None)
     return runner(fn, *args, **kwargs) if runner is not None else fn(*args, **kwargs)
-
-_into_param = {"on": False}  # head_grad_into_param's switch: read when the graph is built
-
-
-@contextlib.contextmanager
-def head_grad_into_param() -> Iterator[None]:
-    """Within the block, a graph built through `_LinearHeadLogProbs` adds the head weight's gradient straight
-    into ``weight.grad`` during backward, instead of handing it to autograd (module docstring, step 4).
-
-    For a training loop that calls ``loss.backward()`` on the graph it builds here: the result is
-    ``weight.grad`` as autograd would leave it (the tied weight's terms added in another order), but no
-    second weight-sized buffer exists. Through autograd, the head's weight gradient is a tensor of its own
-    from the first chunk to the end of backward when the weight is tied to the input embedding (autograd
-    holds it until the embedding's gradient arrives, to add the two), and a fresh one on every micro-batch
-    beside ``weight.grad``: 113 MB for SmolLM2, at the update's memory peak. Only a plain leaf weight (no
-    hooks, no DTensor, no process group: FSDP and DDP read gradients through their own hooks), in a backward
-    that accumulates into it (not ``torch.autograd.grad``, not ``inputs=`` without it, not ``create_graph``);
-    otherwise the gradient goes through autograd as before."""
-    previous = _into_param["on"]
-    _into_param["on"] = True
-    try:
-        yield
-    finally:
-        _into_param["on"] = previous
-
-
-def _grad_accumulator(weight: torch.Tensor) -> Any:
-    """Before the forward, with grad on: the autograd node that would add ``weight``'s gradient to ``weight.grad``, where
-    `_LinearHeadLogProbs` may do that itself (`head_grad_into_param`); else None."""
-    if not (_into_param["on"] and torch.is_grad_enabled() and weight.is_leaf and weight.requires_grad
-            and type(weight.data) is torch.Tensor and not weight._backward_hooks
-            and getattr(weight, "_post_accumulate_grad_hooks", None) is None
-            and not (dist.is_available() and dist.is_initialized())):
-        return None
-    return weight.view_as(weight).grad_fn.next_functions[0][0]  # the leaf's AccumulateGrad
-
-
-def _adds_into_grad(weight: torch.Tensor, accumulator: Any) -> bool:
-    """At backward: whether this backward will run ``weight``'s AccumulateGrad (so adding into ``.grad`` is
-    what autograd would do) and ``.grad`` is a plain tensor to add into."""
-    will_run = getattr(torch._C, "_will_engine_execute_node", None)
-    if accumulator is None or will_run is None or torch.is_grad_enabled():
-        return False
-    try:
-        if not will_run(accumulator):
-            return False
-    except RuntimeError:  # torch.autograd.grad: nothing accumulates (it refuses to answer for a leaf's node)
-        return False
-    grad = weight.grad
-    return grad is None or (grad.shape == weight.shape and grad.dtype == weight.dtype and grad.is_contiguous()
-                            and not grad.is_sparse and not grad.requires_grad)
-
 
 CHUNK_ELEMENTS = 1 << 24  # logits elements per chunk: 16M floats = 64 MiB in float32
 KEEP_ELEMENTS = 1 << 26
@@ -255,7 +204,7 @@ def _head_logprobs(hidden, labels, head, temperature, softcap, calculate_entropy
         dtype = low_dtype(hidden, head.weight) or head.weight.dtype  # autocast's for a float32 weight
         return _LinearHeadLogProbs.apply(hidden, head.weight, labels, temperature, calculate_entropy, entropy_grad,
                                          dtype, _keeps_logits(hidden.shape[0], head.weight.shape[0]),
-                                         _grad_accumulator(head.weight))
+                                         grad_accumulator(head.weight))
     fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, entropy_grad)  # noqa: E731
     return _chunked(fn, hidden, labels, head.weight.shape[0], torch.is_grad_enabled())
 
@@ -311,7 +260,7 @@ class _LinearHeadLogProbs(torch.autograd.Function):
             return (None,) * 9
         if grad_logp is None:
             grad_logp = torch.zeros_like(logsumexp)
-        into_param = ctx.needs_input_grad[1] and _adds_into_grad(weight, ctx.accumulator)
+        into_param = ctx.needs_input_grad[1] and adds_into_grad(weight, ctx.accumulator)
         grads = _HeadGrads(hidden_low, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1], into_param)
         with torch.autocast(hidden_low.device.type, enabled=False):
             for i, start in enumerate(range(0, max(1, labels.shape[0]), ctx.rows)):
@@ -397,7 +346,7 @@ def _rows_of(values: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 class _HeadGrads:
     """The gradients of the hidden states (summed in float32) and of the head's weight (one tensor in its dtype,
     not one per chunk), each a sum over chunks and vocabulary slices of products in the compute dtype. With
-    ``into_param`` (`head_grad_into_param`) the weight's is summed into ``weight.grad`` itself, made if None."""
+    ``into_param`` (`posttrain.models.into_grad`) the weight's is summed into ``weight.grad`` itself, made if None."""
 
     def __init__(self, hidden_low: torch.Tensor, weight: torch.Tensor, hidden_needed: bool, weight_needed: bool,
                  into_param: bool = False):

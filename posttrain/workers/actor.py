@@ -24,7 +24,7 @@ from posttrain.checkpoint.ranks import process_rank
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import autocast_context, compute_response_logprobs, default_device, load_tokenizer, parse_dtype
 from posttrain.models import response_logprobs
-from posttrain.models.logprobs import head_grad_into_param
+from posttrain.models.into_grad import grads_into_params
 from posttrain.models.lora import LoraAdapter, merged_for_generation
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
@@ -201,9 +201,9 @@ class ActorWorker:
         entropy, entropy_grad = objective.entropy(cfg)
 
         def micro_step(mb: dict, info: dict, meter: MetricMeter) -> torch.Tensor:
-            # the graph is built and used only by this backward: the head's weight gradient may go straight
-            # into .grad (no second vocabulary-sized buffer at the update's peak)
-            with head_grad_into_param():
+            # the graph is built and used only by this backward: the head's and the embedding's weight
+            # gradients may go straight into .grad (no second vocabulary-sized tensor per micro-batch)
+            with grads_into_params():
                 with self.autocast():
                     log_prob, ent = response_logprobs(
                         self.module, *(mb[k] for k in LOGPROB_KEYS), temperature=temperature,
