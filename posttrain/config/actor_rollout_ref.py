@@ -131,9 +131,10 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     """Responses per forward/backward pass on one rank (gradient accumulation splits the mini-batch)."""
     use_dynamic_bsz: bool = False
-    """Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of rows."""
+    """Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of rows; with use_prefix_grouper,
+    whole prompts (each counted once, its responses as long as the micro-batch's longest)."""
     ppo_max_token_len_per_gpu: int = 16384
-    """Token budget per micro-batch when use_dynamic_bsz."""
+    """Token budget per micro-batch when use_dynamic_bsz (bounds the update's activation memory)."""
     clip_ratio: float = 0.2
     """PPO clip epsilon (default for clip_ratio_low and clip_ratio_high)."""
     clip_ratio_low: float = 0.2

@@ -31,6 +31,8 @@ class RoleSizes:
     """ppo_epochs x mini_batches_per_step."""
     last_mini_batch: Optional[int] = None
     """Responses in the last mini-batch of a step on one rank when it is smaller than the others (else None)."""
+    max_token_len: Optional[int] = None
+    """With ``use_dynamic_bsz``: the token budget of a micro-batch (``ppo_max_token_len_per_gpu``), else None."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def _per_rank_micro(section: str, global_key: str, per_gpu_key: str, global_valu
 
 
 def _role_sizes(section: str, prompts_per_mini: int, n: int, dp: int, global_micro, per_gpu_micro, dynamic: bool,
-                epochs: int, responses_per_step: int) -> RoleSizes:
+                epochs: int, responses_per_step: int, max_token_len: Optional[int] = None) -> RoleSizes:
     responses = prompts_per_mini * n
     head = f"{section}.ppo_mini_batch_size: {prompts_per_mini} prompts x {n} samples = {responses} responses"
     if responses % dp:
@@ -135,7 +137,8 @@ def _role_sizes(section: str, prompts_per_mini: int, n: int, dp: int, global_mic
         accum = mini // micro
     per_step = -(-responses_per_dp_rank // mini)  # a smaller last mini-batch is allowed, as in verl
     last = responses_per_dp_rank - (per_step - 1) * mini
-    return RoleSizes(mini, micro, accum, per_step, epochs * per_step, last if last != mini else None)
+    return RoleSizes(mini, micro, accum, per_step, epochs * per_step, last if last != mini else None,
+                     max_token_len if dynamic else None)
 
 
 def _log_prob_micro(section: str, global_value, per_gpu_value, dp: int, dynamic: bool, needed: bool) -> Optional[int]:
@@ -175,13 +178,15 @@ def derive_sizes(config: PostTrainConfig) -> DerivedSizes:
         )
     per_rank = responses // world
     actor_sizes = _role_sizes("actor_rollout_ref.actor", actor.ppo_mini_batch_size, n, dp, actor.ppo_micro_batch_size,
-                              actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_epochs, responses)
+                              actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_epochs, responses,
+                              actor.ppo_max_token_len_per_gpu)
     critic_sizes = None
     if uses_critic(config):
         c = config.critic
         c_dp = world // c.ulysses_sequence_parallel_size
         critic_sizes = _role_sizes("critic", c.ppo_mini_batch_size, c.rollout_n, c_dp, c.ppo_micro_batch_size,
-                                   c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_epochs, responses)
+                                   c.ppo_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.ppo_epochs, responses,
+                                   c.ppo_max_token_len_per_gpu)
     rollout_micro = _log_prob_micro("actor_rollout_ref.rollout", rollout.log_prob_micro_batch_size,
                                     rollout.log_prob_micro_batch_size_per_gpu, dp, rollout.log_prob_use_dynamic_bsz, True)
     ref = arr.ref
@@ -263,8 +268,11 @@ def describe_sizes(sizes: DerivedSizes) -> str:
     return "\n".join(lines)
 
 
-def _micro_split(responses: int, micro: Optional[int]) -> str:
-    """'2 micro-batches of 4' / '2 micro-batches of 4 and one of 1' / 'one micro-batch of 3'."""
+def _micro_split(responses: int, micro: Optional[int], max_token_len: Optional[int] = None) -> str:
+    """'2 micro-batches of 4' / '2 micro-batches of 4 and one of 1' / 'one micro-batch of 3' / 'micro-batches of
+    at most 640 tokens (use_dynamic_bsz)'."""
+    if max_token_len is not None:
+        return f"micro-batches of at most {max_token_len} tokens (use_dynamic_bsz)"
     if micro is None:
         return "dynamic micro-batches"
     full, rest = divmod(responses, micro)
@@ -280,9 +288,9 @@ def _mini_batches(r: RoleSizes, accum_note: str) -> str:
     """Exact per-rank mini-batch description, the smaller last mini-batch included."""
     if r.last_mini_batch is None:
         return (f"{r.mini_batches_per_step} mini-batch{'es' if r.mini_batches_per_step > 1 else ''} of {r.mini_batch} "
-                f"responses per rank, {_micro_split(r.mini_batch, r.micro_batch)} each"
+                f"responses per rank, {_micro_split(r.mini_batch, r.micro_batch, r.max_token_len)} each"
                 + (accum_note if (r.grad_accum or 0) > 1 else ""))
     full = r.mini_batches_per_step - 1
     return (f"{r.mini_batches_per_step} mini-batches per rank: {full} of {r.mini_batch} responses "
-            f"({_micro_split(r.mini_batch, r.micro_batch)} each) and a last one of {r.last_mini_batch} "
-            f"({_micro_split(r.last_mini_batch, r.micro_batch)})" + (accum_note if (r.grad_accum or 0) > 1 else ""))
+            f"({_micro_split(r.mini_batch, r.micro_batch, r.max_token_len)} each) and a last one of {r.last_mini_batch} "
+            f"({_micro_split(r.last_mini_batch, r.micro_batch, r.max_token_len)})" + (accum_note if (r.grad_accum or 0) > 1 else ""))

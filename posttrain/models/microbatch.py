@@ -15,7 +15,7 @@ import torch.distributed as dist
 from posttrain.checkpoint.ranks import is_sharded  # re-exported: a sharded forward is a collective
 
 __all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding", "forward_micro_batches",
-           "MicroBatch", "equal_micro_batch_count", "is_sharded", "zero_loss_weight"]
+           "shared_prefix_by_tokens", "MicroBatch", "equal_micro_batch_count", "is_sharded", "zero_loss_weight"]
 
 MIN_PIECE_TOKENS = 1024
 """``split_for_padding`` keeps at least this many valid tokens per piece (smaller matmuls lose speed)."""
@@ -119,20 +119,20 @@ def forward_micro_batches(attention_mask: torch.Tensor, micro_batch_size: int | 
     ``prompts`` (``[N, P]`` ids, -1 at padding) asks for rows of one prompt to share a micro-batch
     (the shared-prefix forward encodes each distinct prompt once per micro-batch): whole prompts are
     packed into micro-batches of at most ``micro_batch_size`` rows, a prompt with more rows than that
-    split. With ``use_dynamic_bsz`` the token budget decides as usual (exact either way; fewer
-    prompts are shared).
+    split; with ``use_dynamic_bsz``, of at most ``max_token_len`` tokens as that forward computes them
+    (`shared_prefix_by_tokens`). Exact either way: the losses are normalised by mini-batch totals.
     """
-    if prompts is None or use_dynamic_bsz:
+    if prompts is not None and use_dynamic_bsz:
+        return shared_prefix_by_tokens(attention_mask, prompts, max_token_len)
+    if prompts is None:
         groups = micro_batch_indices(attention_mask, micro_batch_size, use_dynamic_bsz, max_token_len,
                                      sort_by_length=True)
         return split_for_padding(attention_mask, groups)
     size = micro_batch_size or attention_mask.shape[0]
     if size <= 0:
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    _, group = torch.unique(prompts.cpu(), dim=0, return_inverse=True)
-    by_prompt = torch.sort(group, stable=True).indices.split(torch.bincount(group).tolist())
     out: list[list[int]] = [[]]
-    for rows in by_prompt:
+    for rows in _rows_by_prompt(prompts):
         rows = rows.tolist()
         if len(out[-1]) + len(rows) > size and out[-1]:
             out.append([])
@@ -141,6 +141,43 @@ def forward_micro_batches(attention_mask: torch.Tensor, micro_batch_size: int | 
             out.append([])
         out[-1].extend(rows)
     return [torch.tensor(rows, dtype=torch.long) for rows in out if rows]
+
+
+def _rows_by_prompt(prompts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Row indices of each distinct prompt (``[N, P]`` ids, -1 at padding), in the order of the sorted prompts."""
+    _, group = torch.unique(prompts.cpu(), dim=0, return_inverse=True)
+    return torch.sort(group, stable=True).indices.split(torch.bincount(group).tolist())
+
+
+def shared_prefix_by_tokens(attention_mask: torch.Tensor, prompts: torch.Tensor,
+                            max_token_len: int | None) -> list[torch.Tensor]:
+    """Row-index groups of whole prompts whose shared-prefix forward computes at most ``max_token_len`` tokens:
+    each distinct prompt once, and every row's response as long as the group's longest response (its block
+    is padded to that). Prompts with the longest responses come first, so responses of similar length share
+    a group; a prompt whose rows do not fit in one group is split into groups of as many rows as fit (at
+    least one). ``attention_mask`` is ``[N, P + R]``, ``prompts`` ``[N, P]``."""
+    if not max_token_len or max_token_len <= 0:
+        raise ValueError(f"use_dynamic_bsz needs a positive max_token_len, got {max_token_len!r}")
+    mask = attention_mask.bool().cpu()
+    prompt_width = prompts.shape[1]
+    prompt_tokens = mask[:, :prompt_width].sum(-1).tolist()
+    response_tokens = mask[:, prompt_width:].sum(-1)
+    by_prompt = sorted(_rows_by_prompt(prompts), key=lambda rows: -int(response_tokens[rows].max()))
+    out: list[list[int]] = []
+    used = longest = 0  # the open group's prompt tokens, and its longest response (the first prompt's)
+    for rows in by_prompt:
+        rows = rows[torch.sort(response_tokens[rows], descending=True, stable=True).indices].tolist()
+        prompt = prompt_tokens[rows[0]]
+        if out and used + prompt + (len(out[-1]) + len(rows)) * longest <= max_token_len:
+            out[-1].extend(rows)  # the whole prompt fits beside the open group's
+            used += prompt
+            continue
+        longest = max(1, int(response_tokens[rows[0]]))
+        fit = max(1, (max_token_len - prompt) // longest)  # rows of this prompt per group
+        for start in range(0, len(rows), fit):
+            out.append(rows[start:start + fit])
+        used = prompt
+    return [torch.tensor(rows, dtype=torch.long) for rows in out]
 
 
 class MicroBatch(NamedTuple):

@@ -246,6 +246,57 @@ def test_micro_batches_keep_a_prompts_rows_together():
     assert [sorted(g.tolist()) for g in groups if 1 in g.tolist()] == [[1, 3]]
 
 
+def _shared_prefix_cost(mask, prompts, rows) -> int:
+    """Tokens the shared-prefix forward computes for ``rows``: each distinct prompt once, every response padded
+    to the group's longest (the reference for `shared_prefix_by_tokens`' budget, computed another way)."""
+    width = prompts.shape[1]
+    distinct = {tuple(prompts[r].tolist()): int(mask[r, :width].sum()) for r in rows}
+    return sum(distinct.values()) + len(rows) * max(int(mask[r, width:].sum()) for r in rows)
+
+
+def test_micro_batches_by_tokens_keep_whole_prompts_within_the_budget():
+    """use_dynamic_bsz with shared prompts: every row once, each group within the token budget as the
+    shared-prefix forward computes it, whole prompts where they fit (two per group here), a prompt too big
+    for one group split into groups of as many rows as fit; the plain token split (the old behaviour, the
+    negative control) breaks prompts apart."""
+    ids, mask, _, resp = _grouped_batch(prompt_len=12, resp_len=5, sizes=(4, 3, 1, 2))
+    prompts = sp.prompt_key(ids, mask, resp.shape[1])
+    budget = 40
+    groups = forward_micro_batches(mask, None, use_dynamic_bsz=True, max_token_len=budget, prompts=prompts)
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(ids)))
+    for rows in groups:
+        assert _shared_prefix_cost(mask, prompts, rows.tolist()) <= budget, rows
+    prompt_of = [tuple(p.tolist()) for p in prompts]
+
+    def groups_of_each_prompt(split):
+        return [sum(prompt_of[r] in {prompt_of[x] for x in rows.tolist()} for rows in split) for r in range(len(ids))]
+
+    assert max(groups_of_each_prompt(groups)) == 1  # every prompt fits whole within 40 tokens: none split
+    assert max(len({prompt_of[r] for r in rows.tolist()}) for rows in groups) >= 2  # prompts share a group
+    plain = forward_micro_batches(mask, None, use_dynamic_bsz=True, max_token_len=budget)
+    assert max(groups_of_each_prompt(plain)) > 1  # the plain token split scatters a prompt's rows
+    tight = forward_micro_batches(mask, None, use_dynamic_bsz=True, max_token_len=20, prompts=prompts)
+    assert sorted(torch.cat(tight).tolist()) == list(range(len(ids)))
+    for rows in tight:
+        assert len(rows) == 1 or _shared_prefix_cost(mask, prompts, rows.tolist()) <= 20, rows
+    assert len(tight) > len(groups)
+    with pytest.raises(ValueError, match="max_token_len"):
+        forward_micro_batches(mask, None, use_dynamic_bsz=True, max_token_len=None, prompts=prompts)
+
+
+def test_log_probs_by_token_budget_with_shared_prompts_equal_one_plain_forward(tok):
+    """The groups `shared_prefix_by_tokens` makes give the same log-probs as one micro-batch of every row."""
+    from posttrain.models import compute_response_logprobs
+
+    model = tiny_llama(tok).eval()
+    ids, mask, pos, resp = _grouped_batch(sizes=(4, 3, 1, 2))
+    data = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": resp}
+    want, _ = compute_response_logprobs(model, data, len(ids), 0.7, False)
+    got, _ = compute_response_logprobs(model, data, None, 0.7, False, use_dynamic_bsz=True, max_token_len=30,
+                                       shared_prefix=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_tiny_grpo_run_with_prefix_grouper_equals_plain_run(tmp_path, monkeypatch):
     """The key reaches the old-log-prob, reference and update forwards; step 1 (same weights, same
     samples) has the plain run's losses and the engine's log-probs agree with the grouped scorer."""
