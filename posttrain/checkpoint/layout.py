@@ -60,6 +60,7 @@ __all__ = [
     "is_step_dir_name",
     "load_checkpoint",
     "load_role",
+    "open_tensors",
     "read_run_state",
     "restore_rng",
     "safe_torch_load",
@@ -626,6 +627,18 @@ def safe_torch_load(path: Path) -> Any:
                               f"numbers ({reason}); only weights_only files are loaded") from None
     except Exception as err:  # truncated or foreign file
         raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def open_tensors(source: Path | str) -> Any:
+    """A safetensors file opened to read one tensor at a time (``with open_tensors(p) as f: f.get_tensor(k)``),
+    with pread(2) where safetensors has it (>= 0.8: no mapping whose pages stay resident); older versions map
+    the file instead."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(source, "pt", backend="pread")
+    except TypeError:
+        return safe_open(source, "pt")
 
 
 def load_role(folder: str | os.PathLike, hf: bool = False) -> RoleState:

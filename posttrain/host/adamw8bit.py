@@ -100,15 +100,23 @@ class AdamW8bit(torch.optim.Optimizer):
             self._paged.file.page_out()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, with the codes given their own dtypes back, then (when paged) moved into the file and
-        paged out. torch casts every loaded state tensor to its parameter's dtype: int8 codes would come back
-        as float32, 4x the memory, and ``.float()`` in the update would alias them instead of copying."""
-        super().load_state_dict(state_dict)
-        for p, state in self.state.items():
-            if "exp_avg_q" not in state:
+        """torch's load of everything but the codes, which are put back as they were saved, then (when paged)
+        moved into the file and paged out. torch casts every loaded state tensor to its parameter's dtype: the
+        int8 codes of every parameter would be float32 at once (4x their memory: a resumed run's peak), and
+        ``.float()`` in the update would alias them instead of copying."""
+        held_back = {pid: {k: v for k, v in saved.items() if k in CODE_KEYS}
+                     for pid, saved in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": {pid: {k: v for k, v in saved.items() if k not in CODE_KEYS}
+                                                         for pid, saved in state_dict["state"].items()}})
+        params = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                  for pid, p in zip(saved["params"], group["params"])}
+        for pid, codes in held_back.items():
+            if not codes:
                 continue
+            p = params[pid]
+            state = self.state[p]
             for key, (_, dtype) in zip(CODE_KEYS, _code_shapes(p)):
-                state[key] = state[key].to(dtype)  # exact: the codes are whole numbers in the dtype's range
+                state[key] = codes[key].to(device=p.device, dtype=dtype)  # exact: whole numbers in the dtype's range
             if self._paged is not None:
                 self._paged.page_out(p, state)
 

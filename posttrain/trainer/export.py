@@ -36,6 +36,7 @@ from posttrain.checkpoint import (
     CheckpointWriteError,
     verify_checkpoint,
 )
+from posttrain.checkpoint.layout import open_tensors
 from posttrain.host.disk import os_error_of, write_failure_message
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.checkpoint.role import DCP_DIR, read_full_weights
@@ -224,23 +225,13 @@ def _weights_dtype(source: Path) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def _read_tensors(source: Path) -> Any:
-    """``safe_open`` reading with pread(2) (safetensors >= 0.8); older versions map the file instead."""
-    from safetensors import safe_open
-
-    try:
-        return safe_open(source, "pt", backend="pread")
-    except TypeError:
-        return safe_open(source, "pt")
-
-
 def _load_strict(model: torch.nn.Module, source: Path) -> None:
     """``source``'s tensors read into ``model`` one at a time, strictly: a missing key is forgiven only
     when it is tied to a loaded one. One at a time, and read rather than mapped, because a mapped file
     keeps the pages it was read from until it is closed: a whole file beside the model, which was the
     peak of a run's final export (beside the trainer's state)."""
     target = model.state_dict()
-    with _read_tensors(source) as file:
+    with open_tensors(source) as file:
         shapes = {k: list(file.get_slice(k).get_shape()) for k in file.keys()}  # the header alone
         names = list(shapes)
         unexpected = [k for k in names if k not in target]

@@ -15,6 +15,7 @@ after training (``--no-heldout-eval`` skips it). User errors print one ``error:`
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -37,9 +38,16 @@ def _run(trainer_cls, config, heldout: bool) -> int:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130
     _summary(history)
-    if before is not None and trainer.session.model_dir is not None:
-        _report_heldout(before, heldout_accuracy(str(trainer.session.model_dir), config), trainer.global_step)
-    return 128 + int(trainer.stopped_by) if trainer.stopped_by is not None else 0
+    model_dir, step, stopped_by = trainer.session.model_dir, trainer.global_step, trainer.stopped_by
+    if before is not None and model_dir is not None:
+        del trainer  # the trained model and its optimizer state go before the exported model loads beside them
+        gc.collect()
+        _report_heldout(before, heldout_accuracy(str(model_dir), config), step)
+        from posttrain.host.process_tree import start_run_peak
+
+        print(f"peak memory with the held-out evaluation: {start_run_peak().peak_bytes() / 1e9:.2f} GB "
+              "(process tree)", flush=True)
+    return 128 + int(stopped_by) if stopped_by is not None else 0
 
 
 def _summary(history: list[dict]) -> None:

@@ -354,3 +354,90 @@ def test_resolve_resume_modes(tmp_path):
         resolve_resume(trainer("resume_path"))
     with pytest.raises(CheckpointError, match="valid modes are auto, disable, resume_path"):
         resolve_resume(trainer("latest"))
+
+
+# --------------------------------------------------------------------------- loading a role one tensor at a time
+def _role_folder(tmp_path, model, optimizer, scheduler):
+    folder = tmp_path / "actor"
+    ckpt.write_role(folder, RoleState(model={k: v.clone() for k, v in model.state_dict().items()},
+                                      optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                                      generator=torch.Generator().manual_seed(3).get_state()))
+    return folder
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 50, bias=False))
+    model[2].weight = model[0].weight  # tied, as a causal LM's head: saved under both names
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_a_role_loads_one_saved_tensor_at_a_time_with_the_same_result(tmp_path, monkeypatch):
+    """A one-process role restores the same weights, optimizer, schedule and generator as a full
+    ``load_state_dict``, with at most one tensor read from the file alive at once (the whole-file reader, the
+    negative control, holds all of them together)."""
+    from posttrain.checkpoint import role as role_mod
+
+    saved = _trained(0)
+    folder = _role_folder(tmp_path, *saved)
+    alive, most = set(), [0]
+    real_open = role_mod.open_tensors
+
+    class Counting:
+        def __init__(self, path):
+            self.file = real_open(path)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return self.inner.get_slice(name)
+
+        def get_tensor(self, name):
+            import weakref
+            tensor = self.inner.get_tensor(name)
+            alive.add(id(tensor))
+            weakref.finalize(tensor, alive.discard, id(tensor))
+            most[0] = max(most[0], len(alive))
+            return tensor
+
+    monkeypatch.setattr(role_mod, "open_tensors", Counting)
+    model, optimizer, scheduler = _trained(1)
+    generator = torch.Generator()
+    role_mod.load_role_state(folder, model, optimizer, scheduler, generator)
+    assert most[0] == 1
+    for (name, want), got in zip(saved[0].state_dict().items(), model.state_dict().values()):
+        assert torch.equal(got, want), name
+    assert model[2].weight is model[0].weight
+    for (key, want), got in zip(saved[1].state_dict()["state"].items(), optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(got[k], want[k]) for k in want), key
+    assert scheduler.state_dict()["last_epoch"] == saved[2].state_dict()["last_epoch"]
+    assert torch.equal(generator.get_state(), torch.Generator().manual_seed(3).get_state())
+    whole = ckpt.load_role(folder)  # the negative control: every tensor in memory at once
+    assert len(whole.model) == len(saved[0].state_dict()) > 1
+
+
+def test_a_role_of_another_shape_is_refused_before_any_weight_changes(tmp_path):
+    from posttrain.checkpoint import role as role_mod
+
+    folder = _role_folder(tmp_path, *_trained(0))
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 4), torch.nn.Linear(4, 50, bias=False))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    optimizer = torch.optim.AdamW(other.parameters())
+    with pytest.raises(CheckpointError, match=r"1\.weight has shape \[8, 8\] in the checkpoint but \[4, 8\]"):
+        role_mod.load_role_state(folder, other, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1),
+                                 torch.Generator())
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
