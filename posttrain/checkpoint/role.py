@@ -106,9 +106,7 @@ def load_role_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opti
     folder = Path(folder)
     if (folder / DCP_DIR).is_dir():
         load_sharded(folder / DCP_DIR, module, optimizer, trainable_only=trainable_only)
-        lr_scheduler.load_state_dict(safe_torch_load(folder / SCHEDULER_FILE))
-        if (folder / GENERATOR_FILE).exists():
-            generator.set_state(safe_torch_load(folder / GENERATOR_FILE))
+        _load_small_state(folder, lr_scheduler, generator)
         return
     if not (folder / MODEL_FILE).exists():
         raise CheckpointError(f"{folder} holds neither {MODEL_FILE} nor {DCP_DIR}/: not a role folder")
@@ -151,6 +149,7 @@ def _load_weights_by_tensor(path: Path, module: nn.Module) -> None:
 
 
 def _load_small_state(folder: Path, lr_scheduler: Any, generator: torch.Generator) -> None:
+    """The lr schedule and the shuffle generator, from their own files (both layouts write them alike)."""
     lr_scheduler.load_state_dict(safe_torch_load(folder / SCHEDULER_FILE))
     if (folder / GENERATOR_FILE).exists():
         generator.set_state(safe_torch_load(folder / GENERATOR_FILE))

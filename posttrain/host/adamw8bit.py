@@ -104,10 +104,11 @@ class AdamW8bit(torch.optim.Optimizer):
         moved into the file and paged out. torch casts every loaded state tensor to its parameter's dtype: the
         int8 codes of every parameter would be float32 at once (4x their memory: a resumed run's peak), and
         ``.float()`` in the update would alias them instead of copying."""
-        held_back = {pid: {k: v for k, v in saved.items() if k in CODE_KEYS}
-                     for pid, saved in state_dict["state"].items()}
-        super().load_state_dict({**state_dict, "state": {pid: {k: v for k, v in saved.items() if k not in CODE_KEYS}
-                                                         for pid, saved in state_dict["state"].items()}})
+        held_back, rest = {}, {}
+        for pid, saved in state_dict["state"].items():
+            held_back[pid] = {k: v for k, v in saved.items() if k in CODE_KEYS}
+            rest[pid] = {k: v for k, v in saved.items() if k not in CODE_KEYS}
+        super().load_state_dict({**state_dict, "state": rest})
         params = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
         for pid, codes in held_back.items():

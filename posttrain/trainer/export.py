@@ -24,7 +24,6 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -213,10 +212,8 @@ _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloa
 
 def _weights_dtype(source: Path) -> torch.dtype:
     """The floating dtype most weights of ``source`` were saved in (the export keeps the training precision)."""
-    from safetensors import safe_open
-
     counts: dict[torch.dtype, int] = {}
-    with safe_open(source, "pt") as file:
+    with open_tensors(source) as file:
         for name in file.keys():
             part = file.get_slice(name)
             dtype = _FLOAT_DTYPES.get(part.get_dtype())
