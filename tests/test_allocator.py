@@ -214,3 +214,37 @@ def test_blocks_of_8_mib_and_up_go_back_to_the_kernel_when_the_threshold_is_held
 def test_holding_the_threshold_leaves_a_users_allocator_setting_alone():
     out = _run_probe(_applied_if("held", "map_large_blocks"), "held", MALLOC_MMAP_THRESHOLD_="131072")
     assert out == ["False"]
+
+
+# Blocks below the threshold (4 MiB each, 64 MiB in all) allocated at the heap's top, written and freed; prints
+# the heap's free MiB and how much of the 64 MiB left the process's resident set with the frees.
+TOP_PROBE = LIBC + """
+import sys
+from posttrain.host.resident import current_resident_bytes
+if sys.argv[1] == 'held':
+    from posttrain.host.allocator import map_large_blocks
+    assert map_large_blocks()
+else:  # the threshold alone, as map_large_blocks set it before: glibc's trim threshold stays at 128 KiB
+    assert libc.mallopt(-3, 8 << 20)
+blocks = [libc.malloc(4 << 20) for _ in range(16)]
+for block in blocks:
+    ctypes.memset(block, 1, 4 << 20)
+before = current_resident_bytes() >> 20
+for block in reversed(blocks):
+    libc.free(ctypes.c_void_p(block))
+print(libc.mallinfo2().fordblks >> 20, before - (current_resident_bytes() >> 20))
+"""
+
+
+@pytest.mark.parametrize("held", [True, False])
+@needs_glibc
+def test_holding_the_threshold_keeps_the_heaps_top_for_reuse(held):
+    """Setting glibc's mmap threshold switches off its dynamic trim threshold too (128 KiB from then on):
+    each free at the heap's top handed its pages back, and the next micro-batch faulted them in again.
+    `map_large_blocks` keeps the top (freed pages stay resident, in the heap); the threshold alone (the
+    negative control) returns them."""
+    free_mib, returned_mib = map(int, _run_probe(TOP_PROBE, "held" if held else "threshold"))
+    if held:
+        assert free_mib >= 64 and returned_mib < 4
+    else:
+        assert free_mib < 4 and returned_mib >= 60

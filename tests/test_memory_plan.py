@@ -150,8 +150,10 @@ def test_host_memory_auto_is_glibcs_own_policy():
 def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expected, kept, tmp_path, monkeypatch,
                                                                     capsys):
     """memory: the rollout and the update run memory-first; speed: freed memory kept for reuse (glibc told so);
-    auto (balanced): neither, glibc's own policy, and the heap's free pages returned after the update."""
+    auto (balanced): neither, and the heap's free pages returned after the rollout, before each optimizer
+    step and after the update."""
     import contextlib
+    import sys
 
     from helpers.tiny_run import one_thread, tiny_overrides
     from posttrain.config import load_config
@@ -169,8 +171,10 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     monkeypatch.setattr(placement, "memory_first", memory_first)
     keeps = []  # not the real call: it would change this test process's allocator for the tests after it
     monkeypatch.setattr(placement, "keep_freed_memory", lambda: keeps.append(1))
-    trims = []  # the trim after the update (balanced), and memory_first's after each of its phases
-    monkeypatch.setattr(placement, "release_freed_memory", lambda: trims.append(1))
+    trims = []  # balanced's trims (after the rollout, before each optimizer step, after the update: the caller's
+    # phase, "step" from the optimizer's hook), and memory_first's after each of its phases
+    monkeypatch.setattr(placement, "release_freed_memory",
+                        lambda: trims.append(sys._getframe(1).f_locals.get("phase", "step")))
     overrides = tiny_overrides(tmp_path, ["trainer.total_training_steps=1", "trainer.val_before_train=False",
                                       f"actor_rollout_ref.actor.fsdp_config.host_memory={mode}"])
     with one_thread():
@@ -179,10 +183,13 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory plan:"))
     assert ("returned to the kernel (host_memory=memory, asked" in line) is expected
     assert ("kept for reuse (host_memory=speed, asked" in line) is (mode == "speed")
-    assert ("smaller ones reused, the heap's free pages after each update (host_memory=balanced, chosen"
+    assert ("smaller ones reused, the heap's free pages after each rollout and update (host_memory=balanced, chosen"
             in line) is (mode == "auto")
     assert bool(keeps) is kept
-    assert len(trims) == {"auto": 1, "speed": 0, "memory": len(phases)}[mode]  # one step: one update
+    if mode == "auto":  # one step: its rollout, its update's optimizer steps, the end of its update
+        assert trims[0] == "gen" and trims[-1] == "update_actor" and set(trims[1:-1]) == {"step"}, trims
+    else:
+        assert len(trims) == {"speed": 0, "memory": len(phases)}[mode]
 
 
 def test_a_host_memory_value_that_is_not_a_mode_is_refused_naming_the_key():

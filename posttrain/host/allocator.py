@@ -83,11 +83,19 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     they leave between longer-lived tensors are resident memory the next phases cannot always fill. Held
     at 8 MiB, the multi-turn retry run (3 steps, Zen 4) peaked at 2.94 GB against 3.13 GB at glibc's own
     (3.05 at 16 MiB; 2.62 at 1 MiB, but with steps 40% slower: every block fresh, zero-filled pages).
-    Nothing is done when the user configured the allocator (`USER_SETTINGS`) or off glibc."""
+
+    Setting the threshold also stops glibc's dynamic pairing, which raises the trim threshold with it (to
+    twice the mmap threshold): left at its 128 KiB, every free at the heap's top handed the pages back and
+    the next micro-batch faulted them in again, zero-filled (the retry run's update: 14 GB of page faults
+    in 4 steps, 1.84 s per 1000 tokens; 7.4 GB and 1.69 s with the top kept). So the top is kept too
+    (`TRIM_THRESHOLD_BYTES`); the phases that leave memory nobody reuses return it themselves
+    (`release_freed_memory`: after each update, loading, validation). Nothing is done when the user
+    configured the allocator (`USER_SETTINGS`) or off glibc."""
     if any(os.environ.get(name) for name in USER_SETTINGS):
         return False
     libc = _glibc()
-    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    return (libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+            and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))
 
 
 @functools.cache  # once per process: later callers (CLI, then main_ppo, then a rank) get the first answer

@@ -104,7 +104,7 @@ class MemoryPlan:
             "memory": f"freed buffers returned to the kernel (host_memory=memory, {how}: a lower peak, slower steps)",
             "speed": f"freed buffers kept for reuse (host_memory=speed, {how}: the heap grows from step to step)",
             "balanced": f"buffers of 8 MiB and up returned to the kernel when freed, smaller ones reused, the heap's "
-                        f"free pages after each update (host_memory=balanced, {how})",
+                        f"free pages after each rollout and update (host_memory=balanced, {how})",
         }[mode])
 
     def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,

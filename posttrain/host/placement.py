@@ -128,6 +128,9 @@ class InProcess(OnDevice):
                 keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
             elif mode == "balanced" and self.device.type == "cpu":
                 map_large_blocks()  # blocks of 8 MiB and up mapped and unmapped, not left as holes in the heap
+                # the micro-batches' activations are free by the step: their pages go back before the step's
+                # own (the moments mapped in, their dequantised copies) come on top of them
+                optimizer.register_step_pre_hook(lambda *_: release_freed_memory())
             self._host_memory[id(optimizer)] = mode
             if directory is None:  # the paged case is said by note_optimizer
                 self.plan.note_host_memory(mode, requested)
@@ -162,17 +165,19 @@ class InProcess(OnDevice):
         """One call on ``worker`` (None: nothing to do): its paged weights, if any, dropped from memory
         after the call however it ends (`posttrain.host.paging.one_pass`); and when its role chose memory
         over speed (paged moments, or ``host_memory``), the phases of `MEMORY_FIRST_PHASES` run `memory_first`;
-        under ``host_memory=balanced`` the actor's update returns the heap's free pages once it is done.
+        under ``host_memory=balanced`` the actor's rollout and update return the heap's free pages once done.
         ``with_optimizer``: nothing to move in one process (the moments page themselves)."""
         paged = paged_weights(getattr(worker, "module", None))
         mode = self._host_memory.get(id(getattr(worker, "optimizer", None)))
         first = phase in MEMORY_FIRST_PHASES and mode == "memory"
         with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
             yield
-        if phase == "update_actor" and mode == "balanced" and self.device.type == "cpu":
-            # the update's activations leave holes between the tensors that outlive it (gradients, moments);
-            # glibc returns only the heap's top, so the holes stayed resident and the next update's peak
-            # crept up from step to step (the multi-turn retry run: 3.62 -> 3.72 GB over 4 steps)
+        if phase in ("gen", "update_actor") and mode == "balanced" and self.device.type == "cpu":
+            # the update's activations leave holes between the tensors that outlive it (gradients, moments):
+            # kept, the next update's peak crept up from step to step (the multi-turn retry run: 3.62 -> 3.72
+            # GB over 4 steps). The rollout's cache and logits are sizes the scoring passes do not reuse:
+            # kept, they sat under the reference pass and the update (the retry run's peak, 6 steps: 2.86 GB;
+            # returned here and before the optimizer step, 2.71)
             release_freed_memory()
 
 
