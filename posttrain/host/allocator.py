@@ -17,11 +17,11 @@ step until full, ~0.6 GB held for nothing. ``keep_freed_memory`` first caps both
 step's distinct shapes, so the reuse within a phase is kept.
 
 Each Ray rank calls it; a one-process CPU run does when ``host_memory`` is ``speed`` or ``memory``
-(`posttrain.host.placement.InProcess`): by default (``balanced``) glibc keeps its own policy, which on
-the built-in run peaks 0.3-0.45 GB lower at the same step time (`posttrain.host.memory_plan`). The
-command-line entry points bound the kernel caches before torch's first matmul (`bound_kernel_caches`). It does nothing off glibc, or when the
-user configured the allocator (a ``MALLOC_*`` tuning variable, ``GLIBC_TUNABLES``, or a preloaded
-allocator such as jemalloc or tcmalloc).
+(`posttrain.host.placement.InProcess`): by default (``balanced``) it holds the ``mmap`` threshold instead
+(`map_large_blocks`), which on the built-in run peaks 0.3-0.45 GB lower at the same step time
+(`posttrain.host.memory_plan`). The command-line entry points bound the kernel caches before torch's first
+matmul (`bound_kernel_caches`). Nothing is done off glibc, or when the user configured the allocator (a
+``MALLOC_*`` tuning variable, ``GLIBC_TUNABLES``, or a preloaded allocator such as jemalloc or tcmalloc).
 
 Kept memory is also memory held: what a passing peak freed (loading and dequantising the models,
 a long validation) would stay resident for the rest of the run, and the holes that a step leaves
@@ -70,13 +70,14 @@ def bound_kernel_caches() -> None:
 
 
 MMAP_THRESHOLD_BYTES = 8 << 20
-"""Blocks from this size up get mappings of their own under `map_large_blocks`."""
+"""Blocks from this size up get mappings of their own under `map_large_blocks` (where the heap has no room)."""
 
 
 @functools.cache  # once per process
 def map_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """glibc's ``mmap`` threshold held at ``threshold`` (True when set): every block from that size up gets a
-    mapping of its own, unmapped when freed; smaller ones come from the heap and are reused.
+    """glibc's ``mmap`` threshold held at ``threshold`` (True when set): a block from that size up that the heap's
+    free memory cannot hold gets a mapping of its own, unmapped when freed; the rest comes from the heap and is
+    reused.
 
     glibc's own threshold starts at 128 KiB and rises to the size of each mapped block freed, up to 32 MiB:
     after the first update, a micro-batch's logit chunks and activations come from the heap, and the holes

@@ -130,7 +130,7 @@ class InProcess(OnDevice):
                 map_large_blocks()  # blocks of 8 MiB and up mapped and unmapped, not left as holes in the heap
                 # the micro-batches' activations are free by the step: their pages go back before the step's
                 # own (the moments mapped in, their dequantised copies) come on top of them
-                optimizer.register_step_pre_hook(lambda *_: release_freed_memory())
+                optimizer.register_step_pre_hook(_release_before_step)
             self._host_memory[id(optimizer)] = mode
             if directory is None:  # the paged case is said by note_optimizer
                 self.plan.note_host_memory(mode, requested)
@@ -179,6 +179,11 @@ class InProcess(OnDevice):
             # kept, they sat under the reference pass and the update (the retry run's peak, 6 steps: 2.86 GB;
             # returned here and before the optimizer step, 2.71)
             release_freed_memory()
+
+
+def _release_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step pre-hook (it must return None: torch reads a result as new arguments)."""
+    release_freed_memory()
 
 
 def _setting(section: Any, key: str, default: Any) -> Any:
