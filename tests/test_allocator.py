@@ -248,3 +248,34 @@ def test_holding_the_threshold_keeps_the_heaps_top_for_reuse(held):
         assert free_mib >= 64 and returned_mib < 4
     else:
         assert free_mib < 4 and returned_mib >= 60
+
+
+# Under map_large_blocks, a 12 MiB block allocated (inside heap_allocations, or outside it: the negative control)
+# after a guard so that it is not the heap's top, and freed: prints the heap's free MiB and the MiB that left the
+# resident set with the free.
+HEAP_PROBE = LIBC + """
+import contextlib, sys
+from posttrain.host.allocator import heap_allocations, map_large_blocks
+from posttrain.host.resident import current_resident_bytes
+assert map_large_blocks()
+with heap_allocations() if sys.argv[1] == 'heap' else contextlib.nullcontext():
+    block = libc.malloc(12 << 20)
+    ctypes.memset(block, 1, 12 << 20)
+    guard = libc.malloc(1 << 20)
+before = current_resident_bytes() >> 20
+libc.free(ctypes.c_void_p(block))
+print(libc.mallinfo2().fordblks >> 20, before - (current_resident_bytes() >> 20))
+"""
+
+
+@pytest.mark.parametrize("heap", [True, False])
+@needs_glibc
+def test_a_large_block_comes_from_the_heap_inside_heap_allocations(heap):
+    """The update's phase under ``host_memory=balanced`` (posttrain.host.placement): a block above the threshold
+    comes from the heap and its freed pages stay there for the next micro-batch; outside, it is mapped and its
+    pages leave with its free (the negative control)."""
+    free_mib, returned_mib = map(int, _run_probe(HEAP_PROBE, "heap" if heap else "mapped"))
+    if heap:
+        assert free_mib >= 12 and returned_mib < 2
+    else:
+        assert free_mib < 8 and returned_mib >= 11

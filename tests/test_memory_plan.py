@@ -150,8 +150,8 @@ def test_host_memory_auto_is_glibcs_own_policy():
 def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expected, kept, tmp_path, monkeypatch,
                                                                     capsys):
     """memory: the rollout and the update run memory-first; speed: freed memory kept for reuse (glibc told so);
-    auto (balanced): neither, and the heap's free pages returned after the rollout, before each optimizer
-    step and after the update."""
+    auto (balanced): neither; the update's large buffers from the heap, and the heap's free pages returned
+    after the rollout, before each optimizer step and after the update."""
     import contextlib
     import sys
 
@@ -178,6 +178,14 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
         return True
 
     monkeypatch.setattr(placement, "release_freed_memory", release)
+    heaps = []  # balanced's update: its large buffers from the heap (posttrain.host.allocator.heap_allocations)
+
+    @contextlib.contextmanager
+    def heap_allocations():
+        heaps.append(1)
+        yield
+
+    monkeypatch.setattr(placement, "heap_allocations", heap_allocations)
     overrides = tiny_overrides(tmp_path, ["trainer.total_training_steps=1", "trainer.val_before_train=False",
                                       f"actor_rollout_ref.actor.fsdp_config.host_memory={mode}"])
     with one_thread():
@@ -189,6 +197,7 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     assert ("smaller ones reused, the heap's free pages after each rollout and update (host_memory=balanced, chosen"
             in line) is (mode == "auto")
     assert bool(keeps) is kept
+    assert len(heaps) == (mode == "auto")  # one step: one update
     if mode == "auto":  # one step: its rollout, its update's optimizer steps, the end of its update
         assert trims[0] == "gen" and trims[-1] == "update_actor" and set(trims[1:-1]) == {"step"}, trims
     else:

@@ -31,6 +31,8 @@ kernel at the points where the next phase's reuse is not worth what they hold.
 ``mapped_allocations`` gives the blocks allocated inside a ``with`` block mappings of their own
 again, for short-lived buffers of unusual sizes (the lean decoder's packed weights, over-allocated
 2x by MKL and half untouched) that would otherwise leave the heap holes every later phase touches.
+``heap_allocations`` is its opposite under `map_large_blocks`: every block from the heap, for a phase that
+allocates the same large buffers again and again (the update's micro-batches), trimmed after it.
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ import functools
 import os
 from typing import Iterator
 
-__all__ = ["KERNEL_CACHE_ENTRIES", "MMAP_THRESHOLD_BYTES", "bound_kernel_caches", "keep_freed_memory", "map_large_blocks",
-           "mapped_allocations", "release_freed_memory"]
+__all__ = ["KERNEL_CACHE_ENTRIES", "MMAP_THRESHOLD_BYTES", "bound_kernel_caches", "heap_allocations", "keep_freed_memory",
+           "map_large_blocks", "mapped_allocations", "release_freed_memory"]
 
 GLIBC_MMAP_MAX = 65536
 """glibc's default ``M_MMAP_MAX``: mappings allowed at once."""
 
 _kept = False  # keep_freed_memory() turned mmap allocation off in this process
+_held = False  # map_large_blocks() held the mmap threshold in this process
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt parameters (malloc.h)
 TRIM_THRESHOLD_BYTES = 2**31 - 1
@@ -95,8 +98,27 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     if any(os.environ.get(name) for name in USER_SETTINGS):
         return False
     libc = _glibc()
-    return (libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
-            and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))
+    global _held
+    _held = (libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+             and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))
+    return _held
+
+
+@contextlib.contextmanager
+def heap_allocations() -> Iterator[None]:
+    """Under `map_large_blocks`, every block allocated inside the block comes from the heap, whatever its size;
+    otherwise nothing changes. For a phase that allocates and frees the same large buffers again and again (the
+    update's micro-batches: logit chunks, activations): mapped, each came back as fresh zero-filled pages,
+    every micro-batch. The caller returns the heap's free pages after it (`release_freed_memory`)."""
+    libc = _glibc() if _held else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_MAX, 0)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
 
 
 @functools.cache  # once per process: later callers (CLI, then main_ppo, then a rank) get the first answer

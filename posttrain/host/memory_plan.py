@@ -7,15 +7,15 @@ keys that trade memory for nothing or little:
   moments a parameter instead of 8; for SmolLM2-135M 0.27 GB instead of 1.08 GB) on a CPU for a role
   that trains >= 10M parameters, ``AdamW`` elsewhere (GPU ranks, tiny models, LoRA adapters) or when
   ``optimizer_offload`` already pages the moments to a file.
-- ``actor.fsdp_config.host_memory: auto`` -> ``balanced``: blocks of 8 MiB and up get mappings of their own
-  and go back to the kernel when freed, smaller ones are reused from the heap (glibc's ``mmap`` threshold
-  held there, `posttrain.host.allocator.map_large_blocks`, where glibc would raise it to 32 MiB), and the
-  heap's free pages are returned after each update. ``speed`` keeps every freed block in the heap for
-  reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
-  buffers and trims the heap after them (`posttrain.host.placement.memory_first`). On the built-in run
-  (Zen 4, bf16, 15 steps, runs alternated) balanced peaks at 2.75 GB, speed at 3.0-3.2 GB (the heap's
-  holes grow it step by step), with the same step time (7.6-7.8 s against 7.4-7.9 s): the large blocks
-  that come back as fresh pages are few since the layers keep less. benchmarks/README.md has the figures.
+- ``actor.fsdp_config.host_memory: auto`` -> ``balanced``: glibc's ``mmap`` threshold held at 8 MiB (where glibc
+  would raise it to 32 MiB) and the heap's top kept for reuse (`posttrain.host.allocator.map_large_blocks`); the
+  actor's update takes every block from the heap (`heap_allocations`: its micro-batches reuse the same large
+  buffers), and the heap's free pages go back to the kernel after each rollout, before each optimizer step and
+  after each update, so one phase's holes do not sit under the next. ``speed`` keeps every freed block in the heap
+  for reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
+  buffers and trims the heap after them (`posttrain.host.placement.memory_first`). On the built-in run (Zen 4,
+  bf16, 15 steps) balanced peaks at 2.54 GB, at the same median step as before (5.66 s against 5.61 s);
+  benchmarks/README.md has the figures, pass by pass.
 - ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary
   directory when that is on a disk (`idle_state_directory`): a frozen role's weights between its passes,
   a trained role's 8-bit moments between optimizer steps (`posttrain.host.adamw8bit.AdamW8bit`'s

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from posttrain.host.adamw8bit import AdamW8bit
-from posttrain.host.allocator import keep_freed_memory, map_large_blocks, mapped_allocations, release_freed_memory
+from posttrain.host.allocator import (heap_allocations, keep_freed_memory, map_large_blocks, mapped_allocations,
+                                      release_freed_memory)
 from posttrain.host.memory_plan import MemoryPlan
 from posttrain.host.paging import (PagedAdamW, offload_directory, one_pass, page_module, page_out_after_each_layer,
                                    paged_weights)
@@ -170,9 +171,11 @@ class InProcess(OnDevice):
         paged = paged_weights(getattr(worker, "module", None))
         mode = self._host_memory.get(id(getattr(worker, "optimizer", None)))
         first = phase in MEMORY_FIRST_PHASES and mode == "memory"
-        with one_pass(paged), (memory_first() if first else contextlib.nullcontext()):
-            yield
-        if phase in ("gen", "update_actor") and mode == "balanced" and self.device.type == "cpu":
+        balanced = mode == "balanced" and self.device.type == "cpu"
+        with one_pass(paged), (memory_first() if first else contextlib.nullcontext()), (
+                heap_allocations() if balanced and phase == "update_actor" else contextlib.nullcontext()):
+            yield  # balanced: the update's large buffers reused from micro-batch to micro-batch, not mapped afresh
+        if phase in ("gen", "update_actor") and balanced:
             # the update's activations leave holes between the tensors that outlive it (gradients, moments):
             # kept, the next update's peak crept up from step to step (the multi-turn retry run: 3.62 -> 3.72
             # GB over 4 steps). The rollout's cache and logits are sizes the scoring passes do not reuse:
