@@ -194,8 +194,8 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory plan:"))
     assert ("returned to the kernel (host_memory=memory, asked" in line) is expected
     assert ("kept for reuse (host_memory=speed, asked" in line) is (mode == "speed")
-    assert ("smaller ones reused, the heap's free pages after each rollout and update (host_memory=balanced, chosen"
-            in line) is (mode == "auto")
+    assert ("the update's reused from the heap, the heap's free pages returned after each rollout and update "
+            "(host_memory=balanced, chosen" in line) is (mode == "auto")
     assert bool(keeps) is kept
     assert len(heaps) == (mode == "auto")  # one step: one update
     if mode == "auto":  # one step: its rollout, its update's optimizer steps, the end of its update

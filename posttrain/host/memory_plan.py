@@ -14,8 +14,8 @@ keys that trade memory for nothing or little:
   after each update, so one phase's holes do not sit under the next. ``speed`` keeps every freed block in the heap
   for reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
   buffers and trims the heap after them (`posttrain.host.placement.memory_first`). On the built-in run (Zen 4,
-  bf16, 15 steps) balanced peaks at 2.54 GB, at the same median step as before (5.66 s against 5.61 s);
-  benchmarks/README.md has the figures, pass by pass.
+  bf16, 15 steps, one run each) balanced peaks at 2.54-2.60 GB with a median step of 5.66-5.88 s, against
+  2.66 GB and 5.61 s before the update came from the heap; benchmarks/README.md has the figures, pass by pass.
 - ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary
   directory when that is on a disk (`idle_state_directory`): a frozen role's weights between its passes,
   a trained role's 8-bit moments between optimizer steps (`posttrain.host.adamw8bit.AdamW8bit`'s
@@ -103,8 +103,9 @@ class MemoryPlan:
         self.notes.append({
             "memory": f"freed buffers returned to the kernel (host_memory=memory, {how}: a lower peak, slower steps)",
             "speed": f"freed buffers kept for reuse (host_memory=speed, {how}: the heap grows from step to step)",
-            "balanced": f"buffers of 8 MiB and up returned to the kernel when freed, smaller ones reused, the heap's "
-                        f"free pages after each rollout and update (host_memory=balanced, {how})",
+            "balanced": f"buffers of 8 MiB and up returned to the kernel when freed outside the update, the update's "
+                        f"reused from the heap, the heap's free pages returned after each rollout and update "
+                        f"(host_memory=balanced, {how})",
         }[mode])
 
     def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,
