@@ -180,20 +180,27 @@ def test_kernel_caches_stop_growing_once_bounded():
     assert control > 4 * max(bounded, 5), (bounded, control)
 
 
-# A 24 MiB block allocated and freed (glibc's own threshold rises to its size), then a 12 MiB block written,
-# a 1 MiB block allocated after it (so the 12 MiB is not the heap's top) and the 12 MiB freed: prints whether
-# the threshold was held, the heap's free MiB and how much of the 12 MiB is still resident.
-LARGE_PROBE = LIBC + _applied_if("held", "map_large_blocks") + """
+BLOCK_12_MIB = """
 from posttrain.host.resident import current_resident_bytes
+def written_12_mib():  # a 1 MiB block allocated after it, so that it is not the heap's top
+    block = libc.malloc(12 << 20)
+    ctypes.memset(block, 1, 12 << 20)
+    libc.malloc(1 << 20)
+    return block
+def free_and_report(block):  # prints the heap's free MiB and the MiB that left the resident set with the free
+    before = current_resident_bytes() >> 20
+    libc.free(ctypes.c_void_p(block))
+    print(libc.mallinfo2().fordblks >> 20, before - (current_resident_bytes() >> 20))
+"""
+"""Probe text: a written 12 MiB block that is not the heap's top, and its free with what it returned."""
+
+# A 24 MiB block allocated and freed (glibc's own threshold rises to its size), then a 12 MiB block written and
+# freed: prints whether the threshold was held, the heap's free MiB and how much of the 12 MiB left with the free.
+LARGE_PROBE = LIBC + _applied_if("held", "map_large_blocks") + BLOCK_12_MIB + """
 first = libc.malloc(24 << 20)
 ctypes.memset(first, 1, 24 << 20)
 libc.free(ctypes.c_void_p(first))
-block = libc.malloc(12 << 20)
-ctypes.memset(block, 1, 12 << 20)
-guard = libc.malloc(1 << 20)
-before = current_resident_bytes() >> 20
-libc.free(ctypes.c_void_p(block))
-print(libc.mallinfo2().fordblks >> 20, before - (current_resident_bytes() >> 20))
+free_and_report(written_12_mib())
 """
 
 
@@ -250,21 +257,15 @@ def test_holding_the_threshold_keeps_the_heaps_top_for_reuse(held):
         assert free_mib < 4 and returned_mib >= 60
 
 
-# Under map_large_blocks, a 12 MiB block allocated (inside heap_allocations, or outside it: the negative control)
-# after a guard so that it is not the heap's top, and freed: prints the heap's free MiB and the MiB that left the
-# resident set with the free.
-HEAP_PROBE = LIBC + """
+# Under map_large_blocks, a 12 MiB block allocated inside heap_allocations (or outside it: the negative control)
+# and freed after it: prints the heap's free MiB and the MiB that left the resident set with the free.
+HEAP_PROBE = LIBC + BLOCK_12_MIB + """
 import contextlib, sys
 from posttrain.host.allocator import heap_allocations, map_large_blocks
-from posttrain.host.resident import current_resident_bytes
 assert map_large_blocks()
 with heap_allocations() if sys.argv[1] == 'heap' else contextlib.nullcontext():
-    block = libc.malloc(12 << 20)
-    ctypes.memset(block, 1, 12 << 20)
-    guard = libc.malloc(1 << 20)
-before = current_resident_bytes() >> 20
-libc.free(ctypes.c_void_p(block))
-print(libc.mallinfo2().fordblks >> 20, before - (current_resident_bytes() >> 20))
+    block = written_12_mib()
+free_and_report(block)
 """
 
 

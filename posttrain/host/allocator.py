@@ -93,8 +93,8 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     the next micro-batch faulted them in again, zero-filled (the retry run's update: 14 GB of page faults
     in 4 steps, 1.84 s per 1000 tokens; 7.4 GB and 1.69 s with the top kept). So the top is kept too
     (`TRIM_THRESHOLD_BYTES`); the phases that leave memory nobody reuses return it themselves
-    (`release_freed_memory`: after loading, each rollout, validation and update, and before each optimizer step). Nothing is done when the user
-    configured the allocator (`USER_SETTINGS`) or off glibc."""
+    (`release_freed_memory`: after loading, each rollout, validation and update, and before each optimizer
+    step). Nothing is done when the user configured the allocator (`USER_SETTINGS`) or off glibc."""
     if any(os.environ.get(name) for name in USER_SETTINGS):
         return False
     libc = _glibc()

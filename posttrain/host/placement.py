@@ -53,7 +53,8 @@ __all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_
 
 MEMORY_FIRST_PHASES = ("gen", "update_actor")
 """The actor's rollout and update: the phases whose large short-lived buffers (logits, the rollout's
-cache, gradients) `memory_first` keeps out of the heap when ``optimizer_offload`` chose memory."""
+cache, gradients) `memory_first` keeps out of the heap when ``optimizer_offload`` chose memory, and
+after which ``host_memory=balanced`` returns the heap's free pages (`InProcess.resident`)."""
 
 
 class InProcess(OnDevice):
@@ -175,7 +176,7 @@ class InProcess(OnDevice):
         with one_pass(paged), (memory_first() if first else contextlib.nullcontext()), (
                 heap_allocations() if balanced and phase == "update_actor" else contextlib.nullcontext()):
             yield  # balanced: the update's large buffers reused from micro-batch to micro-batch, not mapped afresh
-        if phase in ("gen", "update_actor") and balanced:
+        if phase in MEMORY_FIRST_PHASES and balanced:
             # the update's activations leave holes between the tensors that outlive it (gradients, moments):
             # kept, the next update's peak crept up from step to step (the multi-turn retry run: 3.62 -> 3.72
             # GB over 4 steps). The rollout's cache and logits are sizes the scoring passes do not reuse:
