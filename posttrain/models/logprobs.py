@@ -53,7 +53,7 @@ from posttrain.models.compile import compiled_layers
 from posttrain.models.into_grad import adds_into_grad, grad_accumulator
 from posttrain.models.lean_backward import RecastLinear, low_dtype
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
-from posttrain.models.shared_prefix import prompt_key, shared_prefix_hidden_states
+from posttrain.models.shared_prefix import prompt_key, shared_prefix_hidden_states, take_columns
 
 __all__ = ["FSDP_CALL_ATTR", "call_as_forward", "compute_response_logprobs", "forget_forward_record",
            "response_logprobs", "response_hidden_states", "split_lm"]
@@ -114,7 +114,7 @@ def _packed_hidden_states(backbone, input_ids, attention_mask, position_ids, res
     flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1  # [B, S] row/col -> packed index
     seq_len = keep.shape[1]
     cols = flat_index[:, seq_len - response_length - 1:seq_len - 1].clamp(min=0)  # [B, R]
-    return flat[cols], response_length  # positions after EOS hold unrelated states; callers mask them
+    return take_columns(flat, cols), response_length  # positions after EOS hold unrelated states; callers mask them
 
 
 def response_hidden_states(

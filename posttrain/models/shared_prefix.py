@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from posttrain.models.attention import AttentionBlocks
 
 __all__ = ["SharedPrefixLayout", "TreeLayout", "build_layout", "build_tree_layout", "prompt_groups", "prompt_key",
-           "shared_beginning", "shared_prefix_hidden_states"]
+           "shared_beginning", "shared_prefix_hidden_states", "take_columns"]
 
 _FLOP_PER_PAIR_OVER_HIDDEN = 6
 """Cost model of one forward, in units of one attention pair: a token through the linear layers is
@@ -300,6 +300,16 @@ def _mask_form(backbone: nn.Module) -> str | None:
     return "bool" if impl in ("sdpa", ATTN_NAME) else "additive" if impl == "eager" else None
 
 
+def take_columns(hidden: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``hidden[cols]`` for ``[W, H]`` states and an index ``[B, T]`` that repeats columns (the prompt's last
+    column predicts every response's first token), with a gradient that is the same on every run.
+
+    Advanced indexing's backward on CPU sums a repeated column's gradients in parallel, in whatever order
+    the threads reach it: the last bits vary from run to run, and one seed's training runs diverge after a
+    few steps. ``index_select``'s backward sums them in index order."""
+    return hidden.index_select(0, cols.flatten()).view(*cols.shape, hidden.shape[-1])
+
+
 def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 position_ids: torch.Tensor, response_length: int) -> torch.Tensor | None:
     """Hidden states ``[B, R, H]`` that predict the ``R`` response tokens of ``[B, P + R]`` rows
@@ -317,7 +327,7 @@ def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, at
         # mask transformers builds from the positions is not read
         out = backbone(input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=None,
                        use_cache=False, **{PREFIX_SLOTS_KWARG: tree.blocks})
-        return out.last_hidden_state[0][tree.predict_cols]
+        return take_columns(out.last_hidden_state[0], tree.predict_cols)
     form = _mask_form(backbone)  # checked first: no layout is built for a kernel that cannot take it
     if form is None:
         return None
@@ -329,4 +339,5 @@ def shared_prefix_hidden_states(backbone: nn.Module, input_ids: torch.Tensor, at
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
             ~mask, torch.finfo(torch.float32).min)
     out = backbone(input_ids=layout.input_ids, attention_mask=mask, position_ids=layout.position_ids, use_cache=False)
-    return out.last_hidden_state[layout.group[:, None], layout.predict_cols]
+    hidden = out.last_hidden_state  # [G, W, H]: row g's column c is flat row g * W + c
+    return take_columns(hidden.flatten(0, 1), layout.group[:, None] * hidden.shape[1] + layout.predict_cols)

@@ -413,3 +413,48 @@ def test_block_attention_runs_under_the_cpu_attention_only(tok, monkeypatch):
         with torch.no_grad():
             response_logprobs(tiny_llama(tok, attn_implementation=implementation), *_grouped_batch(), shared_prefix=True)
         assert sorted(set(calls)) == want, implementation
+
+
+def _repeated_columns(seed=0):
+    """A micro-batch's shape on SmolLM2-135M: 394 layout columns of width 576; four responses whose first
+    token all read the prompt's last column (89), and a tail clamped to the last column."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(394, 576, generator=g)
+    cols = torch.cat([torch.full((4, 1), 89), torch.randint(90, 394, (4, 95), generator=g)], dim=1)
+    cols[:, 60:] = 393
+    grad = torch.randn(4, 96, 576, generator=g) * 1e-4
+    return hidden, cols, grad
+
+
+def _gradient_bits(select, hidden, cols, grad) -> bytes:
+    x = hidden.clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(select(x, cols), x, grad)
+    return dx.numpy().tobytes()
+
+
+def test_take_columns_is_indexing_with_a_gradient_that_sums_repeats():
+    hidden, cols, grad = _repeated_columns()
+    assert torch.equal(sp.take_columns(hidden, cols), hidden[cols])
+    x = hidden.double().requires_grad_(True)
+    (dx,) = torch.autograd.grad(sp.take_columns(x, cols), x, grad.double())
+    expected = torch.zeros_like(hidden, dtype=torch.float64)
+    for b in range(cols.shape[0]):  # the reference: one add per (row, step), in a float64 loop
+        for t in range(cols.shape[1]):
+            expected[cols[b, t]] += grad[b, t].double()
+    torch.testing.assert_close(dx, expected, rtol=0, atol=1e-15)
+
+
+def test_take_columns_gives_the_same_gradient_bits_on_every_call():
+    """The reason `take_columns` exists: advanced indexing's CPU backward adds a repeated column's
+    gradients in parallel in a varying order (the control), which made one seed's retry runs end at
+    +28.9 or +32.8 held-out points; index_select's backward does not."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores: one thread adds in a fixed order, and the control would show nothing")
+    torch.set_num_threads(2)  # (the suite's one thread is restored after the test)
+    hidden, cols, grad = _repeated_columns()
+    runs = {_gradient_bits(sp.take_columns, hidden, cols, grad) for _ in range(30)}
+    assert len(runs) == 1
+    control = {_gradient_bits(lambda x, c: x[c], hidden, cols, grad) for _ in range(30)}
+    assert len(control) > 1, "advanced indexing's backward was deterministic here: the control shows nothing"
