@@ -90,6 +90,26 @@ def test_yaml_special_override_values_never_crash(value, capsys, monkeypatch):
         _one_line(capsys, rc, 2, "cannot parse" if shell_quoting else "data.train_batch_size")
 
 
+@pytest.mark.parametrize("word", ["off", "on", "yes", "no", "true"])
+def test_a_text_key_takes_yaml_boolean_words_as_written(word):
+    """YAML 1.1 reads `off` as False, which a string key turned into 'False': `host_paging=off`, a documented
+    value, was refused as not one of auto/on/off. A boolean key still reads them as booleans."""
+    from posttrain.config.load import parse_override_value
+
+    key = "actor_rollout_ref.actor.fsdp_config.host_paging"
+    assert parse_override_value(key, word, "override") == word
+    assert parse_override_value("trainer.val_before_train", word, "override") is (word in ("on", "yes", "true"))
+
+
+def test_host_paging_off_override_loads():
+    from posttrain.config import load_config
+
+    from posttrain import BUILTIN_CONFIG
+
+    cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.host_paging=off"], base=BUILTIN_CONFIG)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.host_paging == "off"
+
+
 def test_non_utf8_launch_script_and_yaml_name_the_line(tmp_path, capsys):
     script = tmp_path / "run.sh"
     script.write_bytes(b"python3 -m verl.trainer.main_ppo \\\n  trainer.experiment_name=caf\xe9 \\\n  data.train_batch_size=8\n")
