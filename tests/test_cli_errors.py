@@ -90,15 +90,17 @@ def test_yaml_special_override_values_never_crash(value, capsys, monkeypatch):
         _one_line(capsys, rc, 2, "cannot parse" if shell_quoting else "data.train_batch_size")
 
 
-@pytest.mark.parametrize("word", ["off", "on", "yes", "no", "true"])
+@pytest.mark.parametrize("word", ["off", "on", "yes", "no", "Off"])
 def test_a_text_key_takes_yaml_boolean_words_as_written(word):
     """YAML 1.1 reads `off` as False, which a string key turned into 'False': `host_paging=off`, a documented
-    value, was refused as not one of auto/on/off. A boolean key still reads them as booleans."""
+    value, was refused as not one of auto/on/off. A boolean key still reads them as booleans; true/false stay
+    booleans everywhere (a free-form dict's `log=False` is the boolean, as in Hydra)."""
     from posttrain.config.load import parse_override_value
 
     key = "actor_rollout_ref.actor.fsdp_config.host_paging"
     assert parse_override_value(key, word, "override") == word
-    assert parse_override_value("trainer.val_before_train", word, "override") is (word in ("on", "yes", "true"))
+    assert parse_override_value("trainer.val_before_train", word, "override") is (word in ("on", "yes"))
+    assert parse_override_value("reward_model.reward_kwargs.overlong_buffer_cfg.log", "False", "override") is False
 
 
 def test_host_paging_off_override_loads():

@@ -119,7 +119,7 @@ def _takes_text(key: str, tree: Tree) -> bool:
 
 def parse_override_value(key: str, text: str, where: str, tree: Tree = RL_TREE) -> Any:
     """An override's value: YAML rules, except that text YAML reads specially (``@x``, backticks,
-    ``%``, ``&``, ``*``, ``!`` ..., and the booleans ``off``, ``on``, ``yes``, ``no``) is the literal string
+    ``%``, ``&``, ``*``, ``!`` ..., and YAML 1.1's booleans ``off``, ``on``, ``yes``, ``no``) is the literal string
     for string keys, and refused naming the key (with the fix: quote it) for the others."""
     text_key = _takes_text(key, tree)
     if text_key and text.startswith(_YAML_INDICATORS):
@@ -132,8 +132,8 @@ def parse_override_value(key: str, text: str, where: str, tree: Tree = RL_TREE) 
         raise ConfigError(f"{where}: {key}: {err}; expected {_type_name(tree.leaf_type(key))}") from None
     if text_key and isinstance(value, dict) and not text.lstrip().startswith("{"):
         return text  # `name=a: b` is text, not a mapping
-    if text_key and isinstance(value, bool):
-        return text.strip()  # YAML 1.1 reads off/on/yes/no as booleans; `host_paging=off` means the word (as in Hydra)
+    if text_key and isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        return text.strip()  # YAML 1.1 reads off/on/yes/no as booleans; Hydra, and `host_paging=off`, mean the word
     return value
 
 
