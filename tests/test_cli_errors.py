@@ -104,9 +104,8 @@ def test_a_text_key_takes_yaml_boolean_words_as_written(word):
 
 
 def test_host_paging_off_override_loads():
-    from posttrain.config import load_config
-
     from posttrain import BUILTIN_CONFIG
+    from posttrain.config import load_config
 
     cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.host_paging=off"], base=BUILTIN_CONFIG)
     assert cfg.actor_rollout_ref.actor.fsdp_config.host_paging == "off"

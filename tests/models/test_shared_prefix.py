@@ -10,6 +10,8 @@ where terms cancel). The float64 comparisons swap in a float64 RMSNorm to compar
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -448,8 +450,6 @@ def test_take_columns_gives_the_same_gradient_bits_on_every_call():
     """The reason `take_columns` exists: advanced indexing's CPU backward adds a repeated column's
     gradients in parallel in a varying order (the control), which made one seed's retry runs end at
     +28.9 or +32.8 held-out points; index_select's backward does not."""
-    import os
-
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores: one thread adds in a fixed order, and the control would show nothing")
     torch.set_num_threads(2)  # (the suite's one thread is restored after the test)
