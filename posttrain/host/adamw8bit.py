@@ -26,7 +26,9 @@ against a float64 AdamW on a small problem.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import warnings
 from typing import Iterable
 
 import torch
@@ -42,12 +44,16 @@ class AdamW8bit(torch.optim.Optimizer):
     """AdamW (``lr``, ``betas``, ``eps``, ``weight_decay`` as torch's) with 8-bit block-wise moments."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, directory: str | None = None):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, directory: str | None = None,
+                 native: bool | None = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"AdamW8bit: lr, eps and weight_decay must be >= 0 and betas in [0, 1), got "
                              f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._paged = None if directory is None else _PagedCodes(self._params_8bit(), directory)
+        self._native = _native_kernel(native) if self._params_8bit() else None
+        self.kernel = "C" if self._native is not None else "torch"
+        """What updates the 8-bit blocks: ``C`` (``adamw8bit.c``, one pass a block) or ``torch`` (`_update_blocks`)."""
 
     def _params_8bit(self) -> list[torch.Tensor]:
         """The parameters whose moments are stored in 8 bits (each once), in group order."""
@@ -90,7 +96,10 @@ class AdamW8bit(torch.optim.Optimizer):
             v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             p.addcdiv_(m, v.sqrt().div_(bias2_sqrt).add_(eps), value=-lr / bias1)
             return
-        _update_blocks(p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
+        if self._native is not None and p.dtype == p.grad.dtype == torch.float32 and p.device.type == "cpu":
+            _update_native(self._native, p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
+        else:
+            _update_blocks(p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
         if self._paged is not None:
             self._paged.page_out(p, state)
 
@@ -176,6 +185,36 @@ def _init_state(state: dict, p: torch.Tensor, paged: _PagedCodes | None = None) 
         return
     for key, (shape, dtype) in zip(CODE_KEYS, _code_shapes(p)):
         state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+
+
+def _native_kernel(native: bool | None):
+    """``adamw8bit.c``'s ``adamw8bit_update`` (`posttrain.host.native`), or None: ``native=False``, or no C
+    compiler (auto warns once and keeps the torch update, the same arithmetic ~3x slower; True raises)."""
+    if native is False:
+        return None
+    from posttrain.host.native import last_error, load  # noqa: PLC0415 - builds a library on first use
+
+    library = load("adamw8bit")
+    if library is None:
+        if native:
+            raise RuntimeError(f"AdamW8bit(native=True): the C kernel is not available: {last_error['adamw8bit']}")
+        warnings.warn(f"AdamW8bit: {last_error['adamw8bit']}; the torch update runs instead (the same "
+                      f"arithmetic, about 3x slower a step)", stacklevel=3)
+        return None
+    kernel = library.adamw8bit_update
+    kernel.restype = None
+    kernel.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 6 + [ctypes.c_int]
+    return kernel
+
+
+def _update_native(kernel, p, grad, state, beta1, beta2, eps, step_size, bias2_sqrt) -> None:
+    """`_update_blocks`'s step by the C kernel: the whole parameter in one call, one pass a block."""
+    grad = grad.contiguous()
+    codes = [state[k] for k in CODE_KEYS]
+    if not all(t.is_contiguous() for t in codes):
+        raise ValueError("AdamW8bit: the 8-bit codes must be contiguous for the C kernel")
+    kernel(p.data_ptr(), grad.data_ptr(), *(t.data_ptr() for t in codes), p.numel(), codes[0].shape[0],
+           1 - beta1, beta2, 1 - beta2, eps, step_size, bias2_sqrt, torch.get_num_threads())
 
 
 def _update_blocks(p, grad, state, beta1, beta2, eps, step_size, bias2_sqrt) -> None:

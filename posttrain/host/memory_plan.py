@@ -28,7 +28,7 @@ actor with its adapters off; DPO's ``dpo.precompute_ref_log_probs``), and its pr
 The line reads, e.g.::
 
     memory plan: CPU, 23.4 GiB RAM (20.1 free), no bf16 instructions; actor: AdamW moments 8-bit
-    (adamw_8bit, 0.27 GB instead of 1.08 GB); reference: frozen copy in fp32
+    (adamw_8bit, 0.27 GB instead of 1.08 GB, updated in C); reference: frozen copy in fp32
 """
 
 from __future__ import annotations
@@ -109,14 +109,16 @@ class MemoryPlan:
         }[mode])
 
     def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,
-                       idle_paged: bool = False) -> None:
+                       idle_paged: bool = False, kernel: str = "C") -> None:
+        """``kernel``: what updates the 8-bit moments (`posttrain.host.adamw8bit.AdamW8bit.kernel`)."""
         how = "chosen" if requested == "auto" else "asked"
         if paged:
             self.notes.append(f"{role}: AdamW moments paged to a file (optimizer_offload)")
         elif kind == "adamw_8bit":
             between = ", paged to a file between steps (host_paging)" if idle_paged else ""
+            update = ", updated in C" if kernel == "C" else ", updated by torch ops: no C kernel"
             self.notes.append(f"{role}: AdamW moments 8-bit ({kind}, {how}: {2 * trained_params / 1e9:.2f} GB instead "
-                              f"of {8 * trained_params / 1e9:.2f} GB{between})")
+                              f"of {8 * trained_params / 1e9:.2f} GB{between}{update})")
         else:
             self.notes.append(f"{role}: AdamW moments fp32 ({8 * trained_params / 1e9:.2f} GB; {how})")
 

@@ -122,7 +122,8 @@ class InProcess(OnDevice):
         if optimizer is None:
             optimizer = build_optimizer(params, optim_config, make, kind=kind)
         paged_codes = getattr(optimizer, "_paged", None) is not None
-        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, paged_codes)
+        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, paged_codes,
+                                 getattr(optimizer, "kernel", "C"))
         if role == "actor_rollout_ref.actor":  # the phases of MEMORY_FIRST_PHASES are the actor's
             requested = _setting(fsdp_config, "host_memory", "auto")
             mode = "memory" if directory is not None else self.plan.host_memory(requested)  # paged moments: memory-first
