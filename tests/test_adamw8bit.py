@@ -241,3 +241,16 @@ def test_a_failing_build_falls_back_and_a_build_is_cached_per_source(monkeypatch
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-fno-such-flag"))  # a compiler that refuses: no crash
     assert native.load("adamw8bit") is None
     assert "failed on adamw8bit.c" in native.last_error["adamw8bit"] and "no-such-flag" in native.last_error["adamw8bit"]
+
+
+@needs_cc
+def test_the_c_kernel_refuses_codes_of_the_wrong_size_instead_of_reading_past_them():
+    p = torch.nn.Parameter(torch.randn(MIN_8BIT_SIZE))
+    opt = AdamW8bit([p], native=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p]["exp_avg_q"] = opt.state[p]["exp_avg_q"][:-1].clone()  # one block short: the kernel would overrun
+    before, steps = p.detach().clone(), int(opt.state[p]["step"])
+    with pytest.raises(ValueError, match=r"shape \(4096,\) needs contiguous codes shaped"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and int(opt.state[p]["step"]) == steps  # refused before anything changed

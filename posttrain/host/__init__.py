@@ -4,6 +4,8 @@
     allocator.py  glibc's malloc told to keep freed memory for reuse, and when to hand it back
     paging.py     state paged to a file between uses (param_offload / optimizer_offload on a CPU run),
                   `PagedAdamW` among it
+    adamw8bit.py  AdamW with 8-bit moments (the CPU default), its block update in C (adamw8bit.c)
+    native.py     C kernels built once per machine with the system's compiler, loaded with ctypes
     placement.py  `InProcess`: the one-process placement, where the levers above meet the roles
     resident.py   resident memory now, at its peak and per phase
     cache.py      the per-user cache folder and per-machine answers (timings measured once)

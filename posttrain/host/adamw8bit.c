@@ -1,5 +1,5 @@
 /* AdamW's step over one parameter whose moments are stored in 8 bits, block by block: the arithmetic of
- * `posttrain.host.adamw8bit.update_chunk` (the format is described there) in one pass over each block of
+ * `posttrain.host.adamw8bit._update_blocks` (the format is described there) in one pass over each block of
  * 256 values, which stays in the L1 cache, instead of torch's ~20 passes over a chunk.
  *
  * Built once per machine by `posttrain.host.native` (cc -O3 -march=native -fopenmp; no FMA contraction,

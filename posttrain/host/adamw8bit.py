@@ -3,8 +3,12 @@ instead of 8: 0.27 GB instead of 1.08 GB for SmolLM2-135M).
 
 Why not bitsandbytes: bitsandbytes 0.50.2 installs and runs on this CPU (AVX2), but its CPU step
 took 1.0-1.2 s for one ``[49152 * 576]`` parameter against fused AdamW's 0.03 s (x40; ~4.7 s a
-step for the 134.5M parameters of SmolLM2), more than the run's whole step-time allowance. This one
-is torch's own CPU kernels over chunks that stay in cache (the figures: benchmarks/README.md, "Memory").
+step for the 134.5M parameters of SmolLM2), more than the run's whole step-time allowance. Here a
+parameter's blocks are updated by ``adamw8bit.c`` (one pass a block of 256 values, in L1; built once
+per machine by `posttrain.host.native`): 0.09-0.10 s for 56M values against 0.29-0.31 s for the same
+arithmetic in torch ops (`_update_blocks`, ~20 passes over chunks that stay in cache), which runs where no
+C compiler builds the kernel. The two agree but where torch's sqrt (MKL's, within an ulp, not correctly
+rounded) tips a code by one level (figures: benchmarks/README.md, "Memory").
 
 The format (after Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", and Li et
 al. 2023, "Memory Efficient Optimizers with 4-bit States"): each parameter's moments are cut into
@@ -83,6 +87,10 @@ class AdamW8bit(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             _init_state(state, p, self._paged)
+        native = ("exp_avg" not in state and self._native is not None and _plain_cpu_float32(p)
+                  and _plain_cpu_float32(p.grad))
+        if native:
+            _check_sizes(p, state)  # before anything changes
         state["step"] += 1
         step = int(state["step"])
         beta1, beta2 = group["betas"]
@@ -96,7 +104,7 @@ class AdamW8bit(torch.optim.Optimizer):
             v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             p.addcdiv_(m, v.sqrt().div_(bias2_sqrt).add_(eps), value=-lr / bias1)
             return
-        if self._native is not None and p.dtype == p.grad.dtype == torch.float32 and p.device.type == "cpu":
+        if native:
             _update_native(self._native, p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
         else:
             _update_blocks(p, p.grad, state, beta1, beta2, eps, lr / bias1, bias2_sqrt)
@@ -207,14 +215,28 @@ def _native_kernel(native: bool | None):
     return kernel
 
 
+def _plain_cpu_float32(t: torch.Tensor) -> bool:
+    """A float32 tensor in this process's memory (not a DTensor shard, not on a GPU): what the C kernel reads."""
+    return type(t.data) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _check_sizes(p: torch.Tensor, state: dict) -> None:
+    """The C kernel trusts the codes' sizes with raw pointers: a wrong one (a damaged state) is an error here,
+    not a write past the end."""
+    expected = _code_shapes(p)
+    got = [(tuple(state[k].shape), state[k].dtype) for k in CODE_KEYS]
+    if not p.is_contiguous() or got != expected or not all(state[k].is_contiguous() for k in CODE_KEYS):
+        raise ValueError(f"AdamW8bit: a parameter of shape {tuple(p.shape)} needs contiguous codes shaped {expected}; "
+                         f"got {got}")
+
+
 def _update_native(kernel, p, grad, state, beta1, beta2, eps, step_size, bias2_sqrt) -> None:
-    """`_update_blocks`'s step by the C kernel: the whole parameter in one call, one pass a block."""
+    """`_update_blocks`'s step by the C kernel: the whole parameter in one call, one pass a block (sizes
+    checked by `_check_sizes`)."""
     grad = grad.contiguous()
-    codes = [state[k] for k in CODE_KEYS]
-    if not all(t.is_contiguous() for t in codes):
-        raise ValueError("AdamW8bit: the 8-bit codes must be contiguous for the C kernel")
-    kernel(p.data_ptr(), grad.data_ptr(), *(t.data_ptr() for t in codes), p.numel(), codes[0].shape[0],
-           1 - beta1, beta2, 1 - beta2, eps, step_size, bias2_sqrt, torch.get_num_threads())
+    qm, sm, qv, sv = (state[k] for k in CODE_KEYS)
+    kernel(p.data_ptr(), grad.data_ptr(), qm.data_ptr(), sm.data_ptr(), qv.data_ptr(), sv.data_ptr(), p.numel(),
+           qm.shape[0], 1 - beta1, beta2, 1 - beta2, eps, step_size, bias2_sqrt, torch.get_num_threads())
 
 
 def _update_blocks(p, grad, state, beta1, beta2, eps, step_size, bias2_sqrt) -> None:
