@@ -173,10 +173,7 @@ class _PagedCodes:
         """``p``'s codes moved into the file (when a checkpoint load put copies elsewhere) and dropped from memory."""
         first = self._first[p]
         for k, key in enumerate(CODE_KEYS):
-            if not self.file.holds(first + k, state[key]):
-                self.file.tensors[first + k].copy_(state[key])
-                state[key] = self.file.tensors[first + k]
-            self.file.page_out(first + k)
+            state[key] = self.file.store(first + k, state[key])
 
 
 def _init_state(state: dict, p: torch.Tensor, paged: _PagedCodes | None = None) -> None:

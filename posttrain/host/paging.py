@@ -126,6 +126,14 @@ class PagedTensors:
         mine = self.tensors[index]
         return tensor.data_ptr() == mine.data_ptr() and tensor.shape == mine.shape
 
+    def store(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into ``tensors[index]`` (unless it is that tensor already: a checkpoint load puts
+        copies elsewhere), which is then paged out and returned: the caller keeps it in place of ``tensor``."""
+        if not self.holds(index, tensor):
+            self.tensors[index].copy_(tensor)
+        self.page_out(index)
+        return self.tensors[index]
+
 
 def page_module(module: nn.Module, directory: str, what: str = "the reference's weights") -> PagedTensors:
     """``module``'s parameters (each once, tied ones too) moved into a `PagedTensors` and paged out;
@@ -240,11 +248,7 @@ class PagedAdamW(torch.optim.AdamW):
             if key not in self._files:
                 self._files[key] = PagedTensors([q.detach() for q in self._params], self._directory,
                                                 what=f"AdamW's {key}")
-            paged = self._files[key]
-            if not paged.holds(i, value):
-                paged.tensors[i].copy_(value)
-                state[key] = paged.tensors[i]
-            paged.page_out(i)
+            state[key] = self._files[key].store(i, value)
 
     def page_out(self) -> None:
         """Every moment dropped from memory (after a checkpoint read them all)."""
