@@ -29,8 +29,9 @@ from posttrain.host.cache import cache_root
 __all__ = ["FLAGS", "load", "last_error"]
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
-"""``-ffp-contract=off``: no fused multiply-add, each operation rounds as torch's elementwise kernels do;
-``-fno-math-errno``: ``sqrtf`` becomes one vector instruction (nothing here reads errno)."""
+"""``-ffp-contract=off``: the compiler fuses no multiply-add of its own, so each operation rounds as in torch's
+elementwise kernels (a kernel writes ``fmaf`` where torch's own kernel fuses); ``-fno-math-errno``: ``sqrtf``
+becomes one vector instruction (nothing here reads errno)."""
 
 last_error: dict[str, str] = {}
 """Why `load` returned None, per kernel name."""
@@ -48,9 +49,10 @@ def load(name: str) -> ctypes.CDLL | None:
 
 def _build_and_load(name: str) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.c")
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    asked = os.environ.get("CC", "cc")
+    compiler = shutil.which(asked)
     if compiler is None:
-        last_error[name] = f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH)"
+        last_error[name] = f"no C compiler ({asked!r} is not on PATH)"
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
