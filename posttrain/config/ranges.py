@@ -79,7 +79,10 @@ LEAF_RANGES: dict[str, Range] = {
 }
 """Ranges by a key's last part, in every tree."""
 
-RL_RANGES: dict[str, Range] = {}
+RL_RANGES: dict[str, Range] = {
+    "reward.reward_model.nnodes": Range(0.0),  # verl's default 0: no pool of its own
+    "reward.reward_model.rollout.top_k": Range(1.0, off=-1, off_means="off"),
+}
 """Ranges by full dotted key of the RL tree (`posttrain.config.schema.PostTrainConfig`)."""
 
 SFT_RANGES: dict[str, Range] = {

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from posttrain.config.actor_rollout_ref import ActorRolloutRefConfig, _cfg
 from posttrain.config.async_training import AsyncTrainingConfig
 from posttrain.config.critic import CriticConfig, RewardModelConfig
+from posttrain.config.reward import RewardConfig
 
 
 @_cfg()
@@ -101,16 +102,6 @@ class CustomRewardFunctionConfig:
     """Python file defining the scoring function (null: built-in scorers by data_source)."""
     name: str = "compute_score"
     """Function name in that file: compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
-
-
-@_cfg()
-class RewardConfig:
-    num_workers: int = 0
-    """(posttrain) Processes scoring responses in parallel (0: in this process)."""
-    on_error: str = "raise"
-    """(posttrain) An exception, a time-out or a nan/inf score in a scorer: raise (naming the row) or zero (score 0, counted in reward/errors)."""
-    timeout_s: Optional[float] = 60.0
-    """(posttrain) Seconds the scorer may take on one row; then the row is handled per reward.on_error (null: no limit)."""
 
 
 @_cfg()
@@ -284,7 +275,7 @@ class PostTrainConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """User scoring function."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """(posttrain) Rule-based reward execution."""
+    """The reward loop (verl 0.9): the scoring function, its manager, a reward model or judge, the sandbox, and posttrain's scorer limits."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimation and in-reward KL."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
