@@ -42,6 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from posttrain.errors import ConfigError
+from posttrain.sandbox.cgroup import RunCgroup, memory_cgroups
 from posttrain.sandbox.limits import Limits, RunResult
 
 __all__ = ["LANGUAGES", "LocalSandbox", "isolation_available"]
@@ -66,7 +67,7 @@ def _is_root() -> bool:
 
 
 def _unshare_command(network: bool) -> list[str]:
-    command = ["unshare", "--pid", "--mount", "--fork", "--kill-child", "--propagation", "private"]
+    command = ["unshare", "--pid", "--mount", "--ipc", "--fork", "--kill-child", "--propagation", "private"]
     if not network:
         command.append("--net")
     if not _is_root():
@@ -114,10 +115,12 @@ def _probe_namespaces() -> str | None:
     except (OSError, subprocess.SubprocessError) as error:
         return f"unshare failed: {error}"
     if result.stdout.strip() != "probe ok":
-        why = (result.stderr.strip().splitlines() or [result.stdout.strip() or result.status])[-1]
+        # the sandbox's own failure is in limit_hit ("sandbox error: ..."), the code's in stderr
+        why = result.limit_hit if result.status == "sandbox_error" and result.limit_hit else (
+            result.stderr.strip().splitlines() or [result.stdout.strip() or result.status])[-1]
         hint = "" if _is_root() else (" (not root: this needs unprivileged user namespaces, e.g. sysctl "
                                       "kernel.unprivileged_userns_clone=1 and user.max_user_namespaces > 0)")
-        return f"a probe run under unshare did not come out isolated: {why[:200]}{hint}"
+        return f"a probe run under unshare did not come out isolated: {why[:300]}{hint}"
     return None
 
 
@@ -139,7 +142,7 @@ class LocalSandbox:
         self._active: set[subprocess.Popen] = set()  # runs in flight, for `close`
         self._active_lock = threading.Condition()
         self._in_flight = 0
-        self.isolation = _describe(mode, limits)
+        self.isolation = _describe(mode, limits, num_workers)
 
     # ------------------------------------------------------------------ public
     def run(self, code: str, language: str = "python", stdin: str = "", limits: Limits | None = None) -> RunResult:
@@ -183,7 +186,7 @@ class LocalSandbox:
     def uid_for(self, slot: int) -> int | None:
         """The uid the code of a run holding ``slot`` runs as: one of its own when we are root (so
         RLIMIT_NPROC counts only that run and files owned by root stay unwritable), else ours."""
-        if not _is_root() or (self.mode == "none" and not _reachable_by_others(_interpreter_paths())):
+        if not _is_root():
             return None
         return FIRST_UID + (os.getpid() % (1 << 22)) * MAX_WORKERS + slot
 
@@ -191,6 +194,12 @@ class LocalSandbox:
 def _choose_mode(limits: Limits) -> str:
     wanted = limits.isolation
     if wanted == "none":  # the explicit choice of weaker isolation: network and file system stay open
+        if _is_root() and not _reachable_by_others(_interpreter_paths()):
+            raise ConfigError(
+                f"sandbox isolation 'none' as root: the code would run as root, because other uids cannot reach "
+                f"this interpreter ({_first_private(_interpreter_paths())} may not be entered by others); use "
+                f"isolation: auto (namespaces), or run as a user other than root, or use an interpreter every "
+                f"user can read")
         return "none"
     available = isolation_available()
     if wanted == "bwrap":
@@ -204,18 +213,50 @@ def _choose_mode(limits: Limits) -> str:
     return "namespaces"
 
 
-def _describe(mode: str, limits: Limits) -> str:
+def _describe(mode: str, limits: Limits, num_workers: int) -> str:
     """One line: the isolation active and, where it is weaker than root's namespaces, what does not hold."""
+    memory = _memory_words(limits, num_workers)
     if mode == "none":
-        root_note = "; running as root with an interpreter other uids cannot reach, so max_processes does not hold" if (
-            _is_root() and not _reachable_by_others(_interpreter_paths())) else ""
-        return ("none (holds: resource limits, wall-clock time-out, scrubbed environment, process sweep; NOT isolated: "
-                f"network, file system (writable wherever this uid may), other processes' /proc{root_note})")
-    spaces = "pid, mount" + ("" if limits.network else ", net") + ("" if _is_root() else ", user")
+        uid = "own uid per run" if _is_root() else "your uid"
+        return (f"none (holds: resource limits, {memory}, wall-clock time-out, scrubbed environment, process sweep, "
+                f"{uid}; NOT isolated: network, file system (readable and writable wherever this uid may), IPC, "
+                "other processes' /proc)")
+    spaces = "pid, mount, ipc" + ("" if limits.network else ", net") + ("" if _is_root() else ", user")
     uid = "own uid per run" if _is_root() else (
-        "user namespace: the code runs as your uid, so max_processes counts all your processes and threads")
-    net = "network open" if limits.network else "no network"
-    return f"namespaces (unshare: {spaces}; {net}; read-only file system but the folder and /dev/shm; {uid})"
+        "user namespace: the code runs as your uid without capabilities, so max_processes counts all your "
+        "processes and threads")
+    net = ("network open: every port of this machine's localhost and its abstract sockets too" if limits.network
+           else "no network")
+    return (f"namespaces (unshare: {spaces}; {net}; {memory}; file system: only the system folders, the interpreter "
+            f"and its site-packages, read-only, and the run's own folder and /dev/shm; {uid})")
+
+
+def _memory_words(limits: Limits, num_workers: int) -> str:
+    folder, _, why_not = memory_cgroups()
+    if folder is not None:
+        return f"memory {limits.memory_mb} MB for the whole run (cgroup)"
+    cap = _process_cap(limits, num_workers)
+    return (f"memory {limits.memory_mb} MB per process, not per run (RLIMIT_AS; no cgroup: {why_not}), so "
+            f"max_processes is cut to {cap}: a run holds at most {cap * limits.memory_mb} MB")
+
+
+@lru_cache(maxsize=None)
+def _total_memory_mb() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) >> 10
+    except (OSError, ValueError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def _process_cap(limits: Limits, num_workers: int) -> int:
+    """Without a cgroup: processes a run may have (threads count too) so that ``num_workers`` runs of
+    ``memory_mb`` each per process fit in half of this machine's memory; at least 1, at most max_processes."""
+    budget_mb = _total_memory_mb() // 2 // max(1, num_workers)
+    return max(1, min(limits.max_processes, budget_mb // limits.memory_mb))
 
 
 @lru_cache(maxsize=None)
@@ -262,6 +303,18 @@ def _reachable_by_others(paths: tuple[str, ...]) -> bool:
     return True
 
 
+def _first_private(paths: tuple[str, ...]) -> str:
+    """The first directory on the way to ``paths`` that others may not enter, with its mode."""
+    for path in paths:
+        parts = Path(path).parts
+        for depth in range(1, len(parts)):
+            directory = Path(*parts[:depth])
+            mode = os.stat(directory).st_mode
+            if not mode & 0o001:
+                return f"{directory}, mode {mode & 0o7777:o},"
+    return "a folder on the way"
+
+
 def _tasks_of(uid: int) -> int:
     """Processes and threads running as ``uid`` (what RLIMIT_NPROC counts)."""
     count = 0
@@ -282,6 +335,9 @@ class _Run:
         self.sandbox = sandbox
         self.limits = limits
         self.uid = sandbox.uid_for(slot)
+        parent, version, _ = memory_cgroups()
+        self.cgroup = RunCgroup(parent, version, f"posttrain-sandbox-{os.getpid()}-{slot}") if parent else None
+        self.oom_kills = 0
         self.keep_bytes = limits.max_output_chars * 4 + 4  # a UTF-8 character is at most 4 bytes
         self.heads = {"stdout": bytearray(), "stderr": bytearray()}
         self.total_bytes = 0
@@ -294,18 +350,28 @@ class _Run:
             Path(folder, "main.py").write_bytes(code.encode("utf-8", errors="replace"))  # lone surrogates: "?"
             if self.uid is not None:
                 os.chown(folder, self.uid, self.uid)
-            report = self._spawn_and_collect(folder, stdin.encode("utf-8", errors="replace"))
+            if self.cgroup is not None:
+                self.cgroup.create(self.limits.memory_mb)
+            try:
+                report = self._spawn_and_collect(folder, stdin.encode("utf-8", errors="replace"))
+            finally:
+                if self.cgroup is not None:
+                    self.oom_kills = self.cgroup.oom_kills()
+                    self.cgroup.remove()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return self._result(report, time.monotonic() - start)
 
     def _config(self, folder: str, status_fd: int) -> str:
         limits = self.limits
-        nproc = limits.max_processes if self.uid is not None else limits.max_processes + _tasks_of(os.getuid())
+        nproc = limits.max_processes if self.cgroup else _process_cap(limits, self.sandbox.num_workers)
+        if self.uid is None:
+            nproc += _tasks_of(os.getuid())
         return repr({
             "folder": folder, "status_fd": status_fd, "uid": self.uid, "timeout_s": limits.timeout_s,
             "mounts": self.sandbox.mode == "namespaces", "folder_mb": limits.max_folder_mb,
-            "reach": [*_interpreter_paths(), folder], "site": list(_site_dirs()),
+            "cgroup": self.cgroup.procs_file if self.cgroup else None,
+            "reach": list(_interpreter_paths()), "site": [os.path.realpath(d) for d in _site_dirs()],
             "limits": {"memory_mb": limits.memory_mb, "cpu_s": limits.cpu_seconds, "nproc": nproc,
                        "max_file_mb": limits.max_file_mb, "max_open_files": limits.max_open_files}})
 
@@ -429,7 +495,7 @@ class _Run:
         stdout, cut_out = self._text("stdout")
         stderr, cut_err = self._text("stderr")
         code = report.get("returncode")
-        status, limit_hit = _classify(report, self.stopped_for, self.limits, stderr)
+        status, limit_hit = _classify(report, self.stopped_for, self.limits, stderr, self.oom_kills)
         return RunResult(status, stdout, stderr, code, round(wall_s, 4), limit_hit, cut_out or cut_err)
 
 
@@ -465,20 +531,25 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str) -> tuple[str, str | None]:
-    """(status, limit in words) from the runner's report, why the parent stopped it, and stderr's tail."""
+def _classify(report: dict, stopped_for: str | None, limits: Limits, stderr: str,
+              oom_kills: int = 0) -> tuple[str, str | None]:
+    """(status, limit in words) from the runner's report, why the parent stopped it, stderr's tail and the
+    processes the run's memory cgroup killed."""
     if stopped_for == "output":
         return "output", f"output limit of {limits.max_output_bytes} bytes; the run was stopped"
     if report.get("timed_out") or stopped_for == "timeout":
         return "timeout", f"wall-clock time-out of {limits.timeout_s:g} s"
     if report.get("error"):
-        return "sandbox_error", f"sandbox error: {report['error']}"
+        said = stderr.strip().splitlines()[-1:] if "without a report" in report["error"] else []
+        return "sandbox_error", f"sandbox error: {report['error']}" + "".join(f" ({line[:300]})" for line in said)
     code = report.get("returncode")
     tail = stderr[-2000:]
     swept = report.get("swept", 0)
     left = f"{swept} process(es) still running after the code ended were killed" if swept else None
     if code in (-signal.SIGXCPU,) or (code == -signal.SIGKILL and report.get("cpu_s", 0) >= limits.cpu_seconds):
         return "cpu", f"CPU time limit of {limits.cpu_seconds} s"
+    if oom_kills:  # whichever process it was, the run went past its memory
+        return "memory", f"memory limit of {limits.memory_mb} MB for the whole run ({oom_kills} process(es) killed)"
     if code == 0:
         return "ok", left
     if "MemoryError" in tail or "Cannot allocate memory" in tail:

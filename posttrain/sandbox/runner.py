@@ -31,6 +31,12 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
 PR_SET_CHILD_SUBREAPER = 36
+MNT_DETACH = 2
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
+CAPABILITY_VERSION_3 = 0x20080522
+# The host folders the code's interpreter needs whole (read-only); everything else of the host is absent.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+DEVICES = ("null", "zero", "full", "random", "urandom")
 # Per-mount flags a remount must repeat (a user namespace refuses to drop locked ones).
 KEPT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
@@ -60,6 +66,9 @@ class _LibcFunction(_ctypes.CFuncPtr):
 _libc_mount = _LibcFunction(("mount", _Libc))
 _libc_prctl = _LibcFunction(("prctl", _Libc))
 _libc_mallopt = _LibcFunction(("mallopt", _Libc))
+_libc_umount2 = _LibcFunction(("umount2", _Libc))
+_libc_capset = _LibcFunction(("capset", _Libc))
+_libc_pivot_root = _LibcFunction(("pivot_root", _Libc))  # glibc >= 2.x exports it; see _pivot_into
 M_ARENA_MAX = -8
 
 
@@ -82,41 +91,104 @@ def _mount_points():
     return points
 
 
-def _make_reachable(paths, uid):
-    """The unprivileged uid must reach the interpreter and its site-packages: a directory on the way that
-    others may not enter (e.g. /root, mode 700) is covered by an empty tmpfs holding only the needed entry,
-    bound back from the real one. Everything else in that directory stays hidden."""
-    if uid is None:
-        return
+def _mapped_library_dirs():
+    """Folders of the shared libraries this interpreter has loaded (libpython, ...): an extension module
+    imported later may need a neighbour of theirs."""
+    found = set()
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/") and ".so" in fields[5]:
+                found.add(os.path.dirname(fields[5].rstrip("\n")))
+    return found
+
+
+def _needed_paths(reach):
+    """The paths bound into the new root besides the system folders: ``reach`` (interpreter, prefixes,
+    site-packages) and the loaded libraries' folders, none under another or under a system folder."""
+    paths = sorted({os.path.realpath(p) for p in (*reach, *_mapped_library_dirs()) if os.path.exists(p)})
+    kept = []
     for path in paths:
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts) - 1):
-            entry = "/" + "/".join(parts[:depth + 1])
-            if os.stat(entry).st_mode & 0o001:
-                continue
-            inner = "/" + "/".join(parts[:depth + 2])
-            handle = os.open(inner, os.O_PATH)
-            is_dir = os.path.isdir(inner)
-            _mount("tmpfs", entry, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-            if is_dir:
-                os.mkdir(inner)
-            else:
-                open(inner, "w").close()
-            _mount(f"/proc/self/fd/{handle}", inner, None, MS_BIND | MS_REC)
-            os.close(handle)
+        covered = [*SYSTEM_PATHS, *kept]
+        if path not in ("/", "/proc", "/dev") and not any(path == c or path.startswith(c + "/") for c in covered):
+            kept.append(path)
+    return kept
+
+
+def _bind_into(root, path, handle, is_dir):
+    """``path`` (an O_PATH ``handle`` opened before anything was covered) bound at ``root + path``, on
+    parents made empty in ``root``: nothing beside ``path`` in any of them shows."""
+    target = root + path
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if is_dir:
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    elif not os.path.exists(target):
+        open(target, "w").close()
+    _mount(f"/proc/self/fd/{handle}", target, None, MS_BIND | MS_REC)
+
+
+def _build_root(folder, reach):
+    """A new root file system on a tmpfs (mounted over the run's folder, which the run replaces anyway):
+    the system folders (/usr, /etc, /lib*, /bin, /sbin, /sys), exactly the ``reach`` paths, a /dev of
+    null, zero, full, random, urandom, a fresh /proc and nothing else: no home, no /tmp or /var of the
+    host, no /run (path sockets), no other mount. Returns the new root's path (pivoted into by the caller)."""
+    needed = [(p, os.open(p, os.O_PATH), os.path.isdir(p)) for p in _needed_paths(reach)]
+    system = [(p, os.open(p, os.O_PATH | os.O_NOFOLLOW), os.path.islink(p), os.path.isdir(p))
+              for p in SYSTEM_PATHS if os.path.lexists(p)]
+    devices = [(d, os.open(f"/dev/{d}", os.O_PATH)) for d in DEVICES if os.path.exists(f"/dev/{d}")]
+    root = folder
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for path, handle, is_link, is_dir in system:
+        if is_link:  # a merged /usr's /bin -> usr/bin: the same link
+            os.symlink(os.readlink(path), root + path)
+        elif is_dir:
+            _bind_into(root, path, handle, True)
+        os.close(handle)
+    for path, handle, is_dir in needed:
+        _bind_into(root, path, handle, is_dir)
+        os.close(handle)
+    os.mkdir(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this pid namespace's only
+    os.mkdir(root + "/dev")
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=64k")
+    os.mkdir(root + "/dev/shm")
+    for name, handle in devices:
+        open(f"{root}/dev/{name}", "w").close()
+        _mount(f"/proc/self/fd/{handle}", f"{root}/dev/{name}", None, MS_BIND)
+        os.close(handle)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.makedirs(root + "/tmp", mode=0o1777, exist_ok=True)
+    os.makedirs(root + folder, mode=0o755, exist_ok=True)
+    return root
+
+
+def _pivot_into(root):
+    """Make ``root`` the file system's root and drop the old one whole (detached: nothing of it is left
+    to reach, not even by a chroot escape)."""
+    os.chdir(root)
+    os.mkdir(".old-root")
+    if _libc_pivot_root(b".", b".old-root") != 0:
+        err = _ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+    os.chdir("/")
+    if _libc_umount2(b"/.old-root", _CInt(MNT_DETACH)) != 0:
+        err = _ctypes.get_errno()
+        raise OSError(err, f"umount the old root: {os.strerror(err)}")
+    os.rmdir("/.old-root")
 
 
 def _isolate_file_system(config, source):
     folder = config["folder"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back to the host
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this pid namespace's /proc only
-    _make_reachable(config["reach"], config["uid"])
+    _pivot_into(_build_root(folder, config["reach"]))
     owner = config["uid"] if config["uid"] is not None else 0
     _mount("tmpfs", folder, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={config['folder_mb']}m,mode=0700,uid={owner},gid={owner}")
     failed = []
     for path, flags in _mount_points():
-        if path != folder:
+        if path not in (folder, "/dev/shm"):
             try:
                 _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
             except OSError as error:
@@ -149,6 +221,37 @@ def _writable_mount(path):
         return False
 
 
+def _drop_capabilities():
+    """Every capability gone, for good (bounding set, ambient, effective, permitted, inheritable): what
+    becoming a uid other than 0 does for a root-started run, for the code that stays uid 0 of a user
+    namespace (which could otherwise remount its read-only binds writable, or unmount the walls)."""
+    for cap in range(64):
+        if _libc_prctl(PR_CAPBSET_DROP, *(_CULong(value) for value in (cap, 0, 0, 0))) != 0:
+            break  # past the kernel's last capability
+    _libc_prctl(PR_CAP_AMBIENT, *(_CULong(value) for value in (PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)))
+    header = CAPABILITY_VERSION_3.to_bytes(4, sys.byteorder) + bytes(4)  # this thread; then 2 x 3 zero words
+    if _libc_capset(header, bytes(24)) != 0:
+        raise OSError(_ctypes.get_errno(), "capset")
+
+
+def _join_cgroup(procs_file):
+    """Move this process (and so everything it starts) into the run's memory cgroup; returns a handle on
+    this process's oom_score_adj, opened now (the /proc here is read-only later), for `_spare_runner`."""
+    with open(procs_file, "w", encoding="ascii") as procs:
+        procs.write("0")
+    return os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+
+
+def _spare_runner(oom_adj):
+    """Once the code is forked (it keeps the default score): the code, not the runner that reports, is what
+    the cgroup's out-of-memory killer picks."""
+    try:
+        os.write(oom_adj, b"-1000")
+    except OSError:
+        pass  # lowering it needs real root; the runner's few MB are then rarely the largest anyway
+    os.close(oom_adj)
+
+
 def _set_limits(limits):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     memory = limits["memory_mb"] << 20
@@ -176,6 +279,10 @@ def _run_code(config, source, runner_fds):
             os.setgroups([])
             os.setgid(config["uid"])
             os.setuid(config["uid"])
+        elif config["mounts"]:
+            _drop_capabilities()  # root of a user namespace: no remount, no unmount, no new namespace
+        if _libc_prctl(PR_SET_NO_NEW_PRIVS, *(_CULong(value) for value in (1, 0, 0, 0))) != 0:
+            raise OSError(_ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         os.chdir(config["folder"])
         sys.argv = ["main.py"]
         sys.path[0] = config["folder"]  # was the runner's own directory (or "" with -c)
@@ -312,6 +419,7 @@ def main():
     try:
         with open(os.path.join(config["folder"], "main.py"), encoding="utf-8") as main_file:
             source = main_file.read()
+        oom_adj = _join_cgroup(config["cgroup"]) if config["cgroup"] else None
         if config["mounts"]:
             _isolate_file_system(config, source)
         if _libc_prctl(PR_SET_CHILD_SUBREAPER, *(_CULong(value) for value in (1, 0, 0, 0))) != 0:
@@ -319,7 +427,9 @@ def main():
         sys.stdout.flush()
         child = os.fork()
         if child == 0:
-            _run_code(config, source, (status_fd, wakeup, wakeup_write))
+            _run_code(config, source, (status_fd, wakeup, wakeup_write, *([oom_adj] if oom_adj is not None else [])))
+        if oom_adj is not None:
+            _spare_runner(oom_adj)
         status, usage, timed_out = _wait(child, config["timeout_s"], wakeup, status_fd)
         left = _sweep(config["uid"]) - {child}
         report.update(returncode=os.waitstatus_to_exitcode(status), timed_out=timed_out,

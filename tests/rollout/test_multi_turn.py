@@ -390,7 +390,7 @@ def test_code_interpreter_in_a_rollout_with_a_tiny_model(tok, monkeypatch):
 
     cfg = tiny_worker_configs(response_length=240)
     actor = ActorWorker(cfg.model, cfg.actor, cfg.rollout, device="cpu", module=tiny_llama(tok, seed=3), tokenizer=tok)
-    tool = SandboxFusionTool({"default_timeout": 5, "isolation": "none"})
+    tool = SandboxFusionTool({"default_timeout": 5})  # isolation auto (none as root is refused)
     loop = MultiTurnRollout(actor.rollout, tok, MultiTurnConfig(enable=True, max_assistant_turns=3), [tool])
     code_call = '<tool_call>{"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}</tool_call>'
     queue = _scripted_sampler(monkeypatch, tok, [code_call, "It is 42."])

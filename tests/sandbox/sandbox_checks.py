@@ -19,10 +19,20 @@ from posttrain.sandbox.local import FIRST_UID, MAX_WORKERS
 MARGIN_S = 3.0  # time-out plus this: interpreter start and the sweep on a busy 2-core machine
 
 
+SKIP_KEY = "POSTTRAIN_SANDBOX_TESTS"
+
+
 def needs_namespaces() -> None:
+    """The sandbox's isolation must work here: a machine where it does not fails the test with the probe's
+    reason (a suite that skips would stay green with the feature off), unless POSTTRAIN_SANDBOX_TESTS=skip
+    says this machine is known not to allow it (then a skip with the reason, which ``-rs`` prints)."""
     why_not = isolation_available()["namespaces"]
-    if why_not is not None:
-        pytest.skip(f"namespaces unavailable here: {why_not}")
+    if why_not is None:
+        return
+    if os.environ.get(SKIP_KEY) == "skip":
+        pytest.skip(f"{SKIP_KEY}=skip and the sandbox cannot run here: {why_not}")
+    pytest.fail(f"the sandbox cannot run on this machine: {why_not} (set {SKIP_KEY}=skip to skip these tests "
+                "where that is expected)", pytrace=False)
 
 
 def needs_own_uid() -> None:
@@ -30,6 +40,11 @@ def needs_own_uid() -> None:
     needs_namespaces()
     if os.geteuid() != 0:
         pytest.skip("per-run uids need root; as a user RLIMIT_NPROC counts the user's processes")
+
+
+def plain_run(code: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+    """The negative control: ``code`` in a plain interpreter, as this process's user, with no sandbox."""
+    return subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=timeout_s)
 
 
 def sandbox_uids(owner_pid: int) -> range:

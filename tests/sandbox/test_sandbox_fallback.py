@@ -7,6 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
+import uuid
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -69,11 +72,22 @@ def test_the_non_root_hint_names_user_namespaces(fresh_probe, failing_unshare):
     assert "unprivileged user namespaces" not in local.isolation_available()["namespaces"]  # root: no such hint
 
 
-def test_isolation_none_says_what_holds_and_it_does(fresh_probe, failing_unshare, listener, caplog):
+def test_isolation_none_as_root_with_an_interpreter_others_cannot_reach_is_refused(fresh_probe, failing_unshare):
+    """The code would run as root (it read /etc/shadow): refused, naming the folder in the way."""
+    if os.geteuid() != 0 or local._reachable_by_others(local._interpreter_paths()):
+        pytest.fail("this check needs root and an interpreter in a folder others may not enter (as /root/.pyenv)")
+    with pytest.raises(ConfigError, match=r"isolation 'none' as root: the code would run as root.*mode 700"):
+        LocalSandbox(Limits(isolation="none"))
+    with mock.patch.object(local, "_reachable_by_others", return_value=True):  # control: a reachable interpreter
+        assert LocalSandbox(Limits(isolation="none")).uid_for(0) is not None  # a uid of its own
+
+
+def test_isolation_none_says_what_holds_and_it_does(fresh_probe, failing_unshare, listener, caplog, monkeypatch):
+    monkeypatch.setattr(local, "_is_root", lambda: False)  # as a user: isolation none runs as that user
     with caplog.at_level(logging.WARNING, logger="posttrain.sandbox.local"):
         sandbox = LocalSandbox(Limits(isolation="none", timeout_s=1.0, memory_mb=128), num_workers=1)
     line = sandbox.isolation
-    assert line.startswith("none (holds: resource limits, wall-clock time-out")
+    assert line.startswith("none (holds: resource limits, memory 128 MB")
     assert "NOT isolated: network, file system" in line
     assert [r.getMessage() for r in caplog.records] == [f"sandbox isolation: {line}"]  # said once, loudly
     with Leftovers():
@@ -84,18 +98,17 @@ def test_isolation_none_says_what_holds_and_it_does(fresh_probe, failing_unshare
     assert network.status == "ok" and network.stdout == "connected\n"  # and what it says is open, is
 
 
-def test_the_non_root_path_runs_in_a_user_namespace_with_the_same_walls(fresh_probe, listener, tmp_path):
+def test_the_non_root_path_runs_in_a_user_namespace_with_the_same_walls(fresh_probe, listener):
     needs_namespaces()
-    os.chmod(tmp_path, 0o777)
-    target = tmp_path / "escaped.txt"
+    target = Path(tempfile.gettempdir(), f"escaped-{uuid.uuid4().hex}.txt")  # /tmp: anyone may write
     code = (f"import os\nprint(os.getuid())\ntry:\n    open({str(target)!r}, 'w').write('x')\n"
             f"except OSError as error:\n    print(type(error).__name__, error.errno)\n" + connect_code(listener))
     with mock.patch.object(local, "_is_root", return_value=False):
         assert local._unshare_command(network=False)[-2:] == ["--map-root-user", "--"]
         sandbox = LocalSandbox(Limits(timeout_s=5.0), num_workers=1)
         line = sandbox.isolation
-        assert line.startswith("namespaces (unshare: pid, mount, net, user; no network;")
-        assert "max_processes counts all your processes" in line
+        assert line.startswith("namespaces (unshare: pid, mount, ipc, net, user; no network;")
+        assert "without capabilities, so max_processes counts all your processes" in line
         assert sandbox.uid_for(0) is None  # no uid of its own: RLIMIT_NPROC counts the user's processes
         with Leftovers():
             result = sandbox.run(code)
@@ -104,6 +117,8 @@ def test_the_non_root_path_runs_in_a_user_namespace_with_the_same_walls(fresh_pr
     assert lines[1] == "OSError 30" and not target.exists()  # EROFS: read-only outside the folder
     assert result.limit_hit == "no network in the sandbox" and "connected" not in result.stdout
     # control: the same code without namespaces writes the file and connects
-    open_sandbox = LocalSandbox(Limits(timeout_s=5.0, isolation="none", network=True), num_workers=1)
-    control = open_sandbox.run(code)
+    with mock.patch.object(local, "_is_root", return_value=False):
+        open_sandbox = LocalSandbox(Limits(timeout_s=5.0, isolation="none", network=True), num_workers=1)
+        control = open_sandbox.run(code)
     assert control.stdout.splitlines()[-1] == "connected" and target.read_text() == "x"
+    target.unlink()

@@ -190,7 +190,7 @@ def test_verl_retool_worker_counts_run_locally():
 
 
 def test_the_local_sandbox_time_out_is_a_kill_by_cause():
-    tool = SandboxFusionTool({"default_timeout": 0.5, "isolation": "none"})
+    tool = SandboxFusionTool({"default_timeout": 0.5})
     start = time.monotonic()
     response, _, metrics = _call(tool, "while True: pass")
     assert time.monotonic() - start < 5
