@@ -33,18 +33,20 @@ def run(code: str, num_workers: int = 1, **limits):
 
 
 @pytest.fixture
-def private_home():
-    """A home folder others may not enter (mode 700) in a private folder, with a secret beside the venv
-    and the built-in task's held-out answers in its posttrain cache; removed after."""
-    base = Path(tempfile.mkdtemp(prefix="posttrain-home-"))
-    home = base / "home"
-    (home / ".cache" / "posttrain" / "arithmetic" / "2digit").mkdir(parents=True)
-    (home / ".cache" / "hf_token").write_text("hf_secret")
-    (home / ".cache" / "posttrain" / "arithmetic" / "2digit" / "test.parquet").write_text("held-out answers")
-    for folder in (base, home, home / ".cache"):
-        folder.chmod(0o700)
-    yield home
-    shutil.rmtree(base, ignore_errors=True)
+def beside_the_interpreter():
+    """A folder in the home that holds this interpreter (issue 59's layout: pyenv in /root, mode 700, and a
+    venv in /root/.cache), others may enter (mode 755, as ~/.cache often is), with a token and the built-in
+    task's held-out answers beside the venv; removed after."""
+    home = Path.home()
+    if not os.path.realpath(sys.base_prefix).startswith(str(home) + "/") or home.stat().st_mode & 0o001:
+        pytest.fail(f"this check needs an interpreter in a private home (as /root/.pyenv); {sys.base_prefix}")
+    folder = Path(tempfile.mkdtemp(prefix=".posttrain-test-", dir=home))
+    folder.chmod(0o755)
+    (folder / "posttrain" / "arithmetic" / "2digit").mkdir(parents=True)
+    (folder / "hf_token").write_text("hf_secret")
+    (folder / "posttrain" / "arithmetic" / "2digit" / "test.parquet").write_text("held-out answers")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 PEEK = textwrap.dedent("""
@@ -61,19 +63,17 @@ PEEK = textwrap.dedent("""
 
 
 # ---------------------------------------------------------------------- layout: venv and interpreter in private homes
-def test_a_venv_in_a_private_home_from_an_interpreter_in_another_private_home_runs_and_shows_only_itself(
-        private_home):
-    """Issue 59's layout: this machine's interpreter is in /root (mode 700, pyenv); the venv is in another
-    home's ~/.cache (mode 700). The sandbox must start (it refused before) and show nothing beside the venv."""
+def test_a_venv_beside_the_interpreter_in_a_private_home_runs_and_shows_only_what_it_needs(beside_the_interpreter):
+    """Two needed paths under one private home (/root/.pyenv and the venv): the sandbox refused to start
+    before, and showed the whole first-level folder on the way; now it starts and shows only the venv."""
     needs_namespaces()
-    base_private = not local._reachable_by_others((os.path.realpath(sys.base_prefix),))
-    assert base_private, f"this check needs an interpreter in a private home (as /root/.pyenv); {sys.base_prefix}"
-    venv = private_home / ".cache" / "venv"
+    venv = beside_the_interpreter / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    peek = PEEK.format(cache=str(beside_the_interpreter))
     script = textwrap.dedent(f"""
         from posttrain.sandbox import Limits, LocalSandbox, isolation_available
         print(isolation_available()["namespaces"])
-        result = LocalSandbox(Limits(timeout_s=10.0), num_workers=1).run({PEEK.format(cache=str(venv.parent))!r})
+        result = LocalSandbox(Limits(timeout_s=10.0), num_workers=1).run({peek!r})
         print(result.status, result.limit_hit)
         print(result.stdout, end="")
     """)
@@ -83,7 +83,7 @@ def test_a_venv_in_a_private_home_from_an_interpreter_in_another_private_home_ru
     assert lines[:2] == ["None", "ok None"], out.stdout + out.stderr  # the probe passes; the run is ok
     assert lines[2:] == ["FileNotFoundError", "FileNotFoundError", "['venv']", "ran"]  # only the venv shows
     # control: without the sandbox the same code reads both files
-    control = plain_run(PEEK.format(cache=str(venv.parent)))
+    control = plain_run(peek)
     assert control.stdout.splitlines() == ["hf_secret", "held-out answers", "['hf_token', 'posttrain', 'venv']", "ran"]
 
 
