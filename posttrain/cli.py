@@ -65,6 +65,8 @@ COMMANDS = {
     "compare": ("posttrain.commands.compare", "run two configs on the same data and seeds: accuracy, speed, memory"),
     "eval": ("posttrain.trainer.evaluate", "greedy accuracy of a model or checkpoint on a dataset"),
     "export": ("posttrain.trainer.export", "write a checkpoint's actor as a Hugging Face folder"),
+    "view": ("posttrain.view", "a local web page of runs: curves, samples, tokens, trajectories, eval cards"),
+    "serve": ("posttrain.serve.server", "an OpenAI-compatible server over a model: serve MODEL [--port] [--api-key]"),
     "sandbox": ("posttrain.sandbox.server", "serve SandboxFusion's /run_code with the local sandbox: sandbox serve"),
 }
 
