@@ -142,12 +142,15 @@ class LocalSandbox:
         self._active: set[subprocess.Popen] = set()  # runs in flight, for `close`
         self._active_lock = threading.Condition()
         self._in_flight = 0
+        self.closed = False
         self.isolation = _describe(mode, limits, num_workers)
 
     # ------------------------------------------------------------------ public
     def run(self, code: str, language: str = "python", stdin: str = "", limits: Limits | None = None) -> RunResult:
         """Run ``code`` and wait for it; blocks while all ``num_workers`` are busy. ``limits`` may tighten
         or change this sandbox's for one call, never its isolation."""
+        if self.closed:
+            return RunResult("sandbox_error", "", "", None, 0.0, limit_hit="sandbox error: the sandbox is closed")
         if language not in LANGUAGES:
             return RunResult("sandbox_error", "", f"unknown language {language!r}; this sandbox runs: "
                              f"{', '.join(LANGUAGES)}", None, 0.0, limit_hit=None)
@@ -179,6 +182,7 @@ class LocalSandbox:
         """Stop the runs in flight and wait until each has cleaned up (processes, folder); for a server
         that shuts down."""
         with self._active_lock:
+            self.closed = True
             for child in self._active:
                 _Run.stop(child, self.mode)
             self._active_lock.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
@@ -496,6 +500,8 @@ class _Run:
         stderr, cut_err = self._text("stderr")
         code = report.get("returncode")
         status, limit_hit = _classify(report, self.stopped_for, self.limits, stderr, self.oom_kills)
+        if self.sandbox.closed and report.get("stopped"):
+            status, limit_hit = "killed", "stopped: the sandbox was closed (its server shut down) while the code ran"
         return RunResult(status, stdout, stderr, code, round(wall_s, 4), limit_hit, cut_out or cut_err)
 
 

@@ -12,7 +12,9 @@ Where the code runs:
 verl's keys and defaults: ``num_workers`` 10 (calls of this tool running at once), ``rate_limit`` 10
 (calls in flight at once; with ``enable_global_rate_limit`` true, the default, one limit shared by
 every such tool of the process, as verl's named ``rate-limiter`` actor is; the first tool sets its size),
-``default_timeout`` 30 s, ``default_language`` python, ``memory_limit_mb`` 1024. Every key is checked
+``default_timeout`` 30 s, ``default_language`` python, ``memory_limit_mb`` 1024 (for the whole run). posttrain's
+``sandbox_token_file`` (with a URL): the file holding the token `posttrain sandbox serve` asks for, sent as
+``Authorization: Bearer``; without it ``$POSTTRAIN_SANDBOX_TOKEN`` is sent where set. Every key is checked
 at start-up; a bad one is one ConfigError naming the tool, the key and what is valid (the loader adds
 the file). The model cannot change the time-out or language of a call (verl lets the call's
 arguments override them; a model-chosen time-out is a way around the limit).
@@ -30,7 +32,8 @@ from urllib.parse import urlsplit
 from posttrain.errors import ConfigError
 from posttrain.tools.base_tool import BaseTool
 from posttrain.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
-from posttrain.tools.utils.sandbox_fusion_client import NOT_KILLED, RunOutcome, post_run_code, shared_limit
+from posttrain.tools.utils.sandbox_fusion_client import (NOT_KILLED, TOKEN_ENV, RunOutcome, post_run_code,
+                                                         shared_limit)
 
 __all__ = ["SandboxFusionTool", "CODE_INTERPRETER_SCHEMA", "SANDBOX_FUSION_LANGUAGES"]
 
@@ -58,7 +61,7 @@ MAX_TIMEOUT_S = 3600.0
 MEMORY_RANGE_MB = (64, 65536)
 MAX_WORKERS = 1024
 CONFIG_KEYS = ("type", "sandbox_fusion_url", "default_timeout", "default_language", "memory_limit_mb",
-               "num_workers", "rate_limit", "enable_global_rate_limit", "isolation")
+               "num_workers", "rate_limit", "enable_global_rate_limit", "isolation", "sandbox_token_file")
 
 
 class SandboxFusionTool(BaseTool):
@@ -84,6 +87,10 @@ class SandboxFusionTool(BaseTool):
         if self.sandbox_fusion_url and "isolation" in cfg:
             raise ConfigError(f"{where}.isolation: applies to the local sandbox only; with sandbox_fusion_url the "
                               "server's own isolation holds (remove one of the two keys)")
+        if not self.sandbox_fusion_url and "sandbox_token_file" in cfg:
+            raise ConfigError(f"{where}.sandbox_token_file: a server's token; without sandbox_fusion_url the code runs "
+                              "in the local sandbox (remove the key, or name the server)")
+        self._token = _token(cfg, where) if self.sandbox_fusion_url else None
         self.sandbox = None if self.sandbox_fusion_url else self._local_sandbox(cfg, where)
         languages = SANDBOX_FUSION_LANGUAGES if self.sandbox_fusion_url else _local_languages()
         self.default_language = _choice(cfg, "default_language", "python", where, languages,
@@ -129,7 +136,7 @@ class SandboxFusionTool(BaseTool):
         with self._in_flight:
             if self.sandbox_fusion_url:
                 return post_run_code(self.sandbox_fusion_url, code, self.default_language, self.default_timeout,
-                                     self.memory_limit_mb)
+                                     self.memory_limit_mb, self._token)
             return _local_outcome(self.sandbox.run(code, self.default_language))
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
@@ -172,6 +179,22 @@ def _url(value: Any, where: str) -> str:
             or parts.query or parts.fragment or any(c.isspace() for c in value):
         raise ConfigError(f"{where}.sandbox_fusion_url={value!r}: {rule}")
     return value if parts.path not in ("", "/") else value.rstrip("/") + "/run_code"
+
+
+def _token(cfg: dict, where: str) -> str | None:
+    """The server's token: the file ``sandbox_token_file`` names, else $POSTTRAIN_SANDBOX_TOKEN, else none."""
+    import os
+
+    path = cfg.get("sandbox_token_file")
+    if path is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        token = open(os.path.expanduser(str(path)), encoding="utf-8").read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{where}.sandbox_token_file={path!r}: cannot read it ({err})") from None
+    if not token:
+        raise ConfigError(f"{where}.sandbox_token_file={path!r}: the file is empty")
+    return token
 
 
 def _number(cfg: dict, key: str, default: float, where: str, low: float, high: float,

@@ -107,18 +107,25 @@ class Leftovers:
         assert not new, f"the run's temporary folder was not removed: {new}"
 
 
+TOKEN = "test-token-" + "0123456789abcdef" * 2  # the servers these tests start take it from the environment
+
+
+def server_env(**more: str) -> dict:
+    return {**os.environ, "POSTTRAIN_SANDBOX_TOKEN": TOKEN, **more}
+
+
 @contextlib.contextmanager
-def serving(*options: str):
-    """`posttrain sandbox serve --port 0 OPTIONS` running; yields its /run_code URL (read from the line it
-    prints); stopped with SIGTERM, and nothing of its runs left behind."""
+def serving(*options: str, env: dict | None = None):
+    """`posttrain sandbox serve --port 0 OPTIONS` running with token `TOKEN`; yields its /run_code URL (read
+    from the line it prints); stopped with SIGTERM (exit 143), and nothing of its runs left behind."""
     process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0", *options],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or server_env())
     with Leftovers(owner_pid=process.pid):  # the server's runs: its uids, runners and folders
         line = process.stdout.readline()
         found = re.search(r"POST (http://\S+/run_code)", line)
         assert found, line + process.stderr.read()
         yield found.group(1)
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+        assert process.wait(timeout=30) == 143
         process.stdout.close()
         process.stderr.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import signal
@@ -14,7 +13,7 @@ import urllib.request
 import uuid
 
 import pytest
-from sandbox_checks import Leftovers, processes_with, serving
+from sandbox_checks import TOKEN, Leftovers, processes_with, server_env, serving
 
 from posttrain.sandbox import Limits, RunResult
 from posttrain.sandbox.server import request_limits, response_for
@@ -29,7 +28,7 @@ def server():
 
 def post(url: str, payload: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
         return json.loads(response.read())
@@ -80,25 +79,23 @@ def test_response_for_maps_each_status():
     assert broken["status"] == "SandboxError" and broken["run_result"] is None
 
 
-def test_stopping_the_server_ends_a_run_in_flight():
+def test_sigterm_ends_a_run_in_flight_answers_it_and_exits_143():
     process = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=server_env())
+    answers = []
     with Leftovers(owner_pid=process.pid):
         url = re.search(r"POST (http://\S+/run_code)", process.stdout.readline()).group(1)
-        caller = threading.Thread(target=lambda: _post_quietly(url, {"code": "import time\ntime.sleep(60)"}))
+        caller = threading.Thread(target=lambda: answers.append(post(url, {"code": "import time\ntime.sleep(60)"})))
         caller.start()
         deadline = time.monotonic() + 20
         while len(processes_with("", process.pid)) < 3 and time.monotonic() < deadline:  # unshare, runner, code
             time.sleep(0.05)
         assert len(processes_with("", process.pid)) == 3, "the run never started"
+        start = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+        assert process.wait(timeout=30) == 143  # as the README promises (128 + SIGTERM)
         caller.join(timeout=30)
         process.stdout.close()
-
-
-def _post_quietly(url: str, payload: dict) -> None:
-    try:
-        post(url, payload)
-    except (OSError, http.client.HTTPException):
-        pass  # the server went away mid-request, as intended
+    assert time.monotonic() - start < 10  # not the 30 s time-out: the run was ended
+    assert answers and answers[0]["posttrain"]["status"] == "killed", answers  # the caller got its answer
+    assert "its server shut down" in answers[0]["message"]

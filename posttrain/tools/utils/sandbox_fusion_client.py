@@ -4,7 +4,9 @@ same JSON), and the process-wide limit on calls in flight that verl's ``enable_g
 Request: ``{"code", "language", "run_timeout", "memory_limit_MB", "stdin"}``. Response:
 ``{"status": "Success"|"Failed"|"SandboxError", "message", "run_result": {"status":
 "Finished"|"TimeLimitExceeded"|"Error", "execution_time", "return_code", "stdout", "stderr"}}``.
-Only the standard library is used (``urllib`` in the caller's worker thread).
+Only the standard library is used (``urllib`` in the caller's worker thread). A ``token`` is sent as
+``Authorization: Bearer <token>`` (what `posttrain sandbox serve` asks for); an answer is read up to
+``MAX_ANSWER_BYTES`` and no further.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ API_RETRIES = 3  # attempts when the server cannot be reached or answers 5xx (ve
 REQUEST_MARGIN_S = 10.0  # the HTTP time-out is the run time-out plus this (verl's client adds 10 s)
 RETRY_PAUSE_S = 0.5
 NOT_KILLED = ("ok", "error", "sandbox_error")  # posttrain's sandbox statuses that are not a limit's kill
+MAX_ANSWER_BYTES = 16 << 20  # a server's answer past this is an error, not read whole into memory
+TOKEN_ENV = "POSTTRAIN_SANDBOX_TOKEN"  # the token `posttrain sandbox serve` printed (or its --token-file's)
 
 
 @dataclass
@@ -37,7 +41,8 @@ class RunOutcome:
     kill: str | None = None
 
 
-def post_run_code(url: str, code: str, language: str, timeout_s: float, memory_mb: int) -> RunOutcome:
+def post_run_code(url: str, code: str, language: str, timeout_s: float, memory_mb: int,
+                  token: str | None = None) -> RunOutcome:
     """Run ``code`` on the SandboxFusion server at ``url``; never raises (failures are outcomes)."""
     body = json.dumps({"code": code, "language": language, "run_timeout": timeout_s,
                        "memory_limit_MB": memory_mb, "stdin": ""}).encode()
@@ -46,26 +51,41 @@ def post_run_code(url: str, code: str, language: str, timeout_s: float, memory_m
         if attempt:
             time.sleep(RETRY_PAUSE_S * attempt)
         try:
-            return _outcome(_post(url, body, timeout_s + REQUEST_MARGIN_S), timeout_s)
+            return _outcome(_post(url, body, timeout_s + REQUEST_MARGIN_S, token), timeout_s)
         except urllib.error.HTTPError as err:
-            problem = f"HTTP {err.code} {err.reason}"
+            problem = f"HTTP {err.code} {err.reason}" + _said(err)
+            if err.code == 401:
+                problem += f" (set ${TOKEN_ENV}, or the tool's sandbox_token_file, to the server's token)"
             if err.code < 500:
                 break  # the server understood and refused: asking again gets the same answer
         except (urllib.error.URLError, OSError) as err:  # refused, reset, or no answer within the time-out
             problem = str(getattr(err, "reason", err))
-        except ValueError as err:
-            problem = f"an answer that is not SandboxFusion's JSON ({err})"
+        except (ValueError, RecursionError) as err:
+            problem = f"an answer that is not SandboxFusion's JSON ({type(err).__name__}: {str(err)[:200]})"
             break
     return RunOutcome(f"Error: the sandbox server at {url} failed: {problem}", error=True)
 
 
-def _post(url: str, body: bytes, timeout_s: float) -> dict:
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+def _post(url: str, body: bytes, timeout_s: float, token: str | None) -> dict:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        answer = json.loads(response.read().decode("utf-8", errors="replace"))
+        data = response.read(MAX_ANSWER_BYTES + 1)
+    if len(data) > MAX_ANSWER_BYTES:
+        raise ValueError(f"an answer over {MAX_ANSWER_BYTES >> 20} MB")
+    answer = json.loads(data.decode("utf-8", errors="replace"))
     if not isinstance(answer, dict):
         raise ValueError("not a JSON object")
     return answer
+
+
+def _said(err: urllib.error.HTTPError) -> str:
+    """The server's own words for an error status (its JSON "message"), read up to 4 kB."""
+    try:
+        message = json.loads(err.read(4096).decode("utf-8", errors="replace")).get("message")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return ""
+    return f": {message[:300]}" if isinstance(message, str) and message else ""
 
 
 def _outcome(answer: dict, timeout_s: float) -> RunOutcome:
