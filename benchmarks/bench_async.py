@@ -99,7 +99,7 @@ def child(args) -> None:
     rows = [r for r in history if r.get("step", 0) > 0]
     mean = lambda key: (sum(r[key] for r in rows if key in r) / max(1, sum(key in r for r in rows))  # noqa: E731
                         if any(key in r for r in rows) else None)
-    acc = {k: v for k, v in rows[-1].items() if k.startswith("val-aux/") and "/acc/" in k}
+    acc = {k: v for k, v in rows[-1].items() if k.startswith("val-") and "/acc/mean@" in k}
     print("BENCH " + json.dumps({"mode": args.mode, "samples": samples, "seconds": ends[-1] - start,
                                  "samples_per_s": samples / (ends[-1] - start),
                                  "trainer_idle_ratio": mean("trainer/idle_ratio"),

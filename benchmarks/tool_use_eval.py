@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"{mt}.max_assistant_turns={args.max_assistant_turns}", "data.max_prompt_length=256",
                  *args.overrides]
     start = time.time()
-    res = evaluate(args.model, [args.data], n=args.n, max_response_length=args.max_response_length,
+    res = evaluate(args.model, [args.data], limit=args.n, max_response_length=args.max_response_length,
                    overrides=overrides)
     out = {"stage": args.stage, "model": args.model, **tool_use(res["rows"], schemas),
            "wall_s": round(time.time() - start, 1)}

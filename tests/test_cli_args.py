@@ -123,5 +123,5 @@ def test_the_python_api_refuses_negative_counts_too():
         generate_problems(-1, 8)
     with pytest.raises(ValueError, match=r"digits=0 must be a whole number >= 1"):
         generate_problems(8, 8, digits=0)
-    with pytest.raises(ConfigError, match=r"n=-3: the number of prompts to evaluate must be >= 1"):
-        evaluate("/no/such/model", n=-3)
+    with pytest.raises(ConfigError, match=r"limit=-3: the number of prompts to evaluate must be >= 1"):
+        evaluate("/no/such/model", limit=-3)

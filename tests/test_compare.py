@@ -22,7 +22,7 @@ from posttrain.commands import compare as compare_cmd
 from posttrain.commands.compare_report import SideSummary, read_metrics, summarize, verdict
 from helpers.tiny_run import tiny_model_dir, tiny_overrides
 
-ACC = "val-aux/posttrain/arithmetic/acc/mean@1"
+ACC = "val-core/posttrain/arithmetic/acc/mean@1"  # verl: acc is the core field where the scorer reports it
 
 
 # ---- the report's numbers, from metrics written by hand ----

@@ -149,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-different", action="store_true", help="compare configs that train different models or datasets")
     p.add_argument("--target", type=probability,
                    help="held-out accuracy (0-1] to report samples and time to (default: the highest both reach)")
-    p.add_argument("--metric", help="validation metric to compare (default val-aux/<source>/acc/mean@1)")
+    p.add_argument("--metric", help="validation metric to compare (default val-core/<source>/acc/mean@N)")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep finished runs' resumable checkpoints (default: only their final hf_model/ stays)")
     p.add_argument("--report-only", action="store_true", help="report the runs already finished; start none")

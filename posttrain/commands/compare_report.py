@@ -21,7 +21,7 @@ from typing import Optional
 from posttrain.errors import ConfigError
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
-_STRICT_ACC = re.compile(r"^val-aux/.+/acc/mean@\d+$")
+_STRICT_ACC = re.compile(r"^val-(core|aux)/.+/acc/mean@\d+$")  # core where acc is the headline (verl)
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
@@ -42,7 +42,7 @@ def read_metrics(path: Path) -> dict[int, dict]:
 
 
 def accuracy_key(runs: list[dict[int, dict]], wanted: Optional[str]) -> str:
-    """The held-out accuracy metric: `wanted`, else the strict accuracy (`val-aux/<source>/acc/mean@1`),
+    """The held-out accuracy metric: `wanted`, else the strict accuracy (`val-core/<source>/acc/mean@N`),
     else the validation reward (`val-core/...`); the first in sorted order when there are several sources."""
     keys = sorted({k for rows in runs for row in rows.values() for k in row if k.startswith("val-")})
     if wanted:

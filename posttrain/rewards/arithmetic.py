@@ -40,7 +40,11 @@ def compute_score(
     return float(score) if answer == int(str(ground_truth).replace(",", "").strip()) else float(format_score)
 
 
-def score_both(solution_str: str, ground_truth: str | int) -> dict[str, float]:
-    """``{"score": strict, "acc": strict, "flexible_acc": flexible}`` (1.0 right, 0.0 wrong)."""
+def score_both(solution_str: str, ground_truth: str | int) -> dict[str, float | str]:
+    """``{"score": strict, "acc": strict, "flexible_acc": flexible, "pred": the strict answer}`` (1.0 right,
+    0.0 wrong; ``pred`` as text, ``"[INVALID]"`` when there is none, as verl's math_dapo scorer gives it:
+    the vote of validation's maj@N)."""
     strict = compute_score(solution_str, ground_truth, method="strict")
-    return {"score": strict, "acc": strict, "flexible_acc": compute_score(solution_str, ground_truth, method="flexible")}
+    answer = extract_answer(solution_str, "strict")
+    return {"score": strict, "acc": strict, "flexible_acc": compute_score(solution_str, ground_truth, method="flexible"),
+            "pred": "[INVALID]" if answer is None else str(answer)}

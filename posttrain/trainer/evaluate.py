@@ -1,7 +1,9 @@
-"""`posttrain eval`: greedy accuracy of a model or checkpoint on a dataset, per data source.
+"""`posttrain eval`: a model or checkpoint on a dataset, with verl's validation metrics per data source,
+the unbiased pass@k, and an eval card beside the numbers.
 
-    posttrain eval --model smollm2-135m-instruct                       # the built-in arithmetic test split
-    posttrain eval --model checkpoints/p/e/global_step_15 --data ~/data/gsm8k/test.parquet --n 200
+    posttrain eval --model smollm2-135m-instruct                       # greedy, the built-in arithmetic test split
+    posttrain eval --model smollm2-135m-instruct --n 8                 # 8 samples per prompt: mean@8, maj@8, pass@k
+    posttrain eval --model checkpoints/p/e/global_step_15 --data ~/data/gsm8k/test.parquet --limit 200
     posttrain eval --model ./my_hf_folder --json data.arithmetic.digits=2
 
 MODEL is a Hugging Face folder, a ``.gguf`` file, the alias ``smollm2-135m-instruct``, a hub id, or a
@@ -10,21 +12,32 @@ its latest checkpoint; the actor is rebuilt from ``actor/huggingface`` config + 
 ``posttrain export`` does). The data defaults to the built-in run's test split (``data.val_files``
 of ``posttrain/config/builtin.yaml``, i.e. the built-in arithmetic task); ``key=value`` overrides
 apply on top of the built-in config (``data.max_prompt_length``, ``data.arithmetic.*``,
-``custom_reward_function.path``, ``actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype``...).
+``custom_reward_function.path``, ``actor_rollout_ref.rollout.val_kwargs.*``,
+``actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype``...).
 
-Each prompt gets one greedy response (``--max-response-length`` tokens at most) from the trainer's
-hf rollout engine; the reward manager scores it (``default_compute_score`` by ``data_source``, or
-the configured custom reward function). Accuracy is the mean score: per data source, and overall
-(over all prompts).
+Sampling is in-run validation's: ``actor_rollout_ref.rollout.val_kwargs.{n, temperature, top_p, top_k,
+do_sample}`` (the built-in config's: greedy, one response); ``--n``, ``--temperature`` and ``--top-p`` set
+them. ``--n N`` above 1 on a greedy config samples at temperature 1 (N greedy responses would be one
+response N times) unless ``val_kwargs.temperature`` / ``do_sample`` are given as overrides; sampling draws
+from ``--seed`` (``trainer.seed``). Responses come from the trainer's rollout engine (``--max-response-length``
+tokens at most); the reward manager scores them (``default_compute_score`` by ``data_source``, or the
+configured custom reward function). The metrics are in-run validation's (`posttrain.trainer.validation`:
+verl's ``val-core/<data_source>/<field>/mean@N``, ``best@N/mean``, ``maj@N/mean``... and
+``val-aux/.../pass@k``); accuracy is the mean score, per data source and overall. The eval card
+(`posttrain.trainer.eval_card`: model and weights hash, data and its hash, chat template, sampling, seed,
+scorer, version, machine) is written to ``--output`` and returned in the result.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import datetime
 import functools
 import json
 import os
+import re
 import sys
 import tempfile
 from collections import defaultdict
@@ -34,6 +47,9 @@ from typing import Any
 from posttrain.config import BUILTIN_CONFIG
 
 __all__ = ["build_parser", "evaluate", "main", "resolve_model"]
+
+DEFAULT_OUTPUT = Path("outputs") / "eval"
+"""Where `posttrain eval` writes its eval cards unless ``--output`` says otherwise."""
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -63,6 +79,34 @@ def resolve_model(path: str):
         yield str(export_actor(Path(path).expanduser(), tmp))
 
 
+def _sampling_overrides(n: int | None, temperature: float | None, top_p: float | None, seed: int | None,
+                        overrides: list[str]) -> list[str]:
+    """``val_kwargs`` and ``trainer.seed`` items for the flags given; ``n > 1`` without a temperature on a
+    greedy config samples at temperature 1 (added later, in `_sample_when_asked_for_n`)."""
+    vk = "actor_rollout_ref.rollout.val_kwargs"
+    items = [] if n is None else [f"{vk}.n={n}"]
+    if temperature is not None:
+        items += [f"{vk}.temperature={temperature}", f"{vk}.do_sample=True"]
+    if top_p is not None:
+        items.append(f"{vk}.top_p={top_p}")
+    if seed is not None:
+        items.append(f"trainer.seed={seed}")
+    return items
+
+
+def _sample_when_asked_for_n(config: Any, overrides: list[str]) -> str | None:
+    """n > 1 on a greedy ``val_kwargs`` that no override made greedy: sample at temperature 1 (returns the
+    note that says so), since n greedy responses are one response n times."""
+    vk = config.actor_rollout_ref.rollout.val_kwargs
+    greedy = not vk.do_sample or vk.temperature <= 0
+    chosen = any(re.match(r"^\+*actor_rollout_ref\.rollout\.val_kwargs\.(temperature|do_sample)=", o) for o in overrides)
+    if vk.n <= 1 or not greedy or chosen:
+        return None
+    vk.temperature, vk.do_sample = 1.0, True
+    return (f"val_kwargs.n={vk.n} on a greedy config: sampling at temperature 1.0 (set --temperature, or "
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=False for one greedy response)")
+
+
 def _config(model: str, data: list[str] | None, max_response_length: int | None, batch_size: int | None,
             overrides: list[str]):
     from posttrain.config import load_config
@@ -79,42 +123,105 @@ def _config(model: str, data: list[str] | None, max_response_length: int | None,
     return load_config(overrides=items + list(overrides), base=base, validate=False)
 
 
-def evaluate(model: str, data: list[str] | None = None, *, n: int | None = None,
+def _check_counts(limit: int | None, n: int | None, temperature: float | None, top_p: float | None) -> None:
+    from posttrain.config import ConfigError
+
+    # a negative limit would be a Python slice: rows[:-3] drops three rows
+    for name, value, low in (("limit", limit, 1), ("n", n, 1)):
+        if value is not None and value < low:
+            what = "prompts to evaluate" if name == "limit" else "responses per prompt"
+            raise ConfigError(f"{name}={value}: the number of {what} must be >= 1 (or None for the default)")
+    if temperature is not None and not temperature > 0:
+        raise ConfigError(f"temperature={temperature}: must be > 0 (greedy decoding is the default for n=1)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p}: must be in (0, 1]")
+
+
+def evaluate(model: str, data: list[str] | None = None, *, limit: int | None = None, n: int | None = None,
+             temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
              max_response_length: int | None = None, batch_size: int | None = None,
-             overrides: list[str] = (), tokenizer: str | None = None) -> dict[str, Any]:
-    """Greedy accuracy; returns ``{"model", "data", "max_response_length", "per_source": {source:
-    {"n", "accuracy"}}, "overall": {"n", "accuracy"}, "rows": [{"data_source", "prompt", "response",
-    "ground_truth", "score"}]}``. ``n``: only the first ``n`` prompts of the dataset."""
+             overrides: list[str] = (), tokenizer: str | None = None,
+             output: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Score ``model`` on ``data``; returns ``{"model", "data", "max_response_length", "sampling", "per_source":
+    {source: {"n": prompts, "responses", "accuracy", ["flexible_accuracy"]}}, "overall": {...}, "metrics":
+    {verl's names: value}, "rows": [{"data_source", "uid", "prompt", "response", "ground_truth", "score"}],
+    "card": the eval card, "card_path": where it was written (None without ``output``)}``.
+
+    ``limit``: only the first ``limit`` prompts; ``n``, ``temperature``, ``top_p``: ``val_kwargs``
+    (module docstring); ``seed``: ``trainer.seed``; ``output``: a folder for the card (None: not written)."""
     import torch
 
     from posttrain.data import RLHFDataset, build_val_loader
     from posttrain.rollout import SamplingParams
+    from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
     from posttrain.trainer.setup import build_reward_fn, data_files
     from posttrain.trainer.validation import run_validation
 
-    if n is not None and n < 1:  # a negative n would be a Python slice: rows[:-3] drops three rows
-        from posttrain.config import ConfigError
-
-        raise ConfigError(f"n={n}: the number of prompts to evaluate must be >= 1 (or None for all)")
+    _check_counts(limit, n, temperature, top_p)
     _check_model_flags(model, tokenizer)
+    overrides = list(overrides)
     with resolve_model(model) as path:
-        config = _config(path, data, max_response_length, batch_size, list(overrides))
+        config = _config(path, data, max_response_length, batch_size,
+                         _sampling_overrides(n, temperature, top_p, seed, overrides) + overrides)
+        note = _sample_when_asked_for_n(config, overrides)
         tok, module, device = _load_model(config, path, tokenizer)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     files = data_files(config)[1]
     dataset = RLHFDataset(files, tok, config.data)
-    if n is not None:
-        dataset.rows, dataset.input_ids = dataset.rows[:n], dataset.input_ids[:n]
+    if limit is not None:
+        dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
     loader = build_val_loader(dataset, config.data)
-    engine = _greedy_engine(config, module, tok, device)
+    engine, param_dtype = _engine(config, module, tok, device)
     length = int(config.data.max_response_length)
-    sampling = SamplingParams(n=1, temperature=0.0, do_sample=False, response_length=length,
-                              calculate_log_probs=False)
+    rollout = config.actor_rollout_ref.rollout
+    sampling = dataclasses.replace(SamplingParams.from_rollout_config(rollout, validate=True), response_length=length,
+                                   calculate_log_probs=False)
     reward_fn = build_reward_fn(config, tok)
-    with torch.no_grad():
-        metrics, samples = run_validation(list(loader), lambda p: engine.generate(p, sampling), reward_fn, 1,
+    batches = list(loader)
+    with torch.no_grad(), seeded_sampling({SEED_KEY: int(config.trainer.seed)}):
+        metrics, samples = run_validation(batches, lambda p: engine.generate(p, sampling), reward_fn, sampling.n,
                                           config.data.reward_fn_key)
     rows = _rows(samples, tok, config.data.reward_fn_key)
-    return _result(model, files, length, metrics, rows)
+    res = _result(model, files, length, metrics, rows, _sampling_summary(rollout, sampling, int(config.trainer.seed)))
+    res["card"] = _card(config, model, module, tok, files, sum(len(b) for b in batches), sampling, param_dtype, metrics)
+    res["card_path"] = None if output is None else str(_write(res["card"], output, model))
+    return res
+
+
+def _sampling_summary(rollout: Any, sampling: Any, seed: int) -> dict[str, Any]:
+    return {"n_requested": int(rollout.val_kwargs.n), "n": sampling.n, "do_sample": sampling.do_sample,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "seed": seed}
+
+
+def _card(config: Any, model: str, module: Any, tok: Any, files: Any, prompts: int, sampling: Any,
+          param_dtype: str, metrics: dict[str, float]) -> dict[str, Any]:
+    """The eval card of this evaluation (`posttrain.trainer.eval_card`)."""
+    from posttrain.trainer import eval_card
+
+    digest, weights = eval_card.model_weights_sha256(module)
+    m = config.actor_rollout_ref.model
+    info = {**eval_card.sampling_info(config.actor_rollout_ref.rollout), "n": sampling.n,
+            "max_response_length": sampling.response_length}
+    return eval_card.build_card(
+        kind="eval", model={"path": model, "weights_sha256": digest, "compute_dtype": param_dtype, **weights},
+        data=eval_card.files_info(files), prompts=prompts,
+        chat_template=eval_card.chat_template_info(tok, m.custom_chat_template), sampling=info,
+        seed=int(config.trainer.seed), scorer=eval_card.scorer_info(config), metrics=metrics)
+
+
+def _write(card: dict[str, Any], output: str | os.PathLike, model: str) -> Path:
+    """``output/<UTC time>_<model name>.json`` (a new name when that exists)."""
+    from posttrain.trainer.eval_card import write_card
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(model).rstrip("/")).name or "model")
+    folder = Path(output).expanduser()
+    path, i = folder / f"{stamp}_{name}.json", 1
+    while path.exists():
+        i += 1
+        path = folder / f"{stamp}_{name}_{i}.json"
+    return write_card(card, path)
 
 
 def _check_model_flags(model: str, tokenizer: str | None) -> None:
@@ -143,9 +250,9 @@ def _load_model(config: Any, path: str, tokenizer: str | None):
     return tok, module.eval(), device
 
 
-def _greedy_engine(config: Any, module: Any, tok: Any, device: Any):
-    """The trainer's rollout engine on ``module``, computing in the actor's ``param_dtype`` (``auto``:
-    decided as for training, `posttrain.workers.prepare.decide_param_dtype`)."""
+def _engine(config: Any, module: Any, tok: Any, device: Any) -> tuple[Any, str]:
+    """(the trainer's rollout engine on ``module``, the precision it computes in): the actor's ``param_dtype``
+    (``auto``: decided as for training, `posttrain.workers.prepare.decide_param_dtype`)."""
     from posttrain.models import autocast_context
     from posttrain.rollout import get_rollout_engine
     from posttrain.workers.prepare import decide_param_dtype
@@ -158,11 +265,11 @@ def _greedy_engine(config: Any, module: Any, tok: Any, device: Any):
         from posttrain.rollout.multi_turn import MultiTurnRollout
 
         engine = MultiTurnRollout.from_config(engine, tok, config.actor_rollout_ref.rollout)
-    return engine
+    return engine, param_dtype
 
 
 def _rows(samples: list[dict], tok: Any, key: str) -> list[dict[str, Any]]:
-    """One row per response: data source, prompt, response text, ground truth, score."""
+    """One row per response: data source, prompt id, prompt, response text, ground truth, score."""
     rows = []
     for sample in samples:
         out = sample["batch"]
@@ -173,26 +280,32 @@ def _rows(samples: list[dict], tok: Any, key: str) -> list[dict[str, Any]]:
                                    skip_special_tokens=False)
         calls = out.non_tensor_batch.get("multi_turn/tool_calls")
         for i, score in enumerate(sample["scores"]):
-            rows.append({"data_source": str(out.non_tensor_batch[key][i]), "prompt": prompts[i], "response": texts[i],
+            rows.append({"data_source": str(out.non_tensor_batch[key][i]), "uid": str(out.non_tensor_batch["uid"][i]),
+                         "prompt": prompts[i], "response": texts[i],
                          "ground_truth": out.non_tensor_batch["reward_model"][i].get("ground_truth"),
                          "score": float(score), **({"tool_calls": float(calls[i])} if calls is not None else {})})
     return rows
 
 
-def _result(model: str, files: Any, length: int, metrics: dict[str, float], rows: list[dict]) -> dict[str, Any]:
-    """Accuracy per data source and overall (the mean score), with the rows."""
+def _result(model: str, files: Any, length: int, metrics: dict[str, float], rows: list[dict],
+            sampling: dict[str, Any]) -> dict[str, Any]:
+    """Accuracy (the mean score) per data source and overall, verl's metrics, and the rows."""
     per: dict[str, list[float]] = defaultdict(list)
+    prompts: dict[str, set] = defaultdict(set)
     for r in rows:
         per[r["data_source"]].append(r["score"])
+        prompts[r["data_source"]].add(r["uid"])
     scores = [r["score"] for r in rows]
     return {
         "model": model,
         "data": files if isinstance(files, list) else [files],
         "max_response_length": length,
-        "per_source": {s: {"n": len(v), "accuracy": sum(v) / len(v), **_flexible(metrics, s)}
-                       for s, v in sorted(per.items())},
-        "overall": {"n": len(scores), "accuracy": sum(scores) / len(scores) if scores else float("nan"),
-                    **_tool_use(rows)},
+        "sampling": sampling,
+        "per_source": {s: {"n": len(prompts[s]), "responses": len(v), "accuracy": sum(v) / len(v),
+                           **_flexible(metrics, s)} for s, v in sorted(per.items())},
+        "overall": {"n": sum(len(u) for u in prompts.values()), "responses": len(scores),
+                    "accuracy": sum(scores) / len(scores) if scores else float("nan"), **_tool_use(rows)},
+        "metrics": metrics,
         "rows": rows,
     }
 
@@ -205,42 +318,71 @@ def _tool_use(rows: list[dict]) -> dict[str, float]:
 
 def _flexible(metrics: dict[str, float], source: str) -> dict[str, float]:
     """The scorer's flexible accuracy (last number in the reply) where it reports one."""
-    value = metrics.get(f"val-aux/{source}/flexible_acc/mean@1")
-    return {} if value is None else {"flexible_accuracy": value}
+    found = [v for k, v in metrics.items() if re.fullmatch(rf"val-aux/{re.escape(source)}/flexible_acc/mean@\d+", k)]
+    return {"flexible_accuracy": found[0]} if len(found) == 1 else {}
+
+
+def _describe_sampling(s: dict[str, Any], length: int) -> str:
+    if not s["do_sample"]:
+        asked = f" (val_kwargs.n={s['n_requested']}: one greedy response serves for all)" if s["n_requested"] > 1 else ""
+        return f"greedy, 1 response per prompt{asked}, at most {length} new tokens"
+    return (f"sampled: {s['n']} responses per prompt, temperature {s['temperature']:g}, top_p {s['top_p']:g}, "
+            f"top_k {s['top_k']}, seed {s['seed']}, at most {length} new tokens")
+
+
+def _metric_lines(metrics: dict[str, float]) -> list[str]:
+    """verl's headline metrics (val-core) and the unbiased pass@k, one per line."""
+    keys = [k for k in metrics if k.startswith("val-core/")] + [k for k in metrics if "/pass@" in k]
+    width = max((len(k) for k in keys), default=0)
+    return [f"  {k:<{width}}  {metrics[k]:.4f}" for k in keys]
 
 
 def format_result(res: dict[str, Any], show: int = 0) -> str:
     width = max([len("data_source"), len("overall")] + [len(s) for s in res["per_source"]])
     lines = [f"model: {res['model']}", f"data: {', '.join(map(str, res['data']))}",
-             f"greedy, at most {res['max_response_length']} new tokens",
+             _describe_sampling(res["sampling"], res["max_response_length"]),
              f"{'data_source':<{width}}  {'n':>6}  {'accuracy':>8}  {'flexible':>8}"]
     for source, v in res["per_source"].items():
         flexible = f"{v['flexible_accuracy']:>8.4f}" if "flexible_accuracy" in v else f"{'-':>8}"
         lines.append(f"{source:<{width}}  {v['n']:>6}  {v['accuracy']:>8.4f}  {flexible}")
     lines.append(f"{'overall':<{width}}  {res['overall']['n']:>6}  {res['overall']['accuracy']:>8.4f}")
+    lines.append("metrics (verl's names; pass@k: the unbiased estimator, Chen et al. 2021; all in the card):")
+    lines += _metric_lines(res["metrics"])
+    if res.get("card_path"):
+        lines.append(f"eval card: {res['card_path']}")
     for r in res["rows"][:show]:
         lines.append(f"--- score {r['score']:g} (ground truth {r['ground_truth']}): {r['response']!r}")
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from posttrain.cli_args import non_negative_int, positive_int
+    from posttrain.cli_args import non_negative_int, positive_float, positive_int, probability
 
     parser = argparse.ArgumentParser(
-        prog="posttrain eval", description="Greedy accuracy of a model or checkpoint on a dataset, per data source.")
+        prog="posttrain eval", description="A model or checkpoint on a dataset: verl's mean/best/maj@N and the "
+                                           "unbiased pass@k per data source, with an eval card.")
     parser.add_argument("--model", required=True,
                         help="HF folder, .gguf file, smollm2-135m-instruct, hub id, or a checkpoint (global_step_N)")
     parser.add_argument("--data", nargs="+", action="extend", metavar="FILE",
                         help="parquet/jsonl files in verl's schema (default: the built-in run's test split)")
-    parser.add_argument("--n", type=positive_int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--n", type=positive_int, default=None,
+                        help="responses per prompt (actor_rollout_ref.rollout.val_kwargs.n); above 1 on a greedy "
+                             "config it samples at temperature 1")
+    parser.add_argument("--temperature", type=positive_float, default=None,
+                        help="sample at this temperature (val_kwargs.temperature, do_sample=True)")
+    parser.add_argument("--top-p", type=probability, default=None, help="nucleus threshold (val_kwargs.top_p)")
+    parser.add_argument("--seed", type=non_negative_int, default=None, help="sampling seed (trainer.seed)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--max-response-length", type=positive_int, default=None,
                         help="new tokens per response (default: data.max_response_length of the built-in config)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="prompts per generation batch (default: all)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
+    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), metavar="DIR",
+                        help=f"folder for the eval card, <UTC time>_<model>.json (default: {DEFAULT_OUTPUT})")
     parser.add_argument("--show", type=non_negative_int, default=0, metavar="K",
                         help="also print the first K responses")
-    parser.add_argument("--json", action="store_true", help="print the result (with every response) as JSON")
+    parser.add_argument("--json", action="store_true", help="print the result (with every response and the card) as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (over the built-in config)")
     return parser
 
@@ -255,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.checkpoint import CheckpointError
 
     try:
-        res = evaluate(args.model, data or None, n=args.n, max_response_length=args.max_response_length,
-                       batch_size=args.batch_size, overrides=overrides, tokenizer=args.tokenizer)
+        res = evaluate(args.model, data or None, limit=args.limit, n=args.n, temperature=args.temperature,
+                       top_p=args.top_p, seed=args.seed, max_response_length=args.max_response_length,
+                       batch_size=args.batch_size, overrides=overrides, tokenizer=args.tokenizer, output=args.output)
     except (ConfigError, DataError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

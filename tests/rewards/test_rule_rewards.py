@@ -59,7 +59,7 @@ def test_dispatch():
     assert default_compute_score("openai/gsm8k", "72", "72") == 0.0
     for src in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
         assert default_compute_score(src, "\\boxed{\\frac{2}{4}}", "\\frac{1}{2}") == 1.0
-    both = {"score": 1.0, "acc": 1.0, "flexible_acc": 1.0}
+    both = {"score": 1.0, "acc": 1.0, "flexible_acc": 1.0, "pred": "9"}
     assert default_compute_score("posttrain/arithmetic", "#### 9", "9", extra_info={"index": 0}) == both
     assert isinstance(default_compute_score("openai/gsm8k", "#### 7", "72"), float)
     with pytest.raises(UnknownDataSourceError, match=r"data_source='my/data'; known: \['openai/gsm8k'") as e:
@@ -69,12 +69,12 @@ def test_dispatch():
     assert "posttrain/arithmetic" in KNOWN_DATA_SOURCES
 
 
-@pytest.mark.parametrize("reply,strict,flexible", [
-    ("4 + 5 = 9\n#### 9", 1.0, 1.0),
-    ("4 + 5 = 9", 0.0, 1.0),             # right answer, no format: only the flexible reading credits it
-    ("#### 9 but really 8", 1.0, 0.0),    # strict reads after ####, flexible the last number
-    ("4 + 5 = 8\n#### 8", 0.0, 0.0),
-    ("no number", 0.0, 0.0),
+@pytest.mark.parametrize("reply,strict,flexible,pred", [
+    ("4 + 5 = 9\n#### 9", 1.0, 1.0, "9"),
+    ("4 + 5 = 9", 0.0, 1.0, "[INVALID]"),  # right answer, no format: only the flexible reading credits it
+    ("#### 9 but really 8", 1.0, 0.0, "9"),  # strict reads after ####, flexible the last number
+    ("4 + 5 = 8\n#### 8", 0.0, 0.0, "8"),
+    ("no number", 0.0, 0.0, "[INVALID]"),
 ])
-def test_builtin_task_reports_strict_and_flexible(reply, strict, flexible):
-    assert arithmetic.score_both(reply, "9") == {"score": strict, "acc": strict, "flexible_acc": flexible}
+def test_builtin_task_reports_strict_and_flexible(reply, strict, flexible, pred):
+    assert arithmetic.score_both(reply, "9") == {"score": strict, "acc": strict, "flexible_acc": flexible, "pred": pred}

@@ -69,15 +69,17 @@ def test_validation_metric_per_data_source(tmp_path):
                                       "trainer.total_training_steps=1"])
     history = trainer.fit()
     assert history[0]["step"] == 0
-    assert "val-core/posttrain/arithmetic/reward/mean@1" in history[0]
-    assert "val-core/posttrain/arithmetic/reward/mean@1" in history[1]
-    strict, flexible = (history[0][f"val-aux/posttrain/arithmetic/{k}/mean@1"] for k in ("acc", "flexible_acc"))
-    assert strict == history[0]["val-core/posttrain/arithmetic/reward/mean@1"] and flexible >= strict
+    # verl's names: the scorer reports acc, so acc is the core field and the reward goes to val-aux
+    assert "val-core/posttrain/arithmetic/acc/mean@1" in history[0]
+    assert "val-core/posttrain/arithmetic/acc/mean@1" in history[1]
+    strict = history[0]["val-core/posttrain/arithmetic/acc/mean@1"]
+    flexible = history[0]["val-aux/posttrain/arithmetic/flexible_acc/mean@1"]
+    assert strict == history[0]["val-aux/posttrain/arithmetic/reward/mean@1"] and flexible >= strict
 
 
 def test_validation_reports_the_scorers_numbers_per_data_source():
-    """`val-aux/<source>/<name>/mean@n` is the mean of what the scorer returned beside its score, per
-    data source (hand-computed); the manager's error count is not among them."""
+    """`val-*/<source>/<name>/mean@n` is the mean of what the scorer returned beside its score, per data
+    source (hand-computed), acc the core field as in verl; the manager's error count and text are not among them."""
     import numpy as np
     import torch
 
@@ -94,9 +96,10 @@ def test_validation_reports_the_scorers_numbers_per_data_source():
 
     metrics, _ = run_validation([prompts], lambda p: p, score, 1)
     assert metrics == {
-        "val-core/a/reward/mean@1": pytest.approx(2 / 3), "val-core/b/reward/mean@1": 0.0,
-        "val-aux/a/acc/mean@1": pytest.approx(2 / 3), "val-aux/b/acc/mean@1": 0.0,
+        "val-aux/a/reward/mean@1": pytest.approx(2 / 3), "val-aux/b/reward/mean@1": 0.0,
+        "val-core/a/acc/mean@1": pytest.approx(2 / 3), "val-core/b/acc/mean@1": 0.0,
         "val-aux/a/flexible_acc/mean@1": pytest.approx(2 / 3), "val-aux/b/flexible_acc/mean@1": 1.0,
+        "val-aux/a/acc/pass@1": pytest.approx(2 / 3), "val-aux/b/acc/pass@1": 0.0,
     }
 
 

@@ -109,7 +109,7 @@ def test_eval_matches_independent_greedy_scoring(tmp_path, capsys):
     assert want["posttrain/arithmetic"] == (4, 0.5) and want["other/arith"] == (3, pytest.approx(1 / 3))
 
     argv = ["--model", str(model_dir), "--data", *files, "--max-response-length", str(MAX_NEW),
-            "--batch-size", "3", f"custom_reward_function.path={reward}"]
+            "--batch-size", "3", "--output", str(tmp_path / "cards"), f"custom_reward_function.path={reward}"]
     assert main(argv) == 0
     printed = _printed(capsys.readouterr().out)
     assert set(printed) == set(want)
@@ -118,10 +118,12 @@ def test_eval_matches_independent_greedy_scoring(tmp_path, capsys):
 
     assert main(argv + ["--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["overall"] == {"n": 7, "accuracy": pytest.approx(want["overall"][1])}
+    assert res["overall"] == {"n": 7, "responses": 7, "accuracy": pytest.approx(want["overall"][1])}
     for source, (n, acc) in want.items():
         if source != "overall":
-            assert res["per_source"][source] == {"n": n, "accuracy": pytest.approx(acc)}
+            assert res["per_source"][source] == {"n": n, "responses": n, "accuracy": pytest.approx(acc)}
+            # greedy: one response a prompt, so verl's mean@1 of the reward (no acc from this scorer) is the accuracy
+            assert res["metrics"][f"val-core/{source}/reward/mean@1"] == pytest.approx(acc)
     assert {r["response"] for r in res["rows"]} == {"12"}
 
 
@@ -134,7 +136,8 @@ def test_eval_default_scorer_and_builtin_style_data(tmp_path, capsys):
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
     _, test = write_arithmetic_parquet(str(tmp_path / "data"), n_train=8, n_test=6, digits=1, ops=("+",), seed=0)
     want = independent(model, tok, [test], arithmetic.compute_score)
-    assert main(["--model", str(model_dir), "--data", test, "--max-response-length", str(MAX_NEW), "--json"]) == 0
+    assert main(["--model", str(model_dir), "--data", test, "--max-response-length", str(MAX_NEW), "--json",
+                 "--output", str(tmp_path / "cards")]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["overall"]["n"] == 6 and res["overall"]["accuracy"] == pytest.approx(want["overall"][1])
     assert res["per_source"]["posttrain/arithmetic"]["accuracy"] == pytest.approx(want["posttrain/arithmetic"][1])
@@ -143,7 +146,7 @@ def test_eval_default_scorer_and_builtin_style_data(tmp_path, capsys):
 
 
 def test_eval_a_checkpoint_equals_its_model(tmp_path, capsys):
-    """A global_step_N folder is evaluated through its actor/huggingface config + weights; `--n` limits."""
+    """A global_step_N folder is evaluated through its actor/huggingface config + weights; `--limit` limits."""
     from posttrain.checkpoint import CheckpointManager, RoleState
 
     model_dir, model, tok = _bigram_model_dir(tmp_path)
@@ -152,23 +155,27 @@ def test_eval_a_checkpoint_equals_its_model(tmp_path, capsys):
     root = tmp_path / "ckpt"
     CheckpointManager(root).save(3, {"actor": RoleState(model=model.state_dict(), hf_config=model.config,
                                                         tokenizer=tok)}, {"step": 3})
-    common = ["--data", *files, "--max-response-length", str(MAX_NEW), "--n", "2", "--json",
-              f"custom_reward_function.path={reward}"]
+    common = ["--data", *files, "--max-response-length", str(MAX_NEW), "--limit", "2", "--json",
+              "--output", str(tmp_path / "cards"), f"custom_reward_function.path={reward}"]
     assert main(["--model", str(root / "global_step_3"), *common]) == 0
     from_ckpt = json.loads(capsys.readouterr().out)
     assert main(["--model", str(model_dir), *common]) == 0
     from_dir = json.loads(capsys.readouterr().out)
-    assert from_ckpt["overall"]["n"] == 2  # --n: the first 2 prompts (of the first file)
-    assert from_ckpt["per_source"] == from_dir["per_source"] == {"posttrain/arithmetic": {"n": 2, "accuracy": 0.5}}
+    assert from_ckpt["overall"]["n"] == 2  # --limit: the first 2 prompts (of the first file)
+    assert from_ckpt["per_source"] == from_dir["per_source"] == {"posttrain/arithmetic": {"n": 2, "responses": 2,
+                                                                                          "accuracy": 0.5}}
+    # the same weights, so the same hash on both cards (the checkpoint is exported to a temporary folder first)
+    assert from_ckpt["card"]["model"]["weights_sha256"] == from_dir["card"]["model"]["weights_sha256"]
     assert [r["response"] for r in from_ckpt["rows"]] == [r["response"] for r in from_dir["rows"]]
 
 
 def test_eval_errors_are_reported(tmp_path, capsys):
-    assert main(["--model", str(tiny_model_dir(tmp_path)), "--data", str(tmp_path / "missing.parquet")]) == 2
+    assert main(["--model", str(tiny_model_dir(tmp_path)), "--data", str(tmp_path / "missing.parquet"),
+                 "--output", str(tmp_path / "cards")]) == 2
     assert "error:" in capsys.readouterr().err
 
 
 def test_eval_a_model_path_that_does_not_exist_names_it(tmp_path, capsys):
-    assert main(["--model", str(tmp_path / "nope")]) == 2
+    assert main(["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "cards")]) == 2
     err = capsys.readouterr().err
     assert f"error: --model {tmp_path / 'nope'}: {tmp_path / 'nope'} does not exist" in err and "Traceback" not in err
