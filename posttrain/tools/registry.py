@@ -49,19 +49,36 @@ def checked_class(dotted: Any, where: str, base: type, methods: tuple[str, ...],
 
 
 def read_yaml_list(path: str, top_key: str) -> list:
-    """The list under ``top_key`` of the YAML file at ``path`` (ConfigError naming the file otherwise)."""
+    """The list under ``top_key`` of the YAML file at ``path`` (ConfigError naming the file otherwise).
+
+    No interpolation is resolved: a tool or interaction YAML is often shared, and ``${oc.env:HF_TOKEN}`` in
+    one would hand this process's secrets to whatever the YAML names (a server URL, a tool's config). A
+    value with ``${...}`` is refused, naming its key; ``\\${`` writes a literal ``${``."""
     from omegaconf import OmegaConf
 
     from posttrain.errors import read_utf8
 
     text = read_utf8(path, ConfigError)
     try:
-        data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+        data = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
     except Exception as err:
         raise ConfigError(f"{path}: not valid YAML ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get(top_key), list):
         raise ConfigError(f"{path}: expected a top-level '{top_key}:' list")
-    return data[top_key]
+    return _literal(data[top_key], f"{path}: {top_key}")
+
+
+def _literal(value: Any, where: str) -> Any:
+    """``value`` with every string checked for an interpolation (refused) and ``\\${`` made ``${``."""
+    if isinstance(value, dict):
+        return {key: _literal(item, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, list):
+        return [_literal(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, str) and "${" in value.replace("\\${", ""):
+        raise ConfigError(f"{where}={value!r}: tool and interaction YAMLs resolve no interpolation (a shared YAML "
+                          "could read this process's environment and secrets); write the value itself, or \\${ "
+                          "for a literal ${")
+    return value.replace("\\${", "${") if isinstance(value, str) else value
 
 
 def load_tools_config(path: str) -> list[BaseTool]:
