@@ -63,7 +63,8 @@ COMMANDS = {
     "plan": ("posttrain.plan", "explain a run before it starts: batch flow, models, memory, problems"),
     "diff": ("posttrain.diff", "compare two launch scripts or configs key by key"),
     "compare": ("posttrain.commands.compare", "run two configs on the same data and seeds: accuracy, speed, memory"),
-    "eval": ("posttrain.trainer.evaluate", "greedy accuracy of a model or checkpoint on a dataset"),
+    "eval": ("posttrain.trainer.evaluate", "a model or checkpoint on a dataset: verl's mean/best/maj@N, unbiased pass@k, "
+                                           "an eval card (--n 8: 8 samples a prompt)"),
     "export": ("posttrain.trainer.export", "write a checkpoint's actor as a Hugging Face folder"),
     "view": ("posttrain.view", "a local web page of runs: curves, samples, tokens, trajectories, eval cards"),
     "serve": ("posttrain.serve.server", "an OpenAI-compatible server over a model: serve MODEL [--port] [--api-key]"),

@@ -47,6 +47,7 @@ from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.run import NonFiniteError, RunLoop, StepUndone  # NonFiniteError: importable here too
 from posttrain.trainer.validation import run_validation
+from posttrain.trainer.eval_card import write_validation_card
 
 # Estimators whose baseline is the reward of a greedy response to the same prompt (ReMax): declared
 # with their registration (`register_adv_est(..., needs_greedy_baseline=True)`), read live.
@@ -299,6 +300,8 @@ class RLTrainer:
         metrics, _ = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
                                     self.reward_fn, n, self.config.data.reward_fn_key)
         metrics["timing_s/testing"] = time.perf_counter() - start
+        write_validation_card(self.config, metrics, step=self.global_step, tokenizer=self.tokenizer,
+                              workers=self.workers, prompts=sum(len(b) for b in batches))  # the conventions beside the numbers
         release_freed_memory()  # the held-out decoding's buffers: no training phase reuses their sizes
         return metrics
 
