@@ -91,7 +91,12 @@ class OptimConfig:
     """Deprecated verl name of lr_scheduler_type; when set it wins."""
     optimizer: str = "auto"
     """AdamW (float32 moments; also adamw_torch), adamw_8bit (TRL's name: 8-bit block-wise moments, 2 bytes a
-    parameter instead of 8), or auto: the run's memory plan chooses (adamw_8bit on a one-process CPU run)."""
+    parameter instead of 8), or auto: the run's memory plan chooses (adamw_8bit on a one-process CPU run); with
+    optimizer_impl another module, the name of its class (verl: AdamW8bit with torchao.optim)."""
+    optimizer_impl: str = "torch.optim"
+    """Module the optimizer class comes from (verl's key): torch.optim (AdamW and posttrain's own names above, or any torch.optim class such as SGD), posttrain.optim (the same names), or any importable module, e.g. torchao.optim or bitsandbytes.optim, whose class `optimizer` is built with lr, betas, weight_decay."""
+    override_optimizer_config: Optional[dict[str, Any]] = None
+    """Extra constructor arguments of the optimizer (verl's key), e.g. {eps: 1e-6}; null: none."""
 
 
 @_cfg()
@@ -108,6 +113,8 @@ class PolicyLossConfig:
     """kl_cov: fraction of tokens given the KL penalty."""
     ppo_kl_coef: float = 0.1
     """kl_cov: coefficient of that KL penalty."""
+    dro_beta: Optional[float] = None
+    """dro: weight (> 0) of the quadratic log-ratio penalty of Direct Reward Optimization; required when loss_mode=dro."""
 
 
 @_cfg()
@@ -145,6 +152,14 @@ class ActorConfig:
     """Policy-loss variant and its knobs."""
     clip_ratio_c: float = 3.0
     """Dual-clip constant for negative advantages (must be > 1)."""
+    tau_pos: float = 1.0
+    """SAPO's gate temperature where the advantage is positive (policy_loss.loss_mode=sapo)."""
+    tau_neg: float = 1.05
+    """SAPO's gate temperature where the advantage is zero or negative (> tau_pos: asymmetric)."""
+    calculate_sum_pi_squared: bool = False
+    """Also compute each token's sum over the vocabulary of pi^2 in the old-log-prob pass (needed by algorithm.adv_estimator=optimal_token_baseline and tir_optimal_token_baseline)."""
+    loss_scale_factor: Optional[float] = None
+    """Constant divisor of loss_agg_mode=seq-mean-token-sum-norm (null: the response length, Dr.GRPO's choice)."""
     loss_agg_mode: str = "token-mean"
     """How token losses become one number: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
     entropy_coeff: float = 0.0
@@ -271,6 +286,8 @@ class MultiTurnConfig:
     """(posttrain) Add each trajectory's tool rewards (calc_reward) and interaction score to the reward function's score."""
     max_consecutive_invalid_tool_calls: Optional[int] = None
     """(posttrain; verl PR 7697's name) Invalid tool calls in a row (bad JSON, unknown tool, wrong arguments) that end a trajectory; null: no cap."""
+    function_tool_path: Optional[str] = None
+    """verl's Python file of plain functions offered as tools; not supported yet: must stay null (write a tool YAML for tool_config_path; posttrain.tools.function_tool wraps a function)."""
     filter_void_turns: bool = False
     """(posttrain) Trajectories with a void turn (no tool call, no final answer; SimpleTIR) get zero loss weight (response_mask 0)."""
     final_answer_pattern: Optional[str] = None

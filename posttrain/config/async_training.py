@@ -39,6 +39,42 @@ class AsyncTrainingConfig:
     """Recompute old log-probs with the trainer's current weights and correct stale samples with algorithm.rollout_correction.* against the rollout's log-probs (AReaL's decoupled PPO)."""
 
 
+V1_MODES = ("sync", "colocate_async", "separate_async")
+"""``trainer.v1.trainer_mode``'s values (verl 0.9)."""
+
+
+def apply_trainer_mode(config: Any) -> None:
+    """verl 0.9's ``trainer.use_v1`` / ``trainer.v1.trainer_mode`` onto posttrain's runs, in place:
+
+    - ``sync`` (and ``use_v1=False``): nothing changes (the colocated run, or whatever hybrid_engine says);
+    - ``colocate_async``: the one-step-off run (a rollout pool one weight version behind, weights pushed after
+      every update). verl keeps generation on the trainer's GPUs; posttrain's rollout pool is its own
+      processes (``rollout.nnodes`` x ``rollout.n_gpus_per_node``, one worker when unset);
+    - ``separate_async``: the fully-async run: weights pushed every ``v1.separate_async.parameter_sync_step``
+      updates, samples at most ``v1.sampler.max_off_policy_threshold`` versions stale, partial rollouts where
+      the engine can pause.
+
+    An ``async_training.*`` key the user set (anything but its default) wins over the mode's value."""
+    trainer = config.trainer
+    mode = trainer.v1.trainer_mode if trainer.use_v1 else "sync"
+    if mode not in V1_MODES or mode == "sync":
+        return
+    arr, cfg, default = config.actor_rollout_ref, config.async_training, AsyncTrainingConfig()
+    arr.hybrid_engine = False
+    if arr.rollout.n_gpus_per_node == 0:
+        arr.rollout.n_gpus_per_node = 1
+    if mode == "colocate_async":
+        wanted = {"staleness_threshold": 1, "trigger_parameter_sync_step": 1}
+    else:
+        v1 = trainer.v1
+        wanted = {"staleness_threshold": v1.sampler.max_off_policy_threshold,
+                  "trigger_parameter_sync_step": v1.separate_async.parameter_sync_step,
+                  "partial_rollout": arr.rollout.name in PAUSABLE_ENGINES}
+    for name, value in wanted.items():
+        if getattr(cfg, name) == getattr(default, name):
+            setattr(cfg, name, value)
+
+
 def async_enabled(config: Any) -> bool:
     """Separate rollout workers: ``actor_rollout_ref.hybrid_engine=False``."""
     return not config.actor_rollout_ref.hybrid_engine

@@ -21,6 +21,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from posttrain.config import verl_keys
 from posttrain.config.docs import all_keys, leaf_type
 from posttrain.errors import ConfigError, read_utf8
 from posttrain.config.schema import PostTrainConfig
@@ -39,6 +40,10 @@ class Tree:
     """How errors name the tree: ``unknown SFT config key ...``."""
     foreign: Callable[[str], str] | None = None
     """Text added to the error for an unknown key (e.g. that it is an RL key)."""
+    aliases: tuple[tuple[str, str], ...] = verl_keys.PPO_ALIASES
+    """verl 0.9 spellings of this tree's keys (`posttrain.config.verl_keys`)."""
+    no_effect: tuple[verl_keys.VerlRule, ...] = verl_keys.NO_EFFECT
+    """verl 0.9 keys this tree reads but does not act on, or refuses unless off."""
 
     def keys(self) -> dict:
         return all_keys(self.root)
@@ -68,16 +73,27 @@ def _is_free_dict(hint: Any) -> bool:
 
 def _check_key(key: str, where: str, allow_new: bool, tree: Tree = RL_TREE) -> None:
     """Raise ConfigError unless `key` is a schema key or an entry under a free-form dict key."""
+    _route(key, where, allow_new, tree)
+
+
+def _route(key: str, where: str, allow_new: bool, tree: Tree = RL_TREE) -> tuple[str, verl_keys.VerlRule | None]:
+    """Where a key goes: (the schema key to set, None), or (verl's key, the rule that gives it no effect here).
+    A verl 0.9 alias is rewritten to posttrain's key first. Raises ConfigError for an unknown key."""
     keys = tree.keys()
+    if key not in keys:
+        key = verl_keys.alias_of(key, keys, tree.aliases) or key
     if key in keys:
-        return
+        return key, None
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:i])
         if parent in keys and not keys[parent].is_section:
             if _is_free_dict(tree.leaf_type(parent)):
-                return  # entries of dict-valued keys (override_config, ...) are free-form
+                return key, None  # entries of dict-valued keys (override_config, ...) are free-form
             raise ConfigError(f"{where}: '{parent}' is a value, not a section, so '{key}' cannot be set")
+    rule = verl_keys.rule_for(key, tree.no_effect)
+    if rule is not None:
+        return key, rule
     foreign = tree.foreign(key) if tree.foreign is not None else ""
     hint = "" if allow_new else _suggest(key, tree)
     raise ConfigError(f"{where}: unknown {tree.name}config key '{key}'{foreign}{hint}")
@@ -199,8 +215,21 @@ def _apply_yaml(cfg: DictConfig, path: str | Path, tree: Tree = RL_TREE) -> None
     lines = _key_lines(text)
     for key, value in _flatten(raw, tree):
         where = f"{path}" + (f":{lines[key]}" if key in lines else "")
-        _check_key(key, where, allow_new=False, tree=tree)
+        _place(cfg, key, value, where, False, tree)
+
+
+def _place(cfg: DictConfig, key: str, value: Any, where: str, allow_new: bool, tree: Tree) -> None:
+    """Set a schema key, or keep a verl key that has no effect here in ``no_effect`` (refusing a value
+    its rule refuses)."""
+    key, rule = _route(key, where, allow_new, tree)
+    if rule is None:
         _set(cfg, key, value, where, tree)
+        return
+    if rule.refuses(value):
+        raise ConfigError(f"{where}: {rule.refusal(key, value)}")
+    if "no_effect" in cfg:
+        kept = [item for item in cfg.no_effect if item.split("=", 1)[0] != key]
+        cfg.no_effect = kept + [f"{key}={value}"]
 
 
 def _key_lines(text: str) -> dict[str, int]:
@@ -223,8 +252,8 @@ def apply_overrides(cfg: DictConfig, overrides: Iterable[str], source: str = "ov
     for item in overrides:
         key, text, plus = split_override(item)
         where = f"{source} '{item}'"
-        _check_key(key, where, allow_new=plus, tree=tree)
-        _set(cfg, key, parse_override_value(key, text, where, tree), where, tree)
+        routed, _ = _route(key, where, allow_new=plus, tree=tree)
+        _place(cfg, key, parse_override_value(routed, text, where, tree), where, plus, tree)
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,6 +284,16 @@ def to_dataclass(cfg: DictConfig) -> Any:
         raise ConfigError(f"config key '{full_key}': {str(err).splitlines()[0]}") from None
 
 
+def to_rl_config(cfg: DictConfig) -> PostTrainConfig:
+    """The typed RL tree of a merged config, with verl 0.9's trainer mode applied
+    (`posttrain.config.async_training.apply_trainer_mode`)."""
+    from posttrain.config.async_training import apply_trainer_mode
+
+    config = to_dataclass(cfg)
+    apply_trainer_mode(config)
+    return config
+
+
 def to_yaml(config: PostTrainConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
@@ -278,7 +317,7 @@ def load_config(
     Raises ConfigError, before any model loads, for unknown keys, wrong types, unknown choices
     and inconsistent settings.
     """
-    config = to_dataclass(load_raw(path, overrides, base))
+    config = to_rl_config(load_raw(path, overrides, base))
     if validate:
         from posttrain.config.validate import validate_config
 

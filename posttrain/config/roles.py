@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from posttrain.config.derived import uses_critic, uses_reference
+from posttrain.config.distillation import teacher_specs
 
 __all__ = ["RoleSpec", "RoleSpecs", "rl_role_specs", "specs_from_actor_rollout_ref"]
 
@@ -36,6 +37,8 @@ class RoleSpecs:
     ref: Optional[RoleSpec] = None
     critic: Optional[RoleSpec] = None
     rm: Optional[RoleSpec] = None
+    teachers: Optional[Any] = None
+    """On-policy distillation's teachers (`posttrain.config.distillation.TeacherSpecs`)."""
     timeout_s: float = 600
     """``actor_rollout_ref.nccl_timeout``: how long a rank waits in a collective."""
 
@@ -49,12 +52,13 @@ def specs_from_actor_rollout_ref(arr: Any, *, reference: bool) -> RoleSpecs:
 
 def rl_role_specs(config: Any) -> RoleSpecs:
     """Every role the RL ``config`` asks for: the reference when KL is used, the critic for GAE, the
-    reward model when ``reward_model.enable``. Batch sizes as ``config`` holds them (per rank:
-    `posttrain.config.worker_config`)."""
+    reward model when ``reward_model.enable``, the teachers when ``distillation.enabled``. Batch sizes as
+    ``config`` holds them (per rank: `posttrain.config.worker_config`)."""
     specs = specs_from_actor_rollout_ref(config.actor_rollout_ref, reference=uses_reference(config))
     if uses_critic(config):
         specs.critic = RoleSpec(config.critic.model, config.critic.model.fsdp_config, config.critic)
     rm = config.reward_model
     if rm.enable:
         specs.rm = RoleSpec(rm.model, rm.model.fsdp_config, rm)
+    specs.teachers = teacher_specs(config)  # None unless distillation.enabled
     return specs

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from posttrain.config.actor_rollout_ref import ActorRolloutRefConfig, _cfg
 from posttrain.config.async_training import AsyncTrainingConfig
 from posttrain.config.critic import CriticConfig, RewardModelConfig
+from posttrain.config.distillation import DistillationConfig
 from posttrain.config.reward import RewardConfig
 
 
@@ -50,6 +51,10 @@ class DataConfig:
     """Training prompts: one parquet/jsonl path or a list of them (null: the built-in arithmetic task)."""
     val_files: Any = "~/data/rlhf/gsm8k/test.parquet"
     """Validation prompts: one path or a list (null: the built-in arithmetic task's test split)."""
+    train_max_samples: int = -1
+    """Use only the first N training rows (-1: all)."""
+    val_max_samples: int = -1
+    """Use only the first N validation rows (-1: all)."""
     prompt_key: str = "prompt"
     """Column holding the chat messages."""
     reward_fn_key: str = "data_source"
@@ -92,6 +97,20 @@ class DataConfig:
     """Extra keyword arguments for tokenizer.apply_chat_template."""
     tool_config_path: Optional[str] = "${oc.select:actor_rollout_ref.rollout.multi_turn.tool_config_path,null}"
     """Tool YAML whose schemas the chat template renders into every prompt (tools=...), as the rollout offers them; follows multi_turn.tool_config_path."""
+    function_tool_path: Optional[str] = "${oc.select:actor_rollout_ref.rollout.multi_turn.function_tool_path,null}"
+    """verl's Python file of plain functions offered as tools (follows multi_turn.function_tool_path); not supported yet: must stay null (tools come from tool_config_path)."""
+    image_key: str = "images"
+    """Column holding a row's images (vision-language data). posttrain trains text models: where the data has this column, the run stops before loading with one line."""
+    video_key: str = "videos"
+    """Column holding a row's videos (refused where present, as image_key)."""
+    audio_key: str = "audios"
+    """Column holding a row's audio (refused where present, as image_key)."""
+    image_patch_size: int = 14
+    """Vision processor's patch size (used only with image data, which is not supported yet)."""
+    return_multi_modal_inputs: bool = True
+    """Return the processor's multimodal inputs (used only with image/video/audio data)."""
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the multimodal processor (used only with image/video/audio data)."""
     arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
     """(posttrain) The built-in arithmetic task, used where train_files / val_files are null."""
 
@@ -176,6 +195,78 @@ class AlgorithmConfig:
     """Correction for the rollout engine's policy differing from the trainer's (importance weights, rejection, bypass)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling (group filtering)."""
+    gdpo_reward_keys: Optional[list[str]] = None
+    """gdpo: the reward parts (keys of the dict a scoring function returns) each normalised within its group before they are summed; null: the score alone, as GRPO."""
+
+
+@_cfg()
+class ColocateAsyncConfig:
+    num_warmup_batches: int = 1
+    """Batches generated ahead before training starts (posttrain: the in-flight budget of async_training.*)."""
+
+
+@_cfg()
+class HybridRolloutConfig:
+    enable_switch: bool = False
+    """Lend idle trainer devices to generation (verl's V1 engine only; refused when True)."""
+    switch_threshold_ratio: float = 0.4
+    """verl's hybrid-rollout switch threshold (no effect here)."""
+    adaptive_switch_threshold: bool = True
+    """verl's hybrid-rollout switch (no effect here)."""
+    switch_threshold_step_up: float = 0.05
+    """verl's hybrid-rollout switch (no effect here)."""
+    switch_threshold_step_down: float = 0.03
+    """verl's hybrid-rollout switch (no effect here)."""
+    switch_threshold_release_steps: int = 2
+    """verl's hybrid-rollout switch (no effect here)."""
+    switch_cost_window_size: int = 3
+    """verl's hybrid-rollout switch (no effect here)."""
+
+
+@_cfg()
+class SeparateAsyncConfig:
+    num_warmup_batches: int = 1
+    """Batches generated ahead before training starts (posttrain: the in-flight budget of async_training.*)."""
+    parameter_sync_step: int = 4
+    """Trainer updates between two weight pushes to the rollout pool (posttrain's async_training.trigger_parameter_sync_step)."""
+    hybrid_rollout: HybridRolloutConfig = field(default_factory=HybridRolloutConfig)
+    """Lending trainer devices to generation (verl's V1 engine)."""
+
+
+@_cfg()
+class CustomSamplerConfig:
+    path: Optional[str] = None
+    """File of a custom replay-buffer sampler (not supported: must stay null)."""
+    name: Optional[str] = None
+    """Its class."""
+
+
+@_cfg()
+class V1SamplerConfig:
+    max_off_policy_threshold: int = 8
+    """Most weight versions a sample may lag the trainer in the async modes (posttrain's async_training.staleness_threshold)."""
+    max_off_policy_strategy: str = "drop"
+    """What happens to a staler sample: drop (wait is verl's V1 engine only)."""
+    sync_refill_failed_groups: bool = False
+    """Refill groups whose samples failed (verl's V1 engine; no effect here)."""
+    custom_sampler: CustomSamplerConfig = field(default_factory=CustomSamplerConfig)
+    """A custom replay-buffer sampler."""
+    sampler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Its arguments."""
+
+
+@_cfg()
+class TrainerV1Config:
+    trainer_mode: str = "sync"
+    """sync (generate, then train, on the same devices), colocate_async (posttrain: the one-step-off run, a rollout pool one weight version behind) or separate_async (posttrain: the fully-async run, rollout.nnodes x rollout.n_gpus_per_node rollout workers streaming, weights pushed every parameter_sync_step updates, partial rollouts)."""
+    sync: dict[str, Any] = field(default_factory=dict)
+    """The sync mode's settings (it has none)."""
+    colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
+    """The colocate_async mode."""
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+    """The separate_async mode."""
+    sampler: V1SamplerConfig = field(default_factory=V1SamplerConfig)
+    """Staleness control of the async modes."""
 
 
 @_cfg()
@@ -242,6 +333,10 @@ class TrainerConfig:
     """(posttrain) Stop after this many steps in a row whose update had a non-finite loss or gradient."""
     run_dir: Optional[str] = None
     """(posttrain) Folder for metrics.jsonl, plots and tracker files (null: outputs/<project>/<experiment>)."""
+    use_v1: bool = True
+    """verl's trainer generation (verl 0.9's default: V1). Here it selects trainer.v1.trainer_mode; False is verl's older trainer, which posttrain runs as the sync mode."""
+    v1: TrainerV1Config = field(default_factory=lambda: TrainerV1Config())
+    """verl 0.9's trainer modes (with use_v1=True)."""
     start_over: bool = False
     """(posttrain) Start at step 0 although trainer.default_local_dir holds checkpoints: they are moved to previous_run_<time>/ inside it first (never deleted, never mixed with this run's)."""
 
@@ -250,6 +345,8 @@ class TrainerConfig:
 class RayInitConfig:
     num_cpus: Optional[int] = None
     """CPUs Ray may use."""
+    runtime_env: dict[str, Any] = field(default_factory=lambda: {"py_executable": None})
+    """Ray's runtime_env, passed to ray.init (env_vars, working_dir, pip, ...). py_executable: the interpreter (or a command prefix such as `uv run ...`) Ray starts workers with; null: this interpreter."""
 
 
 @_cfg()
@@ -284,3 +381,7 @@ class PostTrainConfig:
     """Ray settings."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Asynchronous rollouts (verl's one-step-off and fully-async keys), with actor_rollout_ref.hybrid_engine=False."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation: frozen teachers score the student's sampled tokens (verl's distillation.* keys)."""
+    no_effect: list[str] = field(default_factory=list)
+    """(posttrain; filled by the loader) verl keys this run sets that have no effect here, as key=value: listed once at start-up and by `posttrain plan`, each with its reason (posttrain.config.verl_keys)."""

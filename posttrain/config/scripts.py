@@ -19,7 +19,7 @@ import yaml
 
 from posttrain.config.docs import all_keys
 from posttrain.errors import read_utf8
-from posttrain.config.load import ConfigError, apply_overrides, load_raw, split_override, to_dataclass
+from posttrain.config.load import ConfigError, apply_overrides, load_raw, split_override, to_rl_config
 from posttrain.config.schema import PostTrainConfig
 
 # `${NAME}` with a plain identifier is a shell variable (the shell would expand it); Hydra
@@ -163,7 +163,7 @@ def load_source(source: ConfigSource, extra: Iterable[str] = (), *, validate: bo
     for item in source.overrides:
         apply_overrides(cfg, [item.text], source=item.where)
     apply_overrides(cfg, list(extra))
-    config = to_dataclass(cfg)
+    config = to_rl_config(cfg)
     if validate:
         from posttrain.config.validate import validate_config
 

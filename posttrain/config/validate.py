@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES, HOST_PAGING_MODES
-from posttrain.config.async_training import async_problems, async_warnings
+from posttrain.config.async_training import V1_MODES, async_problems, async_warnings
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
+from posttrain.config.distillation import distillation_problems, distillation_warnings
 from posttrain.errors import ConfigError
 from posttrain.config.ranges import get_key
 from posttrain.config.schema import PostTrainConfig
@@ -54,6 +55,10 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "critic.model.fsdp_config.host_paging": HOST_PAGING_MODES,
         "reward_model.model.fsdp_config.host_paging": HOST_PAGING_MODES,
         "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
+        "actor_rollout_ref.ref.strategy": ("fsdp", "fsdp2"),
+        "critic.strategy": ("fsdp", "fsdp2"),
+        "trainer.v1.trainer_mode": V1_MODES,
+        "trainer.v1.sampler.max_off_policy_strategy": ("drop",),
         "actor_rollout_ref.rollout.name": ROLLOUT_ENGINES,
         "critic.loss_agg_mode": LOSS_AGG_MODES,
         "critic.optim.lr_scheduler_type": SCHEDULERS,
@@ -68,10 +73,12 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
 
 def _check_choices(config: PostTrainConfig) -> Iterable[str]:
+    from posttrain.config.verl_keys import backend_refusal
+
     for key, valid in _choices().items():
         value = get_key(config, key)
         if value not in valid:
-            yield f"{key}={value!r} is not one of: {', '.join(valid)}"
+            yield backend_refusal(key, value) or f"{key}={value!r} is not one of: {', '.join(valid)}"
     for key in ("actor_rollout_ref.actor.optim.warmup_style", "critic.optim.warmup_style"):
         value = get_key(config, key)
         if value is not None and value not in SCHEDULERS:
@@ -82,7 +89,10 @@ def _check_choices(config: PostTrainConfig) -> Iterable[str]:
 def trainer_problems(trainer: Any) -> list[str]:
     """The ``trainer.*`` keys every tree shares (RL, SFT, DPO): resume mode, device, the logger's back
     ends, and the counts of epochs, steps and ranks."""
-    out = [f"trainer.{key}={getattr(trainer, key)!r} is not one of: {', '.join(valid)}"
+    from posttrain.config.verl_keys import backend_refusal
+
+    out = [backend_refusal(f"trainer.{key}", getattr(trainer, key))
+           or f"trainer.{key}={getattr(trainer, key)!r} is not one of: {', '.join(valid)}"
            for key, valid in (("resume_mode", RESUME_MODES), ("device", DEVICES)) if getattr(trainer, key) not in valid]
     out += [f"trainer.logger contains {name!r}; valid back ends: {', '.join(LOGGERS)}"
             for name in trainer.logger if name not in LOGGERS]
@@ -126,9 +136,15 @@ ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
 def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     """Settings verl accepts that posttrain does not implement yet: refused, never ignored."""
     unsupported = [
+        ("trainer.v1.separate_async.hybrid_rollout.enable_switch", True, "lending idle trainer devices to "
+         "generation needs verl's V1 separate_async engine"),
         ("algorithm.use_pf_ppo", True, "PF-PPO reweighting is not supported yet"),
         ("actor_rollout_ref.actor.checkpoint.async_save", True, "asynchronous checkpoint saving is not supported yet"),
     ]
+    for key in ("trainer.v1.sampler.custom_sampler.path", "actor_rollout_ref.rollout.multi_turn.function_tool_path"):
+        if get_key(config, key) is not None:
+            yield (f"{key}={get_key(config, key)!r}: not supported yet; set it to null"
+                   + (" (tools come from multi_turn.tool_config_path)" if "tool" in key else ""))
     if config.actor_rollout_ref.rollout.agent.agent_loop_config_path is not None:
         yield ("actor_rollout_ref.rollout.agent.agent_loop_config_path: custom agent loops are not supported yet; "
                "set it to null (the built-in tool_agent and single_turn_agent loops need no file)")
@@ -277,13 +293,14 @@ def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
     from posttrain.config.ranges import RL_RANGES, named_keys, numeric_problems
 
     errors: list[str] = []
-    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems, _check_lora, async_problems):
+    for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems, _check_lora, async_problems,
+                  distillation_problems):
         errors.extend(check(config))
     # every number the checks above did not name (NaN and inf slip past their comparisons): its declared range
     errors += numeric_problems(config, PostTrainConfig, RL_RANGES, skip=named_keys(errors) | set(ASYNC_KEYS))
     if not errors:  # size arithmetic is only meaningful once values are individually valid
         errors.extend(_check_conflicts(config))
-    return errors, find_warnings(config) + dapo_warnings(config) + async_warnings(config)
+    return errors, find_warnings(config) + dapo_warnings(config) + async_warnings(config) + distillation_warnings(config)
 
 
 def validate_config(config: PostTrainConfig) -> None:

@@ -74,7 +74,7 @@ class MemoryPlan:
         ``paged``: its moments already go to a file (``optimizer_offload``). ``auto`` keeps float32
         moments below `MIN_PARAMS_8BIT` trained parameters (tiny models, LoRA adapters: < 80 MB of moments)."""
         if requested != "auto":
-            return requested
+            return requested  # external: another library's optimizer, built as asked
         small = trained_params < MIN_PARAMS_8BIT
         return "adamw_8bit" if self.device.type == "cpu" and not paged and not small else "adamw"
 
@@ -119,6 +119,8 @@ class MemoryPlan:
             update = ", updated in C" if kernel == "C" else ", updated by torch ops: no C kernel"
             self.notes.append(f"{role}: AdamW moments 8-bit ({kind}, {how}: {2 * trained_params / 1e9:.2f} GB instead "
                               f"of {8 * trained_params / 1e9:.2f} GB{between}{update})")
+        elif kind == "external":
+            self.notes.append(f"{role}: optimizer from optim.optimizer_impl (asked; its own state)")
         else:
             self.notes.append(f"{role}: AdamW moments fp32 ({8 * trained_params / 1e9:.2f} GB; {how})")
 

@@ -53,10 +53,26 @@ def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.t
                                         "defaults instead, as `python -m posttrain.trainer.main_ppo` does." if builtin
                                         else "Starts from verl's defaults, then --config FILE, then the overrides."))
     parser.add_argument("--config", help="YAML config layered over verl's defaults (replaces the built-in run)")
+    parser.add_argument("--cfg", choices=("job", "all"), default=None,
+                        help="print the resolved config after its checks and exit without training (Hydra's flag)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
     base = BUILTIN_CONFIG if builtin and args.config is None else None
-    return run(load_config(args.config, [*entry_overrides, *args.overrides], base=base))
+    config = load_config(args.config, [*entry_overrides, *args.overrides], base=base)
+    if args.cfg is not None:
+        return print_config(config)
+    return run(config)
+
+
+def print_config(config) -> int:
+    """``--cfg job``: the resolved config as YAML, then the verl keys that have no effect here."""
+    from posttrain.config import to_yaml
+    from posttrain.config.verl_keys import no_effect_lines
+
+    print(to_yaml(config), end="")
+    for line in no_effect_lines(config.no_effect):
+        print(f"# {line}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,14 +36,49 @@ OPTIMIZER_NAMES = {"auto": "auto", "adamw": "adamw", "adamw_torch": "adamw", "ad
 ``auto`` (the placement decides)."""
 
 
+OWN_IMPLS = ("torch.optim", "posttrain.optim")
+"""``optim.optimizer_impl`` values whose AdamW names posttrain resolves itself (float32 AdamW from torch.optim,
+its own 8-bit AdamW, ``auto``); any other module is imported and its class named ``optim.optimizer`` built."""
+
+
 def optimizer_kind(optim: Any, key: str = "optim.optimizer") -> str:
-    """``optim.optimizer`` as ``auto``, ``adamw`` or ``adamw_8bit``; ``key`` names it in the error."""
+    """``optim.optimizer`` as ``auto``, ``adamw``, ``adamw_8bit``, or ``external`` (a class of another module:
+    ``optim.optimizer_impl``, verl's key, or a torch.optim class other than AdamW); ``key`` names it in the error."""
     name = str(getattr(optim, "optimizer", "auto") or "auto")
+    impl = str(getattr(optim, "optimizer_impl", "torch.optim") or "torch.optim")
+    if impl not in OWN_IMPLS:
+        return "external"
     kind = OPTIMIZER_NAMES.get(name.lower())
+    if kind is None and impl == "torch.optim" and isinstance(getattr(torch.optim, name, None), type):
+        return "external"  # verl: getattr(torch.optim, optimizer), e.g. SGD or Adam
     if kind is None:
         raise ValueError(f"{key}={name!r} is not an optimizer posttrain knows: AdamW (verl's name; also adamw_torch, "
-                         f"adamw_torch_fused), adamw_8bit (TRL's name: 8-bit moments), or auto")
+                         f"adamw_torch_fused), adamw_8bit (TRL's name: 8-bit moments), auto, a torch.optim class, or "
+                         f"a class of another module named by optim.optimizer_impl (e.g. torchao.optim)")
     return kind
+
+
+def external_optimizer_class(optim: Any, key: str = "optim") -> type:
+    """The class ``optim.optimizer`` of the module ``optim.optimizer_impl`` (verl's `build_optimizer` rule)."""
+    import importlib
+
+    impl = str(getattr(optim, "optimizer_impl", "torch.optim") or "torch.optim")
+    name = str(optim.optimizer)
+    try:
+        module = importlib.import_module(impl)
+    except ImportError as err:
+        raise ValueError(f"{key}.optimizer_impl={impl!r} cannot be imported ({err}); install it or set "
+                         "optimizer_impl=torch.optim") from None
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"{key}.optimizer={name!r} is not a class of {impl}")
+    return cls
+
+
+def _override_kwargs(optim: Any) -> dict[str, Any]:
+    """``optim.override_optimizer_config`` (verl's key): extra constructor arguments, or none."""
+    extra = getattr(optim, "override_optimizer_config", None) or {}
+    return dict(extra)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
@@ -62,7 +97,13 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
         raise ValueError(f"optim.betas must hold two numbers, got {optim.betas!r}")
     params = list(params)
     kwargs = dict(lr=float(optim.lr), betas=betas, weight_decay=float(optim.weight_decay))
+    kwargs.update(_override_kwargs(optim))
     kind = kind or optimizer_kind(optim)
+    if kind == "external":
+        adam_like = any(word in str(optim.optimizer).lower() for word in ("adam", "ademamix"))
+        if not adam_like and "betas" not in _override_kwargs(optim):
+            del kwargs["betas"]  # verl's rule: betas only for Adam-like classes (SGD takes none)
+        return external_optimizer_class(optim)(params, **kwargs)
     if kind == "adamw_8bit":
         from posttrain.host.adamw8bit import AdamW8bit  # a torch optimizer; none of host's process levers
         return (make or AdamW8bit)(params, **kwargs)
@@ -70,7 +111,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     if tensors and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors):
         try:
-            return make(params, fused=True, **kwargs)
+            return make(params, **{"fused": True, **kwargs})
         except (RuntimeError, TypeError, ValueError):  # an older torch or an unsupported dtype/device
             pass
     return make(params, **kwargs)
