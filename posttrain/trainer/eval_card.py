@@ -23,7 +23,8 @@ One JSON object, every key always present (null where unknown):
     metrics        {name: value}: the numbers this card describes (verl's names, see
                    posttrain.trainer.validation)
     conventions    {metric family: one sentence defining it}
-    posttrain      {"version", "git_commit": the checkout's HEAD when posttrain runs from one, else null}
+    posttrain      {"version", "git_commit": the checkout's HEAD when posttrain runs from one, else null,
+                    "git_dirty": whether posttrain/'s tracked files differ from that commit}
     machine        {"cpu": model name, "cpu_flags": the flags that change speed or bf16 numerics (avx2,
                     avx512f, avx512_bf16, amx_bf16, ...), "cores", "threads": torch's, "accelerator":
                     the GPU's name or null, "torch", "python", "platform"}
@@ -89,7 +90,7 @@ def model_weights_sha256(module: Any) -> tuple[str | None, dict[str, Any]]:
     its tensors are shards of a model spread over ranks (the hash would be this rank's part only)."""
     import torch
 
-    h, dtypes, count = hashlib.sha256(), set(), 0
+    h, dtypes = hashlib.sha256(), set()
     for name, tensor in sorted(module.state_dict().items()):
         if type(tensor).__name__ == "DTensor":
             return None, {"weights_note": "sharded over ranks (FSDP): not hashed"}
@@ -98,7 +99,7 @@ def model_weights_sha256(module: Any) -> tuple[str | None, dict[str, Any]]:
         if t.numel():
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         dtypes.add(str(t.dtype).removeprefix("torch."))
-        count += t.numel()
+    count = sum(p.numel() for p in module.parameters())  # tied weights (embeddings and head) once
     return h.hexdigest(), {"dtype": ",".join(sorted(dtypes)), "parameters": count}
 
 
@@ -132,7 +133,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def posttrain_info() -> dict[str, Any]:
-    """posttrain's version, and the git commit of the checkout it runs from (null when installed)."""
+    """posttrain's version, the git commit of the checkout it runs from and whether the package's tracked files
+    differ from it (both null when installed)."""
     import importlib.metadata
 
     try:  # the installed distribution's version (the package's __init__ would be an import circle)
@@ -140,15 +142,17 @@ def posttrain_info() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         version = None
     root = Path(__file__).resolve().parents[2]
-    commit = None
+    commit = dirty = None
     if (root / ".git").exists():
         try:
-            done = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                  timeout=5)
-            commit = done.stdout.strip() or None
+            git = ["git", "-C", str(root)]
+            commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+            changed = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no", "--", "posttrain"],
+                                     capture_output=True, text=True, timeout=5).stdout
+            commit, dirty = commit or None, bool(changed.strip()) if commit else None
         except (OSError, subprocess.SubprocessError):
             pass
-    return {"version": version, "git_commit": commit}
+    return {"version": version, "git_commit": commit, "git_dirty": dirty}
 
 
 def build_card(*, kind: str, model: dict[str, Any], data: list[dict[str, Any]], prompts: int | None,

@@ -201,3 +201,33 @@ def test_in_run_validation_reports_verl_names_writes_its_card_and_val_only_stops
     assert card["sampling"]["n"] == 4 and card["sampling"]["temperature"] == 1.0 and card["seed"] == 1
     test_file = tmp_path / "data" / "test.parquet"
     assert card["data"][0]["sha256"] == _sha256(test_file)
+
+
+def test_run_validation_groups_by_prompt_by_hand():
+    """Two batches; each prompt answered twice (the generate below repeats rows as an engine with n=2 does).
+    Batch 1: prompt val-0-0 acc (1, 0), val-0-1 acc (1, nan: the scorer left it empty, so left out).
+    Batch 2 adds a field, `len`, unknown to batch 1. Multi-turn turn counts become verl's (+1: the prompt)."""
+    from posttrain.batch import Batch
+    from posttrain.trainer.validation import run_validation
+
+    def generate(prompts):
+        out = prompts.repeat(2, interleave=True)
+        out.non_tensor_batch["multi_turn/turns"] = np.array([1, 3, 1, 1][:len(out)])
+        return out
+
+    scores = iter([
+        (torch.tensor([[1.0], [0.0], [1.0], [0.0]]), {"acc": np.array([1.0, 0.0, 1.0, np.nan])}),
+        (torch.tensor([[0.0], [1.0]]), {"acc": np.array([0.0, 1.0]), "len": np.array([3.0, 5.0])}),
+    ])
+    batches = [Batch.from_single_dict({"input_ids": torch.zeros(k, 2, dtype=torch.long),
+                                       "data_source": np.array(["s"] * k, dtype=object)}) for k in (2, 1)]
+    metrics, samples = run_validation(batches, generate, lambda out: next(scores), n=2)
+    # acc per prompt: (1, 0) -> 0.5; (1) -> 1.0 (one value: mean@1); (0, 1) -> 0.5
+    assert metrics["val-core/s/acc/mean@2"] == pytest.approx(0.5)  # the prompts with 2 values: (0.5 + 0.5) / 2
+    assert metrics["val-aux/s/acc/mean@1"] == 1.0  # n_max is 2, so @1 is val-aux
+    assert metrics["val-aux/s/len/mean@2"] == 4.0  # only the prompt that has it
+    assert metrics["val-aux/s/reward/mean@2"] == pytest.approx((0.5 + 0.5 + 0.5) / 3)
+    # pass@1 over all three prompts (0.5, 1, 0.5); pass@2 needs k <= n for every prompt: the one-response prompt stops it
+    assert metrics["val-aux/s/acc/pass@1"] == pytest.approx(2 / 3) and "val-aux/s/acc/pass@2" not in metrics
+    assert (metrics["val-aux/num_turns/min"], metrics["val-aux/num_turns/max"]) == (2.0, 4.0)
+    assert [len(s["scores"]) for s in samples] == [4, 2]
