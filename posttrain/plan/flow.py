@@ -111,6 +111,8 @@ class Flow:
     async_pools: Optional[str] = None
     """With actor_rollout_ref.hybrid_engine=False: the trainer and rollout pools, the queue window and the
     staleness budget (posttrain.config.async_training), else None."""
+    rollouts_on_disk: Optional[str] = None
+    """What trainer.rollout_data_dir / validation_data_dir write, bounded (posttrain.trainer.rollout_dump), else None."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,8 +232,14 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
         responses * (p_len + r_len), arr.rollout.name, tp, arr.rollout.tensor_model_parallel_size, workers,
         responses // workers, prompts // workers,
         tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
-        sampling, multi_turn_budget(arr.rollout), async_pools(config),
+        sampling, multi_turn_budget(arr.rollout), async_pools(config), rollouts_on_disk(config, total),
     )
+
+
+def rollouts_on_disk(config: PostTrainConfig, total_steps: Optional[int]) -> Optional[str]:
+    from posttrain.trainer.rollout_dump import describe
+
+    return describe(config, total_steps)
 
 
 def async_pools(config: PostTrainConfig) -> Optional[str]:

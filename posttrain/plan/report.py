@@ -56,6 +56,9 @@ def render_flow(f: Flow) -> list[str]:
         out.append(_more(f.dynamic_sampling))
     if f.multi_turn:
         out.append(_more(f.multi_turn))
+    if f.rollouts_on_disk:
+        first, *rest = f.rollouts_on_disk.splitlines()
+        out += [_row("rollouts on disk", first)] + [_more(line) for line in rest]
     if f.size_error:
         out.append(_row("per-rank sizes", f"not derivable: {f.size_error}"))
     for p in f.forward_passes:

@@ -45,6 +45,7 @@ from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
+from posttrain.trainer.rollout_dump import RolloutDumps
 from posttrain.trainer.run import NonFiniteError, RunLoop, StepUndone  # NonFiniteError: importable here too
 from posttrain.trainer.validation import run_validation
 from posttrain.trainer.eval_card import write_validation_card
@@ -105,6 +106,8 @@ class RLTrainer:
         self.workers = setup.build_workers(config, rl_role_specs(wcfg), self.device, config.trainer.seed, actor_module,
                                            critic_module, tokenizer)
         release_freed_memory()  # loading's transient copies (the dequantised GGUF) back to the kernel
+        # trainer.rollout_data_dir / validation_data_dir: each step's samples on disk (posttrain view reads them)
+        self.rollout_dumps = RolloutDumps.from_config(config, tokenizer, self.workers.writes)
         algo = config.algorithm
         self.kl_ctrl = get_kl_controller(algo.kl_ctrl) if algo.use_kl_in_reward else None
         self.adv_fn = get_adv_estimator_fn(algo.adv_estimator)
@@ -164,6 +167,7 @@ class RLTrainer:
     def train_step(self, prompts: Batch) -> dict[str, float]:
         cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory, self.threads.adjust), {}
         correction = cfg.algorithm.rollout_correction
+        entropy = None  # per token where the old log-probs are recomputed (written with the step's samples)
         with timer("step"):
             batch = self._rollout(prompts, timer, metrics)
             old_from = self.sizes.old_log_probs_from  # recompute, update (on-policy) or rollout
@@ -205,6 +209,7 @@ class RLTrainer:
         metrics.update(throughput(batch, timer.seconds["step"], self.sizes.world_size))
         metrics.update({"training/global_step": self.global_step, "training/epoch": self.data.train_loader.epoch})
         self.last_batch = batch
+        metrics.update(self.rollout_dumps.step(self.global_step, batch, self._reward_extra, entropy))
         return metrics
 
     def _rollout(self, prompts: Batch, timer: StageTimer, metrics: dict) -> Batch:
@@ -224,6 +229,7 @@ class RLTrainer:
                                                     lambda p, first_uid: self._generate_and_score(p, timer, first_uid))
             metrics.update(counts)
         metrics.update(_extra_metrics(extra))
+        self._reward_extra = extra  # the reward's per-response values, for the rollouts on disk
         return batch
 
     def _generate_and_score(self, prompts: Batch, timer: StageTimer, first_uid: int = 0) -> tuple[Batch, dict]:
@@ -297,8 +303,9 @@ class RLTrainer:
         if skipped:
             print(skipped, flush=True)
             return {}
-        metrics, _ = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
-                                    self.reward_fn, n, self.config.data.reward_fn_key)
+        metrics, samples = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
+                                          self.reward_fn, n, self.config.data.reward_fn_key)
+        self.rollout_dumps.validation(self.global_step, samples)
         metrics["timing_s/testing"] = time.perf_counter() - start
         write_validation_card(self.config, metrics, step=self.global_step, tokenizer=self.tokenizer,
                               workers=self.workers, prompts=sum(len(b) for b in batches))  # the conventions beside the numbers
