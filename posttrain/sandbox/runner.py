@@ -115,7 +115,7 @@ def _needed_paths(reach):
     return kept
 
 
-def _bind_into(root, path, handle, is_dir):
+def _bind_into(root, path, handle, is_dir, recursive=True):
     """``path`` (an O_PATH ``handle`` opened before anything was covered) bound at ``root + path``, on
     parents made empty in ``root``: nothing beside ``path`` in any of them shows."""
     target = root + path
@@ -124,7 +124,13 @@ def _bind_into(root, path, handle, is_dir):
         os.makedirs(target, mode=0o755, exist_ok=True)
     elif not os.path.exists(target):
         open(target, "w").close()
-    _mount(f"/proc/self/fd/{handle}", target, None, MS_BIND | MS_REC)
+    try:
+        _mount(f"/proc/self/fd/{handle}", target, None, MS_BIND | (MS_REC if recursive else 0))
+    except OSError:
+        if recursive:
+            raise
+        # a user namespace may not bind a folder without the mounts locked inside it: all of them, then
+        _mount(f"/proc/self/fd/{handle}", target, None, MS_BIND | MS_REC)
 
 
 def _build_root(folder, reach):
@@ -141,8 +147,8 @@ def _build_root(folder, reach):
     for path, handle, is_link, is_dir in system:
         if is_link:  # a merged /usr's /bin -> usr/bin: the same link
             os.symlink(os.readlink(path), root + path)
-        elif is_dir:
-            _bind_into(root, path, handle, True)
+        elif is_dir:  # /sys alone where allowed (fewer mounts to set up and tear down), not what is mounted in it
+            _bind_into(root, path, handle, True, recursive=path != "/sys")
         os.close(handle)
     for path, handle, is_dir in needed:
         _bind_into(root, path, handle, is_dir)
