@@ -27,6 +27,9 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from posttrain.algorithms.batch_info import ConfigWithBatchInfo, summed_over_ranks, token_normalisers
+from posttrain.algorithms.distillation import (DistillationScores, combine_with_policy_loss, distillation_loss,
+                                               distillation_loss_spec, distillation_token_losses,
+                                               sampled_token_metrics)
 from posttrain.algorithms.dpo import dpo_loss, dpo_metrics, pair_logps, simpo_loss
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.losses import agg_loss
@@ -34,7 +37,8 @@ from posttrain.algorithms.policy_losses import get_policy_loss_fn
 from posttrain.algorithms.utils import masked_mean
 from posttrain.batch import response_mask_of
 
-__all__ = ["DPO", "LOGPROB_KEYS", "Objective", "PPO", "SFT", "SimPO", "StepMetricNames", "UpdateLoop", "ppo_loop"]
+__all__ = ["DPO", "LOGPROB_KEYS", "Distill", "Objective", "PPO", "SFT", "SimPO", "StepMetricNames", "UpdateLoop",
+           "ppo_loop"]
 
 LOGPROB_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 """What the policy's forward reads."""
@@ -106,6 +110,12 @@ class Objective:
 
     def finish(self, metrics: dict[str, float], cfg: Any) -> None:
         """Add call-level metrics after the update (default: none)."""
+
+    def gathered_ids(self) -> str | None:
+        """The column of token ids ``[B, R, K]`` at which the worker's forward also returns the policy's
+        log-probs (``mb["student_topk_log_probs"]``, with its own top-k ids in ``mb["student_topk_ids"]``);
+        None (every objective but top-k distillation): the sampled tokens' log-probs only."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -286,3 +296,70 @@ class SimPO(_PairObjective):
         nll = -(log_prob[0::2] * chosen_mask).sum() * info["chosen_token_scale"]
         meter.add("nll_loss", nll.detach())
         return self.cpo_alpha * nll
+
+
+@dataclass(frozen=True)
+class Distill(PPO):
+    """On-policy distillation (verl 0.9.1's ``distillation_ppo_loss``, `posttrain.algorithms.distillation`): the
+    teacher's scores of the sampled tokens (``teacher_log_probs``; ``teacher_topk_ids`` /
+    ``teacher_topk_log_probs`` for a top-k mode) against the student's, as a supervised divergence or, with
+    ``use_policy_gradient``, as per-token advantages of the PPO loss; plus the task rewards' PPO loss (the
+    actor's own keys: policy loss, entropy bonus, KL loss) when ``use_task_rewards``. The knobs are
+    ``distillation.distillation_loss.*``; `from_config` reads them."""
+
+    loss_mode: str = "k3"
+    topk: int | None = None
+    use_task_rewards: bool = True
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: float | None = None
+    log_prob_min_clamp: float | None = None
+    use_policy_gradient: bool = False
+    policy_loss_mode: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = 0.2
+    clip_ratio_high: float | None = 0.2
+    name: ClassVar[str] = "distill"
+
+    @classmethod
+    def from_config(cls, loss: Any) -> "Distill":
+        """From a ``distillation.distillation_loss`` section."""
+        keys = ("loss_mode", "topk", "use_task_rewards", "distillation_loss_coef", "loss_max_clamp", "log_prob_min_clamp",
+                "use_policy_gradient", "policy_loss_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high")
+        return cls(**{key: getattr(loss, key) for key in keys})
+
+    @property
+    def uses_topk(self) -> bool:
+        return distillation_loss_spec(self.loss_mode).use_topk
+
+    def gathered_ids(self) -> str | None:
+        return "teacher_topk_ids" if self.uses_topk else None
+
+    def columns(self, batch: Any, cfg: Any) -> list[str]:
+        keys = super().columns(batch, cfg) + ["teacher_log_probs"]
+        return keys + (["teacher_topk_ids", "teacher_topk_log_probs"] if self.uses_topk else [])
+
+    def loss(self, log_prob, entropy, mb, info, meter, cfg):
+        mask = response_mask_of(mb)
+        scores = DistillationScores(log_prob, mb["teacher_log_probs"], mask, mb.get("student_topk_log_probs"),
+                                    mb.get("teacher_topk_log_probs"), mb.get("teacher_topk_ids"),
+                                    mb.get("student_topk_ids"))
+        losses, token_metrics = distillation_token_losses(self.loss_mode, scores, self.log_prob_min_clamp)
+        old = mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach()
+        distill, loss_metrics = distillation_loss(
+            losses, mask, cfg.loss_agg_mode, loss_max_clamp=self.loss_max_clamp,
+            use_policy_gradient=self.use_policy_gradient, log_prob=log_prob, old_log_prob=old,
+            policy_loss_mode=self.policy_loss_mode, policy_config=self, rollout_is_weights=mb.get("rollout_is_weights"),
+            global_batch_info=info)
+        # verl computes the task rewards' PPO loss also under policy gradient alone (its metrics), then drops it
+        policy = super().loss(log_prob, entropy, mb, info, meter, cfg) if (
+            self.use_task_rewards or self.use_policy_gradient) else 0.0
+        total = combine_with_policy_loss(distill, policy, use_task_rewards=self.use_task_rewards,
+                                         distillation_loss_coef=self.distillation_loss_coef)
+        share = float(mask.sum()) / max(info["batch_num_tokens"], 1.0)  # token share of the mini-batch
+        meter.add("distillation/loss", distill)  # each micro-batch's part of the mini-batch's loss: a sum
+        means = {**token_metrics, **loss_metrics, **sampled_token_metrics(log_prob, mb["teacher_log_probs"], mask)}
+        for name, value in means.items():
+            if not name.endswith(("_min", "_max")):  # a sum over micro-batches cannot hold a min or a max
+                meter.add(name, value, share)
+        return total
+

@@ -100,6 +100,8 @@ class RLHFDataset(Dataset):
         num_filtered: prompts dropped by ``filter_overlong_prompts`` (also logged as a warning).
         num_truncated: prompts cut to ``max_prompt_length`` by ``truncation``.
         tool_schemas: the schemas rendered into every prompt (None: no tools).
+        extra_columns: row columns each item also carries (None where a row lacks one): on-policy
+            distillation's ``distillation.teacher_key`` when it is not a column items carry anyway.
     """
 
     def __init__(self, files: str | Sequence[str], tokenizer, data_config):
@@ -122,6 +124,7 @@ class RLHFDataset(Dataset):
         self.input_ids: list[list[int]] = []
         self.num_filtered = 0
         self.num_truncated = 0
+        self.extra_columns: tuple[str, ...] = ()
         for path in self.files:
             self._load_file(path)
         if self.num_filtered:
@@ -187,6 +190,8 @@ class RLHFDataset(Dataset):
             item["agent_name"] = row["agent_name"]
         if self.return_raw_chat:
             item["raw_prompt"] = list(row[self.prompt_key])
+        for key in self.extra_columns:
+            item.setdefault(key, row.get(key))
         return item
 
     def collate_fn(self, items: Sequence[dict[str, Any]]) -> Batch:

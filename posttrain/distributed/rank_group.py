@@ -53,6 +53,7 @@ class RankWorkerGroup:
         self.world_size, self.seed = self._ranks.world_size, seed
         self.has_ref, self.has_critic, self.has_rm = (specs.ref is not None, specs.critic is not None,
                                                       specs.rm is not None)
+        self.has_teacher = getattr(specs, "teachers", None) is not None
         self.balance = bool(t.balance_batch)
         if t.save_freq > 0 or t.resume_mode != "disable":
             self.check_shared_folder(Path(t.default_local_dir).expanduser(), "trainer.default_local_dir")

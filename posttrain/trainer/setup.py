@@ -172,7 +172,8 @@ def build_local_group(specs: RoleSpecs, device: torch.device, seed: int, actor_m
     placement = InProcess(device)
     roles = build_roles(specs, placement, seed, tokenizer=tokenizer, actor_module=actor_module,
                         critic_module=critic_module)
-    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed, placement=placement)
+    return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed, placement=placement,
+                            teachers=roles.teachers)
 
 
 def run_dir(config: PostTrainConfig) -> Path:

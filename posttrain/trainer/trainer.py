@@ -1,7 +1,11 @@
 """The RL training loop. One step (`train_step`) reads top to bottom:
 
     prompts -> generate n -> reward (rule-based and/or reward model) -> old log-prob -> ref log-prob
-            -> values -> rollout correction -> advantages -> critic update -> actor update -> metrics
+            -> [teacher log-probs] -> values -> rollout correction -> advantages -> critic update
+            -> actor update -> metrics
+
+On-policy distillation (``distillation.enabled``, `posttrain.trainer.distill`): the teachers score the
+sampled tokens, and the actor's update runs the `Distill` objective instead of plain PPO.
 
 Rollout (`_rollout`): with `algorithm.filter_groups.enable` (DAPO) groups whose responses all score
 the same are dropped and more prompts are generated until the batch is full. Old log-probs
@@ -42,7 +46,7 @@ from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
 from posttrain.rollout.seeding import SEED_KEY, batch_seed
 from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
-from posttrain.trainer import preflight, resume, setup
+from posttrain.trainer import distill, preflight, resume, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.rollout_dump import RolloutDumps
@@ -94,6 +98,7 @@ class RLTrainer:
                 raise ConfigError(f"actor_rollout_ref.model.path={m.path}: cannot load its tokenizer ({reason})") from err
         self.tokenizer = tokenizer
         self.data = setup.build_data(config, tokenizer)
+        self.objective = distill.prepare(config, tokenizer, self.data)  # on-policy distillation's (None: PPO)
         check_multi_turn_setup(config, (self.data.train, self.data.val),
                                check_tool_names=bool(config.actor_rollout_ref.rollout.multi_turn.tool_config_path))
         self.reward_fn = setup.build_reward_fn(config, tokenizer)
@@ -181,6 +186,9 @@ class RLTrainer:
             if w.has_ref:
                 with timer("ref"):
                     batch["ref_log_prob"] = w.compute_ref_log_prob(batch)
+            if self.objective is not None:  # on-policy distillation: the teachers score the sampled tokens
+                with timer("teacher"):
+                    distill.score(w, batch)
             if self.use_critic:
                 with timer("values"):
                     batch["values"] = w.compute_values(batch)
@@ -203,7 +211,7 @@ class RLTrainer:
                     metrics.update(w.update_critic(batch))
             if self.global_step > cfg.trainer.critic_warmup:
                 with timer("update_actor"):
-                    metrics.update(w.update_actor(batch))
+                    metrics.update(w.update_actor(batch, self.objective))
         metrics.update(compute_data_metrics(batch, self.use_critic))
         metrics.update(timer.metrics() | w.memory_metrics())  # seconds and peak resident memory per phase
         metrics.update(throughput(batch, timer.seconds["step"], self.sizes.world_size))

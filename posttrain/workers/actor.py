@@ -26,6 +26,7 @@ from posttrain.models import autocast_context, compute_response_logprobs, defaul
 from posttrain.models import response_logprobs
 from posttrain.models.into_grad import grads_into_params
 from posttrain.models.lora import LoraAdapter, merged_for_generation
+from posttrain.models.topk_logprobs import response_topk_logprobs
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
 from posttrain.workers.common import MetricMeter, response_mask_of
@@ -200,15 +201,23 @@ class ActorWorker:
         temperature = _temperature(batch, self.rollout_config) if objective.temperature_from_batch else 1.0
         entropy, entropy_grad = objective.entropy(cfg)
 
+        ids_key = objective.gathered_ids()  # top-k distillation: the policy's log-probs at the teacher's tokens too
+
         def micro_step(mb: dict, info: dict, meter: MetricMeter) -> torch.Tensor:
             # the graph is built and used only by this backward: the head's and the embedding's weight
             # gradients may go straight into .grad (no second vocabulary-sized tensor per micro-batch)
             with grads_into_params():
                 with self.autocast():
-                    log_prob, ent = response_logprobs(
-                        self.module, *(mb[k] for k in LOGPROB_KEYS), temperature=temperature,
-                        calculate_entropy=entropy, entropy_grad=entropy_grad,
-                        remove_padding=bool(cfg.use_remove_padding), shared_prefix=bool(cfg.use_prefix_grouper))
+                    options = dict(temperature=temperature, calculate_entropy=entropy, entropy_grad=entropy_grad,
+                                   remove_padding=bool(cfg.use_remove_padding),
+                                   shared_prefix=bool(cfg.use_prefix_grouper))
+                    if ids_key is None:
+                        log_prob, ent = response_logprobs(self.module, *(mb[k] for k in LOGPROB_KEYS), **options)
+                    else:
+                        out = response_topk_logprobs(self.module, *(mb[k] for k in LOGPROB_KEYS), ids=mb[ids_key],
+                                                     k=mb[ids_key].shape[-1], **options)
+                        log_prob, ent = out.log_probs, out.entropy
+                        mb["student_topk_log_probs"], mb["student_topk_ids"] = out.at_ids, out.topk_ids
                 loss = objective.loss(log_prob, ent, mb, info, meter, cfg)
             loss.backward()
             return loss.detach()

@@ -12,6 +12,7 @@ levers (state kept in files on a CPU run, compiled layers); a rank's placement
                verl's "ref in actor"), else a frozen copy of the initial weights
     critic     for GAE
     reward     when ``reward_model.enable``, frozen
+    teachers   when ``distillation.enabled``: frozen, each placed as the reference (`posttrain.workers.teacher`)
 Each role but the actor computes in its own ``param_dtype``, or the actor's when its own is ``auto``.
 """
 
@@ -28,6 +29,7 @@ from posttrain.workers.actor import ActorWorker, LoraReference, RefWorker
 from posttrain.workers.critic import CriticWorker
 from posttrain.workers.prepare import Placement, prepare
 from posttrain.workers.reward_model import RewardModelWorker
+from posttrain.workers.teacher import Teachers, TeacherWorker
 
 __all__ = ["Roles", "build_roles"]
 
@@ -40,6 +42,7 @@ class Roles:
     ref: Any = None
     critic: Any = None
     rm: Any = None
+    teachers: Any = None
 
     def trained(self) -> dict[str, Any]:
         """The roles a checkpoint holds, by folder name: the actor, and the critic when there is one."""
@@ -67,6 +70,8 @@ def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any
         roles.critic = _critic(specs.critic, place, seed, actor, critic_module)
     if specs.rm is not None:  # frozen, scored right after generation (posttrain.workers.reward_model)
         roles.rm = _reward_model(specs.rm, place, actor, specs.actor.model.path)
+    if specs.teachers is not None:  # frozen, scoring the sampled tokens (on-policy distillation)
+        roles.teachers = _teachers(specs.teachers, place, actor)
     _announce_plan(place, roles, ref_in_actor)
     return roles
 
@@ -81,6 +86,10 @@ def _announce_plan(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
         plan.note_reference("adapters-off" if ref_in_actor else "copy", getattr(roles.ref, "param_dtype", "fp32"), paged)
     else:
         plan.notes.append("no reference model (no KL term, or a KL coefficient of 0)")
+    for key, teacher in (roles.teachers.teachers.items() if roles.teachers is not None else ()):
+        kept = "bf16 (its compute precision)" if teacher.param_dtype == "bf16" else teacher.param_dtype
+        paged = ", paged to a file between passes" if paged_weights(teacher.module) is not None else ""
+        plan.notes.append(f"teacher {key}: frozen in {kept}{paged}")
     announce()
 
 
@@ -106,6 +115,18 @@ def _critic(spec: RoleSpec, place: Placement, seed: int, actor: ActorWorker, mod
                     actor_dtype=actor.param_dtype)
     return CriticWorker(spec.section, device=place.device, module=ready.module, seed=seed, lora=ready.lora,
                         param_dtype=ready.param_dtype, placement=place)
+
+
+def _teachers(spec: Any, place: Placement, actor: ActorWorker) -> Teachers:
+    """Every teacher (`posttrain.config.distillation.TeacherSpecs`), each loaded from its path and placed as the
+    reference is (``actor_rollout_ref.ref.fsdp_config``), in the actor's precision when that is ``auto``."""
+    workers = {}
+    for key, model in spec.models.items():
+        ready = prepare("policy", model, spec.fsdp, place, section="actor_rollout_ref.model",
+                        fsdp_section="actor_rollout_ref.ref", actor_dtype=actor.param_dtype, forward_only=True)
+        workers[key] = TeacherWorker(ready.module, spec.section, topk=spec.topk, device=place.device,
+                                     param_dtype=ready.param_dtype, remove_padding=spec.remove_padding)
+    return Teachers(workers, spec.teacher_key)
 
 
 def _reward_model(spec: RoleSpec, place: Placement, actor: ActorWorker, actor_path: str) -> RewardModelWorker:

@@ -14,6 +14,8 @@ each group's method for each of them from that row (verl's ``@register(dispatch_
     compute_ref_log_prob(batch) -> ref_log_prob             reference policy    [N, R]
     compute_values(batch) -> values                         critic              [N, R]
     compute_rm_score(batch) -> rm_scores                    reward model        [N, R] (score on the last token)
+    compute_teacher_log_prob(batch) -> (teacher_log_probs,  the teachers (distillation): [N, R], and for a top-k
+        teacher_topk_ids, teacher_topk_log_probs)           loss mode [N, R, K] each (else None)
     compute_sequence_logps(batch) -> [N, 2]                 actor: per row, summed log-prob of its
                                                             response_mask tokens, and their count
     compute_ref_sequence_logps(batch) -> [N, 2]             the same under the reference (DPO)
@@ -75,6 +77,7 @@ CALLS: dict[str, Call] = {
     "compute_ref_log_prob": Call("ref", "compute_ref_log_prob", "rows", "ref"),
     "compute_values": Call("critic", "compute_values", "rows", "values"),
     "compute_rm_score": Call("rm", "compute_rm_score", "rows", "reward"),
+    "compute_teacher_log_prob": Call("teachers", "compute_teacher_log_prob", "rows", "teacher"),
     "compute_sequence_logps": Call("actor", "compute_sequence_logps", "rows"),
     "compute_ref_sequence_logps": Call("ref", "compute_sequence_logps", "rows"),
     "update_actor": Call("actor", "train", "update", "update_actor", optimizer=True),
@@ -113,6 +116,7 @@ class WorkerGroup(Protocol):
     has_ref: bool
     has_critic: bool
     has_rm: bool
+    has_teacher: bool
     writes: bool
     """This process writes what one driver writes (tracker, checkpoint folder, export): all but torchrun's ranks > 0."""
 
@@ -127,6 +131,8 @@ class WorkerGroup(Protocol):
     def compute_values(self, batch: Batch) -> torch.Tensor: ...
 
     def compute_rm_score(self, batch: Batch) -> torch.Tensor: ...
+
+    def compute_teacher_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
 
     def compute_sequence_logps(self, batch: Batch) -> torch.Tensor: ...
 
@@ -151,17 +157,19 @@ class WorkerGroup(Protocol):
 
 @bind_calls
 class LocalWorkerGroup:
-    """The roles in this process: actor (with its hybrid rollout), optional reference, critic and reward model."""
+    """The roles in this process: actor (with its hybrid rollout), optional reference, critic, reward model and
+    teachers."""
 
     world_size = 1
     writes = True
 
     def __init__(self, actor: Any, ref: Any = None, critic: Any = None, rm: Any = None, seed: int = 0,
-                 placement: Any = None):
+                 placement: Any = None, teachers: Any = None):
         self.actor, self.ref, self.critic, self.rm, self.seed = actor, ref, critic, rm, seed
         self.placement = placement
-        self.roles = Roles(actor, ref, critic, rm)
+        self.roles = Roles(actor, ref, critic, rm, teachers)
         self.has_ref, self.has_critic, self.has_rm = ref is not None, critic is not None, rm is not None
+        self.has_teacher = teachers is not None
 
     def _dispatch(self, name: str, call: Call, batch: Batch, **options: Any) -> Any:
         worker = getattr(self.roles, call.role)
