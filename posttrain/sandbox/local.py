@@ -8,14 +8,19 @@ stderr are read as they come, keeping only the head; past ``max_output_bytes`` i
 
 Isolation is chosen once per process (`isolation_available`) and is one of:
 
-- ``namespaces``: util-linux ``unshare`` puts the run in new pid, mount, and (``network=False``) network
-  namespaces; every mount is read-only but the folder and /dev/shm, each a size-capped tmpfs of the run's
-  own (``max_folder_mb``; the host's /dev/shm is hidden); /proc shows only the run's
-  processes; ending the namespace's pid 1 kills every process the code started. As root (this repository's
-  machines) the code also runs under a uid of its own per run in flight, so RLIMIT_NPROC holds and files
-  owned by root are not writable. Without root it needs unprivileged user namespaces (``--map-root-user``).
+- ``namespaces``: util-linux ``unshare`` puts the run in new pid, mount, IPC and (``network=False``) network
+  namespaces, on a new root file system holding only the system folders, the interpreter's paths and its
+  site-packages (read-only), a minimal /dev, a fresh /proc, and the folder and /dev/shm, each a size-capped
+  tmpfs of the run's own (``max_folder_mb``); no home, host temp folder, /run (path sockets) or host IPC;
+  ending the namespace's pid 1 kills every process the code started. As root the code runs under a uid of its
+  own per run in flight, so RLIMIT_NPROC holds and files owned by root are not writable. Without root it
+  needs unprivileged user namespaces (``--map-root-user``); the code then has no capability left.
 - ``none``: resource limits, scrubbed environment, own session and the sweep only; the code can use the
-  network, write where its uid may, and (as the same uid) read other processes' /proc entries.
+  network, write where its uid may, and (as the same uid) read other processes' /proc entries. As root it is
+  refused where other uids cannot reach the interpreter (the code would run as root).
+
+Either way ``memory_mb`` bounds the whole run in a memory cgroup of its own (`posttrain.sandbox.cgroup`)
+where one can be made; elsewhere it is per process and ``max_processes`` is cut to fit (`_process_cap`).
 """
 
 from __future__ import annotations

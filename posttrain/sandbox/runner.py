@@ -5,12 +5,15 @@ when namespaces are on), so it imports nothing but the standard library and is n
 training process. The config and the report are Python literals, not JSON: importing json (and re) would
 cost ~10 ms of every call. It:
 
-1. (namespaces) runs as root of fresh mount/pid/net namespaces: mounts a new /proc, a size-capped tmpfs
-   as the working folder, remounts every other mount read-only, then mounts a fresh size-capped tmpfs of
-   the run's own on /dev/shm (multiprocessing's semaphores live there);
+1. joins the run's memory cgroup (where the parent made one); (namespaces) as root of fresh
+   mount/pid/ipc/net namespaces, builds a new root (`_build_root`: system folders, the interpreter's paths,
+   a minimal /dev, a new /proc), pivots into it and drops the old one, mounts a size-capped tmpfs as the
+   working folder, remounts every other mount read-only, then a fresh size-capped tmpfs of the run's own
+   on /dev/shm (multiprocessing's semaphores live there);
 2. becomes a child subreaper, so a descendant that double-forks is re-parented here, not to init;
 3. forks the model's process: its own session, the resource limits, an unprivileged uid when started as
-   root, then the code runs in that process (no second interpreter start: that halves a call's cost);
+   root (else, in a user namespace, no capabilities), no new privileges, then the code runs in that
+   process (no second interpreter start: that halves a call's cost);
 4. waits up to the wall-clock time-out (or until the parent dies), then kills whatever is left of the
    tree and writes one line (exit status, CPU seconds, time-out, processes swept) to the status pipe.
 

@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from sandbox_checks import serving
+from sandbox_checks import TOKEN, serving
 
 ray = pytest.importorskip("ray")
 
@@ -89,7 +89,7 @@ def ray_cluster():
     # the ranks import this module (SandboxRank) and its helpers by name
     path = os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+             runtime_env={"env_vars": {"PYTHONPATH": path, "POSTTRAIN_SANDBOX_TOKEN": TOKEN}})  # the server's
     yield
     ray.shutdown()
 
