@@ -17,8 +17,9 @@ RANGES = {"timeout_s": (0.1, 3600.0), "cpu_s": (1, 3600), "memory_mb": (32, 1 <<
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run limits. ``memory_mb`` caps the address space (RLIMIT_AS), so it counts mapped, not resident,
-    memory. ``max_processes`` is RLIMIT_NPROC: it counts processes *and threads* of the uid the code runs
+    """Per-run limits. ``memory_mb`` bounds the whole run (its processes' memory and its tmpfs pages) in a
+    memory cgroup of its own where one can be made, and each process's address space (RLIMIT_AS) always;
+    without a cgroup only the latter holds, and `LocalSandbox` cuts ``max_processes`` to fit (its line says). ``max_processes`` is RLIMIT_NPROC: it counts processes *and threads* of the uid the code runs
     as (a uid of its own per worker when the training process is root; otherwise the user's own, so the
     user's other processes count too and `LocalSandbox` adds their number). ``max_output_bytes`` is how
     much one run may print in all before it is stopped (status "output"); below it, stdout and stderr are
