@@ -248,6 +248,8 @@ METRIC_RULES: list[tuple[str, str]] = [
     ("critic/vf_clipfrac", "sum"),
     ("critic/vpred_mean", "sum"),
     ("actor/*", "sum"),  # the remaining actor metrics are the policy loss's, token-share weighted
+    ("distillation/loss", "mean"),  # the distillation loss (posttrain.algorithms.objectives.Distill)
+    ("distillation/*", "sum"),  # its token means, token-share weighted
     ("perf/max_*", "max"),
     ("*", "mean"),
 ]
