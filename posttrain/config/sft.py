@@ -76,6 +76,10 @@ class SFTDataConfig:
     """Deprecated verl name: rows per forward over all ranks; use micro_batch_size_per_gpu."""
     micro_batch_size_per_gpu: int = 4
     """Rows per forward/backward on one rank (gradient accumulation up to the batch); also the validation batch."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by tokens (max_token_len_per_gpu) instead of rows (verl 0.9's engine SFT key)."""
+    max_token_len_per_gpu: int = 8192
+    """Tokens per forward/backward on one rank with use_dynamic_bsz."""
     train_max_samples: int = -1
     """Use only the first N training rows (-1: all)."""
     val_max_samples: int = -1
@@ -177,6 +181,10 @@ class SFTOptimConfig:
     the run's memory plan chooses (adamw_8bit on a one-process CPU run)."""
     min_lr_ratio: float = 0.0
     """(posttrain) Cosine floor as a fraction of lr."""
+    optimizer_impl: str = "torch.optim"
+    """Module of the optimizer class (verl's key: torch.optim, posttrain.optim, torchao.optim, bitsandbytes.optim, ...)."""
+    override_optimizer_config: Optional[dict[str, Any]] = None
+    """Extra constructor arguments of the optimizer (verl's key)."""
 
 
 @_cfg()

@@ -38,10 +38,11 @@ def sft_actor_rollout_ref(config: SFTConfig, total_steps: int, *, reference: boo
     actor.fsdp_config = m.fsdp_config
     actor.use_remove_padding, actor.use_prefix_grouper = config.use_remove_padding, config.use_prefix_grouper
     actor.ppo_micro_batch_size_per_gpu, actor.ppo_mini_batch_size = d.micro_batch_size_per_gpu, d.train_batch_size
+    actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu = d.use_dynamic_bsz, d.max_token_len_per_gpu
     actor.grad_clip, actor.use_kl_loss = o.clip_grad, reference
     ao = actor.optim
     ao.lr, ao.betas, ao.weight_decay = o.lr, list(o.betas), o.weight_decay
-    ao.optimizer = o.optimizer
+    ao.optimizer, ao.optimizer_impl, ao.override_optimizer_config = o.optimizer, o.optimizer_impl, o.override_optimizer_config
     ao.lr_warmup_steps = o.lr_warmup_steps
     ao.lr_warmup_steps_ratio = o.warmup_steps_ratio if o.warmup_steps_ratio is not None else o.lr_warmup_steps_ratio
     ao.lr_scheduler_type, ao.min_lr_ratio, ao.total_training_steps = o.lr_scheduler, o.min_lr_ratio, total_steps
@@ -50,6 +51,7 @@ def sft_actor_rollout_ref(config: SFTConfig, total_steps: int, *, reference: boo
     arr.ref.use_prefix_grouper = config.use_prefix_grouper
     for section in (arr.rollout, arr.ref):
         section.log_prob_micro_batch_size_per_gpu = d.micro_batch_size_per_gpu
+        section.log_prob_use_dynamic_bsz, section.log_prob_max_token_len_per_gpu = d.use_dynamic_bsz, d.max_token_len_per_gpu
     arr.rollout.name = "hf"
     return arr
 

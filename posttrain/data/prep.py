@@ -35,7 +35,9 @@ _GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
 def gsm8k_rows(records: list[dict], split: str, where: str = "gsm8k") -> list[dict]:
-    """GSM8K records (``question``, ``answer``) -> rows; ground truth = number after ``#### `` without commas."""
+    """GSM8K records (``question``, ``answer``) -> rows; ground truth = number after ``#### `` without commas.
+    Each row also holds ``messages`` (the question and its worked answer, verl's SFT layout), so one file
+    trains both SFT (``data.messages_key=messages``) and RL."""
     rows = []
     for i, rec in enumerate(records):
         for field in ("question", "answer"):
@@ -51,6 +53,9 @@ def gsm8k_rows(records: list[dict], split: str, where: str = "gsm8k") -> list[di
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": m.group(1).replace(",", "")},
                 "extra_info": {"split": split, "index": i, "answer": rec["answer"], "question": rec["question"]},
+                # verl's gsm8k_multiturn_sft.py layout: the same rows train SFT (data.messages_key=messages)
+                "messages": [{"role": "user", "content": rec["question"] + " " + GSM8K_INSTRUCTION},
+                             {"role": "assistant", "content": rec["answer"]}],
             }
         )
     return rows

@@ -15,72 +15,17 @@ after training (``--no-heldout-eval`` skips it). User errors print one ``error:`
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from typing import Any
 
 from posttrain.config.sft_load import BUILTIN_DPO, BUILTIN_SFT
+from posttrain.trainer.sft_launch import heldout_accuracy, run_sft as _run
+
+__all__ = ["dpo_cli", "heldout_accuracy", "main", "sft_cli"]
 
 STARTS = ("key=value overrides land on the built-in run ({builtin}: SmolLM2-135M-Instruct, one process on CPU); "
           "--config FILE starts from verl's sft_trainer.yaml defaults instead, as `python -m "
           "posttrain.trainer.fsdp_sft_trainer` does")
-
-
-def _run(trainer_cls, config, heldout: bool) -> int:
-    from posttrain.trainer.run import startup_signals
-
-    before = heldout_accuracy(config.model.partial_pretrain, config) if heldout else None
-    try:
-        with startup_signals():
-            trainer = trainer_cls(config)
-        history = trainer.fit()
-    except KeyboardInterrupt:
-        print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
-        return 130
-    _summary(history)
-    model_dir, step, stopped_by = trainer.session.model_dir, trainer.global_step, trainer.stopped_by
-    if before is not None and model_dir is not None:
-        del trainer  # the trained model and its optimizer state go before the exported model loads beside them
-        gc.collect()
-        _report_heldout(before, heldout_accuracy(str(model_dir), config), step)
-        from posttrain.host.process_tree import start_run_peak
-
-        print(f"peak memory with the held-out evaluation: {start_run_peak().peak_bytes() / 1e9:.2f} GB "
-              "(process tree)", flush=True)
-    return 128 + int(stopped_by) if stopped_by is not None else 0
-
-
-def _summary(history: list[dict]) -> None:
-    for key in ("val/loss", "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
-        points = [(row["step"], row[key]) for row in history if key in row]
-        if points:
-            print(f"{key}: {points[0][1]:.4f} at step {points[0][0]} -> {points[-1][1]:.4f} at step {points[-1][0]}")
-
-
-def heldout_accuracy(model: str, config: Any) -> dict[str, float]:
-    """Greedy accuracy of ``model`` on the built-in arithmetic task's held-out split (`posttrain eval`'s
-    data; the split ``data.arithmetic.*`` names when the config has one, as the SFT tree does)."""
-    from posttrain.trainer.evaluate import evaluate
-
-    task = getattr(config.data, "arithmetic", None)
-    keys = ("digits", "n_train", "n_test", "seed", "prompt_style")
-    overrides = [f"data.arithmetic.{k}={getattr(task, k)}" for k in keys if task is not None]
-    dtype = config.model.fsdp_config.mixed_precision.param_dtype
-    overrides.append(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={dtype}")
-    result = evaluate(model, batch_size=64, overrides=overrides)
-    overall = result["overall"]
-    flexible = [v["flexible_accuracy"] for v in result["per_source"].values() if "flexible_accuracy" in v]
-    return {"n": overall["n"], "accuracy": overall["accuracy"], **({"flexible": flexible[0]} if flexible else {})}
-
-
-def _report_heldout(before: dict[str, float], after: dict[str, float], step: int) -> None:
-    line = (f"held-out accuracy (built-in arithmetic task, {after['n']} questions, greedy): "
-            f"{before['accuracy']:.1%} at step 0 -> {after['accuracy']:.1%} at step {step} "
-            f"({(after['accuracy'] - before['accuracy']) * 100:+.1f} points)")
-    if "flexible" in before and "flexible" in after:
-        line += (f"; flexible {before['flexible']:.1%} -> {after['flexible']:.1%} "
-                 f"({(after['flexible'] - before['flexible']) * 100:+.1f} points)")
-    print(line, flush=True)
 
 
 def _parser(prog: str, description: str, builtin: Any) -> argparse.ArgumentParser:

@@ -72,3 +72,25 @@ class SFTTrainer:
     def fit(self) -> list[dict[str, float]]:
         """Train until `total_steps` (resuming per ``trainer.resume_mode``); returns per-step metrics."""
         return self.session.fit()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m posttrain.trainer.sft_trainer`` (verl 0.9's ``verl.trainer.sft_trainer``, also under
+    torchrun): verl 0.9's engine SFT keys, run as posttrain's SFT (`posttrain.config.sft_engine`)."""
+    import sys
+
+    from posttrain.errors import run_cli
+    from posttrain.trainer.sft_launch import engine_sft_cli
+
+    return run_cli(lambda a: engine_sft_cli(a, SFTTrainer), list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    import sys
+
+    from posttrain.host.allocator import bound_kernel_caches
+    from posttrain.host.threads import choose_wait_policy
+
+    choose_wait_policy()  # torch is not loaded yet (posttrain.host.threads says why)
+    bound_kernel_caches()  # before the first matmul (posttrain.host.allocator says why)
+    sys.exit(main())
