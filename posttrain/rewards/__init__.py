@@ -3,6 +3,9 @@
 - :func:`default_compute_score` (``posttrain.rewards.dispatch``): gsm8k / MATH / arithmetic by ``data_source``.
 - :func:`load_custom_reward_fn` (``posttrain.rewards.custom``): ``custom_reward_function.path`` / ``.name``.
 - :class:`RewardManager`, :class:`BatchRewardFn` (``posttrain.rewards.manager``): fill ``token_level_scores``.
+- ``posttrain.rewards.loop``: verl 0.9's reward loop (managers naive, dapo, limit, remote; ``@register``;
+  ``build_reward_manager``), with sync or async functions (``posttrain.rewards.functions``).
+- ``posttrain.rewards.judge``: a judge client for any OpenAI-compatible endpoint, with limits.
 
 The manager (and torch) is imported on first use, so scorer worker processes start quickly.
 """

@@ -45,8 +45,8 @@ from typing import Any, Callable
 
 from posttrain.errors import PosttrainError
 
-__all__ = ["Judge", "JudgeError", "CAUSES", "judge_for", "judge_metrics", "chat_complete", "last_number",
-           "normalize_base_url"]
+__all__ = ["Judge", "JudgeError", "CAUSES", "add_remote_counts", "chat_complete", "judge_for", "judge_metrics",
+           "last_number", "normalize_base_url", "set_default_limits"]
 
 CAUSES = ("timeout", "connect", "rate_limited", "http_4xx", "http_5xx", "bad_response", "unparsable")
 COUNTERS = ("requests", "retries", "cache_hits", "rows", "failed_rows") + CAUSES
@@ -224,6 +224,7 @@ class Judge:
             self._count("cache_hits")
             return await asyncio.shield(shared)
         task = asyncio.ensure_future(self._limited(state, payload))
+        task.add_done_callback(_retrieved)  # its failure reaches every row waiting on it; none left unread
         state.in_flight[key] = task
         try:
             text = await asyncio.shield(task)
@@ -308,6 +309,11 @@ class Judge:
         return self.model
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _seconds(value: str | None) -> float | None:
     try:
         return max(0.0, float(value)) if value is not None else None
@@ -387,12 +393,29 @@ def judge_for(address: str, **overrides: Any) -> Judge:
     return judge
 
 
+_REMOTE_COUNTS: dict[str, float] = {}
+_REMOTE_LOCK = threading.Lock()
+
+
+def add_remote_counts(counts: dict[str, float]) -> None:
+    """Counters a worker process's judges moved (the ``remote`` reward manager sends them back with each row)."""
+    with _REMOTE_LOCK:
+        for name, value in counts.items():
+            _REMOTE_COUNTS[name] = _REMOTE_COUNTS.get(name, 0.0) + float(value)
+
+
 def judge_metrics(reset: bool = False) -> dict[str, float]:
-    """Every judge's counters in this process, summed (``reward/judge_<name>``); ``reset`` zeroes them."""
+    """Every judge's counters in this process (and those worker processes sent back), summed
+    (``reward/judge_<name>``); ``reset`` zeroes them."""
     total = {METRIC_PREFIX + k: 0.0 for k in COUNTERS}
     for judge in list(_ALL):
         for name, value in judge.metrics(reset=reset).items():
             total[name] += value
+    with _REMOTE_LOCK:
+        for name, value in _REMOTE_COUNTS.items():
+            total[name] = total.get(name, 0.0) + value
+        if reset:
+            _REMOTE_COUNTS.clear()
     return total
 
 

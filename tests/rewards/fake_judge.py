@@ -75,6 +75,7 @@ class FakeJudge:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # a client that gave up: not news
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
