@@ -12,6 +12,10 @@ Calling convention (the same for every estimator, so the trainer never branches 
         gamma=..., lam=...,           # floats (algorithm.gamma / algorithm.lam)
         norm_adv_by_std_in_grpo=...,  # bool (algorithm.norm_adv_by_std_in_grpo)
         config=cfg.algorithm,         # the algorithm section (attributes or mapping)
+        non_tensor_batch=...,         # {column: [batch] array}: per-row columns, the reward's dict parts included
+        old_log_probs=...,            # [batch, response_len], where the step recomputed them
+        sum_pi_squared=...,           # [batch, response_len] sum_v pi_v^2 (actor.calculate_sum_pi_squared)
+        rollout_is_weights=...,       # [batch, response_len] rollout-correction weights, or None
     )
 
 Every estimator takes keyword arguments with verl's names, ignores the ones it does not use
@@ -55,6 +59,11 @@ class EstimatorSpec:
     """Compares the responses to the same prompt: ``rollout.n >= 2``."""
     needs_greedy_baseline: bool = False
     """Needs ``reward_baselines``: the reward of a greedy response to each prompt (ReMax)."""
+    needs_sum_pi_squared: bool = False
+    """Reads ``old_log_probs`` and ``sum_pi_squared``: the old-log-prob pass runs and also sums pi^2 over
+    the vocabulary (``actor_rollout_ref.actor.calculate_sum_pi_squared=True``; not in bypass mode)."""
+    needs_reward_parts: bool = False
+    """Reads the reward parts named by ``algorithm.gdpo_reward_keys`` (keys of the scoring function's dict)."""
     summary: str = "a registered estimator"
     """One line on what it computes (shown by `posttrain diff`)."""
 
@@ -72,7 +81,8 @@ while that entry is still the same function: an entry replaced straight in the d
 
 
 def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
-                     needs_greedy_baseline: bool = False, summary: str = "a registered estimator",
+                     needs_greedy_baseline: bool = False, needs_sum_pi_squared: bool = False,
+                     needs_reward_parts: bool = False, summary: str = "a registered estimator",
                      ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator registering an advantage estimator under `name` (str or an Enum with `.value`),
     with what it needs from the run (see `EstimatorSpec`); verl's one-argument form works too.
@@ -88,7 +98,10 @@ def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: boo
             raise ValueError(f"advantage estimator {key!r} is already registered to "
                              f"{getattr(existing, '__qualname__', existing)!r}, not {fn.__qualname__}")
         ADV_ESTIMATOR_REGISTRY[key] = fn
-        _DECLARED[key] = EstimatorSpec(key, fn, needs_critic, needs_groups, needs_greedy_baseline, summary)
+        _DECLARED[key] = EstimatorSpec(key, fn, needs_critic=needs_critic, needs_groups=needs_groups,
+                                       needs_greedy_baseline=needs_greedy_baseline,
+                                       needs_sum_pi_squared=needs_sum_pi_squared,
+                                       needs_reward_parts=needs_reward_parts, summary=summary)
         return fn
 
     return decorator
@@ -165,6 +178,18 @@ def _group_mean_std(scores: torch.Tensor, index: Any) -> tuple[torch.Tensor, tor
     return mean, std, size
 
 
+def _group_ids(index: Any, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each row's group as a number `[batch]` (0.. in order of first appearance), and the group count."""
+    ids: dict[Any, int] = {}
+    rows = [ids.setdefault(uid, len(ids)) for uid in np.asarray(index, dtype=object).tolist()]
+    return torch.tensor(rows, dtype=torch.long, device=device), len(ids)
+
+
+def _group_sums(values: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Sum of `values` `[batch]` per group, `[n_groups]` (one scatter-add, no Python loop)."""
+    return values.new_zeros(n_groups).index_add_(0, group, values)
+
+
 def _float_mask(response_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """0/1 mask in `like`'s dtype, so `1 - mask` works for bool masks too."""
     return response_mask.to(like.dtype)
@@ -233,14 +258,106 @@ def compute_grpo_outcome_advantage(
     Returns the scalar broadcast over `[batch, response_len]` times the mask, twice.
     """
     with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)  # [batch]
-        mean, std, _ = _group_mean_std(scores, index)
-        if norm_adv_by_std_in_grpo:
-            scores = (scores - mean) / (std + epsilon)
-        else:
-            scores = scores - mean
+        scores = _grpo_scalars(token_level_rewards.sum(dim=-1), index, epsilon, norm_adv_by_std_in_grpo)
         advantages = scores.unsqueeze(-1) * response_mask
     return advantages, advantages
+
+
+def _grpo_scalars(scores: torch.Tensor, index: Any, epsilon: float, norm: bool) -> torch.Tensor:
+    """`[batch]` -> `(s - mean_g) / (std_g + epsilon)` (or `s - mean_g`), by `_group_mean_std`."""
+    mean, std, _ = _group_mean_std(scores, index)
+    return (scores - mean) / (std + epsilon) if norm else scores - mean
+
+
+@register_adv_est("grpo_vectorized", needs_groups=True,
+                  summary="GRPO computed with scatter-adds instead of a loop over groups (no critic)")
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (`compute_grpo_outcome_advantage`) with per-group sums instead of a loop, verl's
+    ``group_mean_std``: mean_g = sum / n, std_g = sqrt(sum (s - mean_g)^2 / (n - 1)); a group of one
+    has mean 0 and std 1. Equal to the loop form up to rounding (the variance is a two-pass sum here).
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        group, n_groups = _group_ids(index, scores.device)
+        count = _group_sums(torch.ones_like(scores), group, n_groups)  # [groups]
+        mean = _group_sums(scores, group, n_groups) / count.clamp_min(1.0)
+        centred = scores - mean[group]
+        std = torch.sqrt(_group_sums(centred * centred, group, n_groups) / (count - 1.0).clamp_min(1.0))
+        single = count <= 1.0
+        mean, std = mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
+        if norm_adv_by_std_in_grpo:
+            scalars = (scores - mean[group]) / (std[group] + epsilon)
+        else:
+            scalars = scores - mean[group]
+        advantages = scalars.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("gdpo", needs_groups=True, needs_reward_parts=True,
+                  summary="GDPO: each reward part (algorithm.gdpo_reward_keys) normalised within its group, "
+                          "weighted sum, whitened over the batch (no critic)")
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+    non_tensor_batch: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO, https://arxiv.org/abs/2601.05242: reward parts are normalised separately, so a part with a
+    large spread cannot drown the others. For each part k (``config.gdpo_reward_keys``, read per row from
+    ``non_tensor_batch[k]`` `[batch]`): A_k = GRPO(r_k) within each group; A = sum_k w_k A_k
+    (``config.gdpo_reward_weights``, default 1 each); advantages = whiten(A over the mask) * mask.
+
+    Without a config or ``non_tensor_batch`` the one part is the row's summed reward (GRPO, then
+    whitened), as verl does. A part is read as float32, as verl reads it; a missing key or a value that is
+    not a finite number (a row the scoring function left without that key) raises ValueError naming it.
+    """
+    keys = config_value(config, "gdpo_reward_keys", None) if config is not None else None
+    with torch.no_grad():
+        if config is not None and non_tensor_batch is not None:
+            if not keys:
+                raise ValueError("gdpo needs algorithm.gdpo_reward_keys: the keys of the dict the scoring function "
+                                 "returns, one per reward part (e.g. [format_reward, accuracy_reward])")
+            parts = [_reward_part(non_tensor_batch, key, response_mask.device) for key in keys]
+            weights = config_value(config, "gdpo_reward_weights", None)
+        else:
+            parts, weights = [token_level_rewards.sum(dim=-1)], None
+        if weights is not None and len(weights) != len(parts):
+            raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(parts)} "
+                             f"gdpo_reward_keys ({keys}); give one weight per key")
+        weights = torch.tensor([1.0] * len(parts) if weights is None else list(weights), dtype=torch.float32,
+                               device=response_mask.device)
+        combined = sum(weights[k] * _grpo_scalars(part, index, epsilon, norm_adv_by_std_in_grpo)
+                       for k, part in enumerate(parts))  # [batch]
+        advantages = masked_whiten(combined.unsqueeze(-1) * response_mask, response_mask) * response_mask
+    return advantages, advantages
+
+
+def _reward_part(columns: Any, key: str, device: torch.device) -> torch.Tensor:
+    """The reward part ``columns[key]`` as float32 `[batch]`; ValueError when absent or not finite."""
+    if key not in columns:
+        raise ValueError(f"gdpo reward key {key!r} (algorithm.gdpo_reward_keys) is not among the batch's columns "
+                         f"{sorted(columns)}: the scoring function must return a dict with {key!r} for every row")
+    try:
+        values = np.asarray(columns[key], dtype=np.float32)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"gdpo reward key {key!r}: the scoring function's values are not numbers ({err})") from None
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise ValueError(f"gdpo reward key {key!r} is missing or not finite in {bad.size} row(s) (first: row "
+                         f"{int(bad[0])}): the scoring function must return {key!r} as a number for every row")
+    return torch.from_numpy(values).to(device)
 
 
 @register_adv_est("grpo_passk", needs_groups=True,
@@ -297,6 +414,30 @@ def compute_rloo_outcome_advantage(
         loo = scores * n / (n - 1) - mean * n / (n - 1)
         scores = torch.where(n > 1, loo, scores)
         advantages = scores.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("rloo_vectorized", needs_groups=True,
+                  summary="RLOO computed with scatter-adds; a group of one gets advantage 0 (no critic)")
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    config: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO, https://arxiv.org/abs/2402.14740, with per-group sums instead of a loop:
+    A_i = (n r_i - sum_g) / (n - 1) = r_i - mean_{j != i} r_j. Unlike the loop form (``rloo``), a group
+    of one gets A = 0 (verl's ``rloo_vectorized`` does the same).
+    """
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)  # [batch]
+        group, n_groups = _group_ids(index, scores.device)
+        n = _group_sums(torch.ones_like(scores), group, n_groups)[group]  # [batch]: each row's group size
+        total = _group_sums(scores, group, n_groups)[group]
+        scalars = (n * scores - total) / (n - 1).clamp_min(1) * (n > 1)
+        advantages = scalars.unsqueeze(-1) * response_mask
     return advantages, advantages
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["entropy_from_logits", "logit_gradient", "logprob_and_entropy", "logprobs_from_logits"]
+__all__ = ["entropy_from_logits", "logit_gradient", "logprob_and_entropy", "logprob_entropy_sum_pi_squared",
+           "logprobs_from_logits"]
 
 
 def logprob_and_entropy(logits: torch.Tensor, labels: torch.Tensor, calculate_entropy: bool = True,
@@ -31,6 +32,24 @@ def logprob_and_entropy(logits: torch.Tensor, labels: torch.Tensor, calculate_en
         with torch.no_grad():
             return _LogProbEntropy.values(logits, labels, calculate_entropy)[:2]
     return _LogProbEntropy.apply(logits, labels, calculate_entropy, entropy_grad)
+
+
+def logprob_entropy_sum_pi_squared(logits: torch.Tensor, labels: torch.Tensor, calculate_entropy: bool = True,
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logprob_and_entropy` without gradient, plus ``sum_v softmax(logits)_v^2`` ``[t]``: the squared
+    norm term of the optimal token baseline (`posttrain.algorithms.optimal_token_baseline`).
+
+    Computed as the dot product of the softmax with itself from the chunk's own temporaries: the softmax
+    the entropy already made, or else the ``log_softmax`` turned into it in place, so no further ``[t, V]``
+    tensor exists. verl's ``exp(logsumexp(2 z) - 2 logsumexp(z))`` is the same number (float32 rounding).
+    """
+    with torch.no_grad():
+        logp, entropy, log_probs, probs = _LogProbEntropy.values(logits, labels, calculate_entropy)
+        if probs is None:
+            probs = log_probs.exp_()  # log_probs is this call's own and read no more
+        with torch.autocast(logits.device.type, enabled=False):  # float32 stays float32
+            sum_pi_squared = torch.bmm(probs.unsqueeze(1), probs.unsqueeze(2)).view(-1)
+    return logp, entropy, sum_pi_squared
 
 
 class _LogProbEntropy(torch.autograd.Function):

@@ -7,10 +7,10 @@ Every loss has one signature::
 
 old_log_prob, log_prob, advantages, response_mask, rollout_is_weights: `[batch, response_len]`.
 `config` is the actor section: `clip_ratio`, `clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`,
-`policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef}`, `tau_pos`,
-`tau_neg`, and optionally `global_batch_info` (a dict of `agg_loss` normalisers: dp_size,
-batch_num_tokens, global_batch_size, loss_scale_factor). Metrics are detached 0-dim tensors under
-verl's names (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`); the caller reduces
+`policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, dro_beta}`, `tau_pos`,
+`tau_neg`, `policy_loss.rollout_correction` (bypass_mode), and optionally `global_batch_info` (a dict of
+`agg_loss` normalisers: dp_size, batch_num_tokens, global_batch_size, loss_scale_factor). Metrics are
+detached 0-dim tensors under verl's names (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`); the caller reduces
 them once per step. `rollout_is_weights`, when given, multiplies the per-token losses.
 """
 
@@ -37,6 +37,8 @@ class PolicyLossSpec:
     fn: PolicyLossFn
     keys: tuple[str, ...] = ()
     summary: str = "a registered policy loss"
+    positive: tuple[str, ...] = ()
+    """Keys among `keys` that must be set and > 0 (the config check refuses null or <= 0)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.fn(*args, **kwargs)
@@ -52,7 +54,7 @@ only while that entry is still the same function."""
 
 
 def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str = "a registered policy loss",
-                         ) -> Callable[[PolicyLossFn], PolicyLossFn]:
+                         positive: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` with what it reads and does (`PolicyLossSpec`);
     verl's one-argument form works too. The same function again is accepted; a different function
     under a taken name raises ValueError (verl would replace the loss silently)."""
@@ -63,7 +65,7 @@ def register_policy_loss(name: str, *, keys: tuple[str, ...] = (), summary: str 
             raise ValueError(f"policy loss {name!r} is already registered to "
                              f"{getattr(existing, '__qualname__', existing)!r}, not {fn.__qualname__}")
         POLICY_LOSS_REGISTRY[name] = fn
-        _DECLARED[name] = PolicyLossSpec(name, fn, tuple(keys), summary)
+        _DECLARED[name] = PolicyLossSpec(name, fn, tuple(keys), summary, tuple(positive))
         return fn
 
     return decorator
@@ -354,3 +356,127 @@ def compute_policy_loss_sapo(
     zero = torch.tensor(0.0, device=pg_loss.device)
     ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, _metrics(pg_clipfrac=zero, ppo_kl=ppo_kl, pg_clipfrac_lower=zero)
+
+
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+               trusted: torch.Tensor):
+    """DPPO's shared part: ``trusted`` (bool ``[batch, response_len]``) says where the update stays inside
+    the divergence bound; the loss is -A * sg[min(r, clip_ratio_c)] * logp there and 0 elsewhere."""
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    ppo_kl = masked_mean(-log_ratio, response_mask)
+    # truncated importance sampling (not dual clip); the paper advises a large bound (its section 5.4)
+    clip_ratio_c = config_value(config, "clip_ratio_c", 20.0)
+    truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
+    valid = trusted.detach().float()
+    pg_losses = -advantages * truncated * log_prob * valid
+    pg_loss = _aggregate(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights)
+    pg_clipfrac = masked_mean(1.0 - valid, response_mask)
+    pg_clipfrac_lower = masked_mean((ratio > clip_ratio_c).float() * valid, response_mask)  # truncated share
+    return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
+
+
+@register_policy_loss("dppo_tv", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+                      summary="DPPO-TV: no gradient where |pi - pi_old| leaves the clip bounds, truncated ratio")
+def compute_policy_loss_dppo_tv(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """DPPO, binary total variation, https://arxiv.org/abs/2602.04879: the trust region is on the
+    probability itself, not the ratio. A token takes part where A > 0 and pi - pi_old <= clip_ratio_high,
+    or A <= 0 and pi - pi_old >= -clip_ratio_low (the clip keys are divergence bounds here); its loss is
+    -A * sg[min(r, clip_ratio_c)] * logp. pg_clipfrac: share of tokens left out; pg_clipfrac_lower: share
+    of kept tokens whose ratio was truncated.
+    """
+    low, high = _clip_range(config)
+    change = torch.exp(log_prob) - torch.exp(old_log_prob)
+    trusted = torch.where(advantages > 0, change <= high, change >= -low)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                      trusted)
+
+
+@register_policy_loss("dppo_kl", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+                      summary="DPPO-KL: no gradient where the binary KL(pi_old || pi) leaves the clip bounds, "
+                              "truncated ratio")
+def compute_policy_loss_dppo_kl(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """DPPO, binary KL, https://arxiv.org/abs/2602.04879: with p = pi(token), q = pi_old(token),
+    KL = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)). A token takes part where it moves
+    against its advantage's direction (A > 0 and p <= q, or A <= 0 and p >= q) or KL stays within
+    clip_ratio_high (A > 0) / clip_ratio_low (A <= 0); the loss is then as in `dppo_tv`.
+    """
+    low, high = _clip_range(config)
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+    trusted = torch.where(advantages > 0, (binary_kl <= high) | (prob <= old_prob),
+                          (binary_kl <= low) | (prob >= old_prob))
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                      trusted)
+
+
+@register_policy_loss("dro", keys=("policy_loss.dro_beta",), positive=("policy_loss.dro_beta",),
+                      summary="DRO: -A log p plus a quadratic penalty beta/2 (log p - log p_old)^2 (dro_beta > 0)")
+def compute_policy_loss_dro(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """Direct Reward Optimization (https://arxiv.org/abs/2405.19107) as verl has it: per token
+    -(A logp - beta / 2 * (logp - old_logp)^2) with beta = ``policy_loss.dro_beta`` (> 0, ValueError
+    otherwise). Metric: ``actor/ppo_kl``.
+    """
+    beta = _policy_loss_option(config, "dro_beta", None)
+    if beta is None or not beta > 0:
+        raise ValueError(f"policy_loss.dro_beta must be > 0 with loss_mode=dro, got {beta}")
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    pg_loss = _aggregate(pg_losses, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return pg_loss, _metrics(ppo_kl=masked_mean(-log_ratio, response_mask))
+
+
+@register_policy_loss("bypass_mode", keys=("policy_loss.rollout_correction",),
+                      summary="bypass mode: the rollout's log-probs are the old ones; PPO clip, or REINFORCE with "
+                              "importance weights, after rejection (rollout_correction)")
+def compute_policy_loss_bypass_mode(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """verl's bypass-mode loss: ``old_log_prob`` is the rollout engine's. Importance weights and rejection
+    (``policy_loss.rollout_correction``: ``rollout_is``, ``rollout_is_threshold``,
+    ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``, ``loss_type``) are taken of
+    the *current* policy against the rollout's, without gradient (`rollout_correction`); then
+    ``loss_type=ppo_clip``: `vanilla` on the kept tokens, the weights unused (the ratio already is the
+    correction); ``reinforce``: -w * A * logp on the kept tokens, metric ``actor/ppo_kl`` of the rollout
+    policy against the current one. ``rollout_is_weights`` is ignored (they are computed here).
+    Metrics add ``rollout_corr/*`` (floats).
+    """
+    from posttrain.algorithms.rollout_correction import apply_rollout_correction
+
+    correction = _policy_loss_option(config, "rollout_correction", None)
+    if correction is None:
+        raise ValueError("loss_mode=bypass_mode needs policy_loss.rollout_correction (verl's trainer puts "
+                         "algorithm.rollout_correction there when rollout_correction.bypass_mode=true)")
+    loss_type = config_value(correction, "loss_type", "ppo_clip")
+    with torch.no_grad():
+        weights, kept, corr_metrics = apply_rollout_correction(log_prob.detach(), old_log_prob, response_mask,
+                                                               _CorrectionDefaults(correction))
+    if loss_type == "reinforce":
+        pg_losses = -advantages * log_prob * (weights if weights is not None else 1.0)
+        pg_loss = _aggregate(pg_losses, kept, loss_agg_mode, config, None)
+        metrics = _metrics(ppo_kl=masked_mean(-(log_prob - old_log_prob), kept))
+    elif loss_type == "ppo_clip":
+        pg_loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, kept, loss_agg_mode, config)
+    else:
+        raise ValueError(f"rollout_correction.loss_type={loss_type!r}; valid: ppo_clip, reinforce")
+    return pg_loss, {**metrics, **corr_metrics}
+
+
+class _CorrectionDefaults:
+    """A rollout-correction section read with verl's defaults for the keys it may leave out."""
+
+    DEFAULTS = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
+                "rollout_rs": None, "rollout_rs_threshold": None}
+
+    def __init__(self, section: Any):
+        self._section = section
+
+    def __getattr__(self, name: str) -> Any:
+        return config_value(self.__dict__["_section"], name, self.DEFAULTS[name])

@@ -206,15 +206,17 @@ def old_log_probs_source(config: PostTrainConfig, actor_sizes: RoleSizes) -> str
     ``update``: when the actor's update is one epoch of one mini-batch, the policy cannot move
     before it is evaluated, so the update's own first forward, detached, is exactly what the extra
     pass would compute (verl's ``on_policy`` branch of ``update_policy``). The pass is skipped
-    unless something reads the old log-probs before the update: KL in the reward, or a rollout
-    correction that weighs or rejects tokens. The actor then reports the entropy and the
+    unless something reads the old log-probs before the update: KL in the reward, a rollout
+    correction that weighs or rejects tokens, or ``actor.calculate_sum_pi_squared`` (the pass also
+    sums pi^2 over the vocabulary, for optimal_token_baseline). The actor then reports the entropy and the
     rollout/actor log-prob gap from that forward instead."""
     correction = config.algorithm.rollout_correction
     if correction.bypass_mode:
         return "rollout"
     on_policy = config.actor_rollout_ref.actor.ppo_epochs == 1 and actor_sizes.mini_batches_per_step == 1
     read_before_update = (config.algorithm.use_kl_in_reward or correction.rollout_is is not None
-                          or correction.rollout_rs is not None)
+                          or correction.rollout_rs is not None
+                          or config.actor_rollout_ref.actor.calculate_sum_pi_squared)  # the pass computes it
     return "update" if on_policy and not read_before_update else "recompute"
 
 

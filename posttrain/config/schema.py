@@ -196,7 +196,9 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling (group filtering)."""
     gdpo_reward_keys: Optional[list[str]] = None
-    """gdpo: the reward parts (keys of the dict a scoring function returns) each normalised within its group before they are summed; null: the score alone, as GRPO."""
+    """gdpo (required there): the reward parts (keys of the dict a scoring function returns), each normalised within its group before they are summed."""
+    gdpo_reward_weights: Optional[list[float]] = None
+    """gdpo: one weight per gdpo_reward_keys part in the sum; null: 1 each."""
 
 
 @_cfg()

@@ -186,6 +186,7 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
                "are two layouts of the same forward (prompts encoded once per group, or all rows packed into one); "
                "set one of them to False")
     yield from _check_policy_loss_keys(config)
+    yield from _check_estimator_inputs(config)
     yield from _check_reward_model_sizes(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
@@ -196,6 +197,28 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
         derive_sizes(config)
     except SizeError as err:
         yield str(err)
+
+
+def _check_estimator_inputs(config: PostTrainConfig) -> Iterable[str]:
+    """What an estimator declares it reads beyond the rewards (`EstimatorSpec`): the sum of pi^2 from the
+    old-log-prob pass (optimal_token_baseline), the scoring function's reward parts (gdpo)."""
+    algo, actor = config.algorithm, config.actor_rollout_ref.actor
+    name = f"algorithm.adv_estimator={algo.adv_estimator}"
+    if estimator_needs(algo.adv_estimator, "needs_sum_pi_squared"):
+        if not actor.calculate_sum_pi_squared:
+            yield (f"{name} needs each token's sum of pi^2 over the vocabulary from the old-log-prob pass; set "
+                   "actor_rollout_ref.actor.calculate_sum_pi_squared=True")
+        if algo.rollout_correction.bypass_mode:
+            yield (f"{name} needs the old-log-prob pass (its sum of pi^2), which "
+                   "algorithm.rollout_correction.bypass_mode=True skips; set bypass_mode=False")
+    if estimator_needs(algo.adv_estimator, "needs_reward_parts"):
+        keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
+        if not keys:
+            yield (f"{name} needs algorithm.gdpo_reward_keys: the keys of the dict your scoring function returns, "
+                   "one per reward part (e.g. [format_reward,accuracy_reward])")
+        elif weights is not None and len(weights) != len(keys):
+            yield (f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(keys)} "
+                   f"algorithm.gdpo_reward_keys; give one weight per key, or null for 1 each")
 
 
 def _check_reward_model_sizes(config: PostTrainConfig) -> Iterable[str]:
@@ -230,6 +253,9 @@ def _check_policy_loss_keys(config: PostTrainConfig) -> Iterable[str]:
         yield (f"actor_rollout_ref.actor.policy_loss.loss_mode={mode} reads {', '.join(missing)}, which posttrain's "
                "config does not have yet; pick another loss mode (" + ", ".join(
                    m for m in _loss_modes_with_keys()) + ")")
+    for key in (f"actor_rollout_ref.actor.{k}" for k in spec.positive if f"actor_rollout_ref.actor.{k}" in all_keys()):
+        if get_key(config, key) is None or not get_key(config, key) > 0:
+            yield f"actor_rollout_ref.actor.policy_loss.loss_mode={mode} needs {key} > 0, got {get_key(config, key)}"
 
 
 def _loss_modes_with_keys() -> list[str]:

@@ -32,6 +32,9 @@ How one micro-batch is computed (``response_logprobs``):
 
 Positions that are not valid response tokens get log-prob 0 and entropy 0.
 
+``calculate_sum_pi_squared`` (the old-log-prob pass of ``actor.calculate_sum_pi_squared``, no gradient)
+also returns each token's ``sum_v pi_v^2`` from the same chunks' softmax (a third ``[B, R]`` tensor).
+
 Under FSDP2 (``posttrain.distributed.fsdp.shard_model``) the backbone and ``lm_head`` calls run
 inside the root unit's forward hooks (:func:`call_as_forward`), and ``compute_response_logprobs``
 runs the same number of micro-batches on every rank (``equal_micro_batch_count``).
@@ -47,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.algorithms.logprobs import logit_gradient, logprob_and_entropy
+from posttrain.algorithms.logprobs import logit_gradient, logprob_and_entropy, logprob_entropy_sum_pi_squared
 from posttrain.models.attention import fast_cpu_attention
 from posttrain.models.compile import compiled_layers
 from posttrain.models.into_grad import adds_into_grad, grad_accumulator
@@ -163,11 +166,15 @@ def _chunk_stats(
     softcap: float | None,
     calculate_entropy: bool,
     entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden ``[t, H]``, labels ``[t]`` -> (log-prob ``[t]``, entropy ``[t]`` or empty) in float32."""
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """hidden ``[t, H]``, labels ``[t]`` -> (log-prob ``[t]``, entropy ``[t]`` or empty[, sum of pi^2 ``[t]``])
+    in float32."""
     logits = head(hidden).float()  # [t, V]: the only vocab-sized tensor, one chunk at a time
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
+    if sum_pi_squared:
+        return logprob_entropy_sum_pi_squared(_divided(logits, temperature), labels, calculate_entropy)
     return logprob_and_entropy(_divided(logits, temperature), labels, calculate_entropy, entropy_grad)
 
 
@@ -186,20 +193,23 @@ def _keeps_logits(rows: int, vocab: int) -> bool:
 
 
 def _chunked(fn: Callable, hidden: torch.Tensor, labels: torch.Tensor, vocab: int, use_ckpt: bool):
+    """``fn(h, y)`` per chunk of rows; each of its outputs concatenated over the chunks."""
     rows = _rows_per_chunk(vocab)
     use_ckpt = use_ckpt and not _keeps_logits(hidden.shape[0], vocab)
-    lps, ents = [], []
-    for h, y in zip(hidden.split(rows), labels.split(rows)):
-        lp, ent = checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(lps), torch.cat(ents)
+    parts = [checkpoint(fn, h, y, use_reentrant=False) if use_ckpt else fn(h, y)
+             for h, y in zip(hidden.split(rows), labels.split(rows))]
+    return tuple(torch.cat(outputs) for outputs in zip(*(parts or [fn(hidden, labels)])))
 
 
-def _head_logprobs(hidden, labels, head, temperature, softcap, calculate_entropy, entropy_grad):
-    """hidden ``[T, H]``, labels ``[T]`` -> (log-prob ``[T]``, entropy ``[T]`` or empty), float32: step 4."""
+def _head_logprobs(hidden, labels, head, temperature, softcap, calculate_entropy, entropy_grad, sum_pi_squared=False):
+    """hidden ``[T, H]``, labels ``[T]`` -> (log-prob ``[T]``, entropy ``[T]`` or empty[, sum of pi^2 ``[T]``]),
+    float32: step 4. The sum of pi^2 is computed without gradient only (the old-log-prob pass)."""
+    if sum_pi_squared:
+        if torch.is_grad_enabled():
+            raise ValueError("the sum of pi^2 is computed without gradient (the old-log-prob pass): run it under "
+                             "torch.no_grad()")
+        fn = lambda h, y: _chunk_stats(h, y, head, temperature, softcap, calculate_entropy, False, True)  # noqa: E731
+        return _chunked(fn, hidden, labels, head.weight.shape[0], False)
     if torch.is_grad_enabled() and _is_plain_linear_head(head, softcap):
         dtype = low_dtype(hidden, head.weight) or head.weight.dtype  # autocast's for a float32 weight
         return _LinearHeadLogProbs.apply(hidden, head.weight, labels, temperature, calculate_entropy, entropy_grad,
@@ -392,52 +402,62 @@ def response_logprobs(
     entropy_grad: bool = True,
     remove_padding: bool = False,
     shared_prefix: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """One micro-batch: log-probs (and entropy) of ``responses`` ``[B, R]`` under ``model``.
 
     input_ids/attention_mask/position_ids: ``[B, P+R]``. Differentiable when grad is enabled
     (``entropy_grad=False`` computes the entropy without a graph). Returns float32 ``[B, R]``
     tensors; positions masked in ``attention_mask[:, P:]`` are 0. ``remove_padding``,
-    ``shared_prefix``: see :func:`response_hidden_states`.
+    ``shared_prefix``: see :func:`response_hidden_states`. ``calculate_sum_pi_squared`` (no gradient):
+    a third tensor, each token's ``sum_v pi_v^2``.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     return call_as_forward(model, _response_logprobs, model, input_ids, attention_mask, position_ids, responses,
-                           temperature, calculate_entropy, entropy_grad, remove_padding, shared_prefix)
+                           temperature, calculate_entropy, entropy_grad, remove_padding, shared_prefix,
+                           calculate_sum_pi_squared)
 
 
 def _response_logprobs(model, input_ids, attention_mask, position_ids, responses, temperature,
-                       calculate_entropy, entropy_grad, remove_padding, shared_prefix):
+                       calculate_entropy, entropy_grad, remove_padding, shared_prefix, sum_pi_squared=False):
     batch, resp_len = responses.shape
     parts = split_lm(model)
     if parts is None:
         return _full_logits_logprobs(model, input_ids, attention_mask, position_ids, responses,
-                                     temperature, calculate_entropy)
+                                     temperature, calculate_entropy, sum_pi_squared)
     backbone, head, softcap = parts
     with compiled_layers(model):  # compile_layers=True: the decoder layers through torch.compile
         hidden, take = response_hidden_states(backbone, input_ids, attention_mask, position_ids, resp_len,
                                               remove_padding, shared_prefix)
     valid = attention_mask[:, -resp_len:][:, :take].bool()  # [B, take]
     labels = responses[:, :take][valid]  # [T]
-    lp_flat, ent_flat = _head_logprobs(hidden[valid], labels, head, temperature, softcap, calculate_entropy,
-                                       entropy_grad)
+    lp_flat, ent_flat, *sum_pi2_flat = _head_logprobs(hidden[valid], labels, head, temperature, softcap,
+                                                      calculate_entropy, entropy_grad, sum_pi_squared)
     full_valid = torch.zeros(batch, resp_len, dtype=torch.bool, device=responses.device)
     full_valid[:, :take] = valid
+    at = full_valid.nonzero(as_tuple=True)
     log_probs = torch.zeros(batch, resp_len, dtype=torch.float32, device=responses.device)
-    log_probs = log_probs.index_put((full_valid.nonzero(as_tuple=True)), lp_flat)
-    if not calculate_entropy:
-        return log_probs, None
-    entropy = torch.zeros_like(log_probs).index_put((full_valid.nonzero(as_tuple=True)), ent_flat)
+    log_probs = log_probs.index_put(at, lp_flat)
+    entropy = torch.zeros_like(log_probs).index_put(at, ent_flat) if calculate_entropy else None
+    if sum_pi_squared:
+        return log_probs, entropy, torch.zeros_like(log_probs).index_put(at, sum_pi2_flat[0])
     return log_probs, entropy
 
 
-def _full_logits_logprobs(model, input_ids, attention_mask, position_ids, responses, temperature, calc_entropy):
+def _full_logits_logprobs(model, input_ids, attention_mask, position_ids, responses, temperature, calc_entropy,
+                          sum_pi_squared=False):
     """Fallback for models without a separate backbone/lm_head: slice ``[B, R, V]`` logits."""
     resp_len = responses.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits[:, -resp_len - 1:-1].float() / temperature
     mask = attention_mask[:, -resp_len:].to(torch.float32)
     vocab = logits.shape[-1]
+    if sum_pi_squared:
+        lp, ent, sum_pi2 = logprob_entropy_sum_pi_squared(logits.reshape(-1, vocab), responses.reshape(-1),
+                                                          calc_entropy)
+        ent = ent.view_as(mask) * mask if calc_entropy else None
+        return lp.view_as(mask) * mask, ent, sum_pi2.view_as(mask) * mask
     lp, ent = logprob_and_entropy(logits.reshape(-1, vocab), responses.reshape(-1), calc_entropy)
     lp = lp.view_as(mask) * mask
     return lp, (ent.view_as(mask) * mask if calc_entropy else None)
@@ -460,8 +480,10 @@ def compute_response_logprobs(
     autocast: Any = None,
     remove_padding: bool = False,
     shared_prefix: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs ``[N, R]`` (and entropy ``[N, R]`` or None) of ``data['responses']`` under ``model``.
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Log-probs ``[N, R]`` (and entropy ``[N, R]`` or None) of ``data['responses']`` under ``model``;
+    with ``calculate_sum_pi_squared`` a third ``[N, R]`` tensor, each token's ``sum_v pi_v^2``.
 
     data: a ``Batch`` or mapping with ``input_ids``, ``attention_mask``, ``position_ids`` ``[N, P+R]``
     and ``responses`` ``[N, R]``. Runs in micro-batches of ``micro_batch_size`` rows (or by
@@ -480,21 +502,26 @@ def compute_response_logprobs(
     out_device = tensors["responses"].device
     log_probs = torch.zeros(n, resp_len, dtype=torch.float32, device=out_device)
     entropy = torch.zeros_like(log_probs) if calculate_entropy else None
+    sum_pi_squared = torch.zeros_like(log_probs) if calculate_sum_pi_squared else None
     # one autocast region for all micro-batches: autocast caches the bf16 casts of the weights
     ctx = autocast() if autocast is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         for idx, padding in plan:
             mb = _stand_in_row(tensors) if not idx.numel() else {k: v[idx.to(v.device)] for k, v in tensors.items()}
             mb = {k: v.to(device) for k, v in mb.items()}
-            lp, ent = response_logprobs(model, **mb, temperature=temperature, calculate_entropy=calculate_entropy,
-                                        remove_padding=remove_padding, shared_prefix=shared_prefix)
+            lp, ent, *sum_pi2 = response_logprobs(model, **mb, temperature=temperature,
+                                                  calculate_entropy=calculate_entropy, remove_padding=remove_padding,
+                                                  shared_prefix=shared_prefix,
+                                                  calculate_sum_pi_squared=calculate_sum_pi_squared)
             if padding:
                 continue
             log_probs[idx.to(out_device)] = lp.to(out_device)
             if entropy is not None:
                 entropy[idx.to(out_device)] = ent.to(out_device)
+            if sum_pi_squared is not None:
+                sum_pi_squared[idx.to(out_device)] = sum_pi2[0].to(out_device)
     forget_forward_record(model)
-    return log_probs, entropy
+    return (log_probs, entropy) if sum_pi_squared is None else (log_probs, entropy, sum_pi_squared)
 
 
 def forget_forward_record(model: nn.Module) -> None:

@@ -180,7 +180,11 @@ class RLTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif old_from == "recompute":
                 with timer("old_log_prob"):
-                    batch["old_log_probs"], entropy = w.compute_log_prob(batch)
+                    if cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:  # optimal_token_baseline reads it
+                        batch["old_log_probs"], entropy, batch["sum_pi_squared"] = w.compute_log_prob(
+                            batch, calculate_sum_pi_squared=True)
+                    else:
+                        batch["old_log_probs"], entropy = w.compute_log_prob(batch)
                     metrics.update(mean_entropy(entropy, batch["response_mask"]))
                     metrics.update(rollout_actor_diff(batch))
             if w.has_ref:
@@ -205,7 +209,8 @@ class RLTrainer:
                     index=batch.non_tensor_batch["uid"], values=batch["values"] if self.use_critic else None,
                     reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
                     gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, config=cfg.algorithm)
+                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, config=cfg.algorithm,
+                    **_estimator_inputs(batch))
             if self.use_critic:
                 with timer("update_critic"):
                     metrics.update(w.update_critic(batch))
@@ -283,6 +288,8 @@ class RLTrainer:
             scores, extra = combine_rm_scores(batch, rm_scores, self.reward_fn, self.config.reward_model.combine)
         else:
             scores, extra = self.reward_fn(batch)
+        for key, values in reward_parts(extra, self.config.algorithm.gdpo_reward_keys).items():
+            batch[key] = values  # gdpo's reward parts travel with their rows (verl: non_tensor_batch[key])
         tool_rewards = multi_turn_rewards(batch) if self.config.actor_rollout_ref.rollout.multi_turn.add_tool_rewards else None
         if tool_rewards is not None:  # tools' calc_reward + step rewards, interaction score
             scores = scores + place_on_last_token(tool_rewards.to(scores.device), batch["response_mask"].to(scores.device))
@@ -412,6 +419,29 @@ def seed_everything(seed: int) -> None:
 
 def _iterate_once(loader) -> list[Batch]:
     return list(iter(loader))
+
+
+def _estimator_inputs(batch: Batch) -> dict[str, Any]:
+    """What some estimators read beyond rewards, mask, groups and values (`posttrain.algorithms.advantages`):
+    the per-row columns (gdpo's reward parts), the old log-probs with each token's sum of pi^2
+    (optimal_token_baseline) where the step has them, and the rollout-correction weights."""
+    inputs = {key: batch[key] for key in ("old_log_probs", "sum_pi_squared") if key in batch}
+    weights = batch["rollout_is_weights"] if "rollout_is_weights" in batch else None
+    return {"non_tensor_batch": batch.non_tensor_batch, "rollout_is_weights": weights, **inputs}
+
+
+def reward_parts(extra: dict[str, np.ndarray], keys: Any) -> dict[str, np.ndarray]:
+    """The reward parts named by ``keys`` (``algorithm.gdpo_reward_keys``) from the reward's extra output,
+    one value per row. A row the scoring function failed on (``reward.on_error=zero``) scores 0 in every
+    part, as in its score; a key the function never returned is left out (gdpo then names it)."""
+    failed = np.asarray(extra.get(ERRORS_KEY, ()), dtype=np.float64) > 0
+    parts = {}
+    for key in (k for k in keys or () if k in extra):
+        values = np.array(extra[key], copy=True)
+        if failed.any() and values.dtype.kind == "f":
+            values[failed] = 0.0
+        parts[key] = values
+    return parts
 
 
 def _extra_metrics(extra: dict[str, np.ndarray]) -> dict[str, float]:

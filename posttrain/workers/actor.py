@@ -155,8 +155,10 @@ class ActorWorker:
         return merged_for_generation(self.module, parse_dtype(self.param_dtype))
 
     # ------------------------------------------------------------------ log-probs
-    def compute_log_prob(self, batch: Any, calculate_entropy: bool = True):
-        """(log_probs ``[N, R]``, entropy ``[N, R]`` or None) of ``batch['responses']``, no grad.
+    def compute_log_prob(self, batch: Any, calculate_entropy: bool = True, calculate_sum_pi_squared: bool = False):
+        """(log_probs ``[N, R]``, entropy ``[N, R]`` or None) of ``batch['responses']``, no grad; with
+        ``calculate_sum_pi_squared`` a third ``[N, R]``: each token's sum of pi^2 over the vocabulary
+        (``actor.calculate_sum_pi_squared``, for optimal_token_baseline), from the same forward.
 
         Micro-batches: ``rollout.log_prob_micro_batch_size_per_gpu`` rows, or
         ``rollout.log_prob_max_token_len_per_gpu`` tokens with ``rollout.log_prob_use_dynamic_bsz``.
@@ -168,6 +170,7 @@ class ActorWorker:
             calculate_entropy, use_dynamic_bsz=bool(cfg.log_prob_use_dynamic_bsz),
             max_token_len=cfg.log_prob_max_token_len_per_gpu, autocast=self.autocast,
             remove_padding=bool(self.config.use_remove_padding), shared_prefix=bool(self.config.use_prefix_grouper),
+            calculate_sum_pi_squared=calculate_sum_pi_squared,
         )
 
     def compute_ref_log_prob(self, batch: Any, ref_config: Any) -> torch.Tensor:

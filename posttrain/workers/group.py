@@ -10,7 +10,8 @@ over ranks, which phase it is, whether the optimizer must be on the device), and
 each group's method for each of them from that row (verl's ``@register(dispatch_mode=...)``).
 
     generate_sequences(prompts, validate=False) -> Batch    rollout (n samples per prompt)
-    compute_log_prob(batch) -> (old_log_probs, entropy)     actor, no grad      [N, R] each
+    compute_log_prob(batch) -> (old_log_probs, entropy)     actor, no grad      [N, R] each (calculate_sum_pi_squared=
+                                                            True: a third, each token's sum of pi^2 over the vocabulary)
     compute_ref_log_prob(batch) -> ref_log_prob             reference policy    [N, R]
     compute_values(batch) -> values                         critic              [N, R]
     compute_rm_score(batch) -> rm_scores                    reward model        [N, R] (score on the last token)
@@ -124,7 +125,7 @@ class WorkerGroup(Protocol):
 
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch: ...
 
-    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def compute_log_prob(self, batch: Batch, calculate_sum_pi_squared: bool = False) -> tuple[torch.Tensor, ...]: ...
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor: ...
 

@@ -71,6 +71,9 @@ def _call(name, rewards, values, mask, uid, **extra):
         lam=LAM,
         norm_adv_by_std_in_grpo=True,
         config=None,
+        old_log_probs=-torch.rand(rewards.shape, generator=torch.Generator().manual_seed(0)) * 3,
+        sum_pi_squared=torch.full(rewards.shape, 0.4),
+        rollout_is_weights=None,
     )
     kwargs.update(extra)
     return get_adv_estimator_fn(name)(**kwargs)
@@ -272,9 +275,102 @@ def test_reinforce_plus_plus_baseline_matches_reference():
     assert torch.equal(advantages, returns)
 
 
+# --------------------------------------------------------------------------------- vectorized forms, GDPO
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_vectorized_matches_loop_reference(norm):
+    rewards, values, mask, uid = _batch(20)
+    advantages, returns = _call("grpo_vectorized", rewards, values, mask, uid, norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(advantages.double(), _broadcast(_grpo_ref(rewards, uid, norm), mask), **TOL)
+    assert torch.equal(advantages, returns)
+    # negative control: the comparison sees a different normalisation
+    assert not torch.allclose(advantages.double(), _broadcast(_grpo_ref(rewards, uid, not norm), mask), **TOL)
+
+
+def test_rloo_vectorized_matches_loop_reference_and_zeroes_groups_of_one():
+    rewards, values, mask, uid = _batch(21)
+    advantages, returns = _call("rloo_vectorized", rewards, values, mask, uid)
+    single = [rows[0] for rows in _groups(uid).values() if len(rows) == 1]  # "c": row 5
+    ref = _rloo_ref(rewards, uid)
+    ref = [0.0 if i in single else a for i, a in enumerate(ref)]  # verl's vectorized form: group of one -> 0
+    torch.testing.assert_close(advantages.double(), _broadcast(ref, mask), **TOL)
+    assert torch.equal(advantages, returns)
+    loop, _ = _call("rloo", rewards, values, mask, uid)  # negative control: the loop form keeps A = r there
+    assert single and not torch.allclose(loop[single], advantages[single])
+
+
+def _gdpo_ref(parts, weights, mask, uid, norm):
+    """Float64: GRPO of each part within its group, weighted sum, whitened over the mask."""
+    combined = [0.0] * len(uid)
+    for key, weight in zip(parts, weights):
+        per_part = _grpo_ref(torch.tensor(parts[key], dtype=torch.float64)[:, None], uid, norm)
+        combined = [c + weight * a for c, a in zip(combined, per_part)]
+    tiled = [[c * m for m in row] for c, row in zip(combined, mask.tolist())]
+    return _t(_whiten64(tiled, mask.tolist())) * mask.double()
+
+
+def _gdpo_config(keys, weights=None):
+    return {"gdpo_reward_keys": keys, "gdpo_reward_weights": weights}
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("weights", [None, [2.0, 0.5, 1.0]])
+def test_gdpo_matches_loop_reference(norm, weights):
+    rewards, values, mask, uid = _batch(22)
+    g = torch.Generator().manual_seed(22)
+    parts = {"accuracy": (torch.rand(12, generator=g) > 0.5).double().numpy(),  # 0/1 and two scales
+             "format": (torch.randn(12, generator=g) * 0.1).numpy(),
+             "length": (torch.randn(12, generator=g) * 5).numpy()}
+    advantages, returns = _call("gdpo", rewards, values, mask, uid, norm_adv_by_std_in_grpo=norm,
+                                config=_gdpo_config(list(parts), weights), non_tensor_batch={**parts, "uid": uid})
+    ref = _gdpo_ref(parts, weights or [1.0] * 3, mask, uid, norm)
+    torch.testing.assert_close(advantages.double(), ref, **TOL)
+    assert torch.equal(advantages, returns)
+    # negative control: normalising the summed reward instead (GRPO of the sum, whitened) is another number;
+    # without the std division both only centre within the group, which is linear: then they agree
+    summed = {"sum": sum(w * parts[k] for k, w in zip(parts, weights or [1.0] * 3))}
+    assert torch.allclose(advantages.double(), _gdpo_ref(summed, [1.0], mask, uid, norm), **TOL) == (not norm)
+
+
+def test_gdpo_hand_case_keeps_a_part_the_sum_would_cancel():
+    # one group of two one-token responses: accuracy (1, 0), format (0, 1), weights (2, 1)
+    # GRPO per part: mean 0.5, std sqrt(0.5) -> accuracy (+0.70711, -0.70711), format (-0.70711, +0.70711)
+    # weighted sum: 2 * 0.70711 - 0.70711 = +0.70711 and -0.70711; whitened: mean 0, unbiased var 1 -> same
+    # (GRPO of the summed reward 2 * acc + fmt = (2, 1) would give +-0.70711 too, but with equal weights
+    # the sum (1, 1) is 0 for both, where GDPO still separates them: second call)
+    mask, uid = torch.ones(2, 1), np.array(["g", "g"], dtype=object)
+    parts = {"accuracy": np.array([1.0, 0.0]), "format": np.array([0.0, 1.0])}
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # 0.70711
+    adv, _ = _call("gdpo", torch.zeros(2, 1), None, mask, uid, config=_gdpo_config(["accuracy", "format"], [2.0, 1.0]),
+                   non_tensor_batch=parts)
+    w = math.sqrt(2 * a * a + 1e-8)  # the whitening's std of (+a, -a)
+    torch.testing.assert_close(adv, torch.tensor([[a / w], [-a / w]]), **TOL)
+    adv, _ = _call("gdpo", torch.zeros(2, 1), None, mask, uid, config=_gdpo_config(["accuracy", "format"]),
+                   non_tensor_batch=parts)
+    torch.testing.assert_close(adv, torch.zeros(2, 1))  # equal weights: the parts cancel within each response
+
+
+def test_gdpo_without_a_config_is_grpo_whitened_and_refuses_bad_parts():
+    rewards, values, mask, uid = _batch(23)
+    advantages, _ = _call("gdpo", rewards, values, mask, uid)  # verl's fallback: the score is the one part
+    ref = _gdpo_ref({"score": np.array(_scores(rewards))}, [1.0], mask, uid, True)
+    torch.testing.assert_close(advantages.double(), ref, **TOL)
+    parts = {"acc": np.ones(12), "fmt": np.where(np.arange(12) == 4, np.nan, 1.0)}
+    with pytest.raises(ValueError, match="gdpo reward key 'missing' .*must return a dict with 'missing'"):
+        _call("gdpo", rewards, values, mask, uid, config=_gdpo_config(["acc", "missing"]), non_tensor_batch=parts)
+    with pytest.raises(ValueError, match="'fmt' is missing or not finite in 1 row.*row 4"):
+        _call("gdpo", rewards, values, mask, uid, config=_gdpo_config(["acc", "fmt"]), non_tensor_batch=parts)
+    with pytest.raises(ValueError, match="2 weights for 1 gdpo_reward_keys"):
+        _call("gdpo", rewards, values, mask, uid, config=_gdpo_config(["acc"], [1.0, 2.0]), non_tensor_batch=parts)
+    with pytest.raises(ValueError, match="gdpo needs algorithm.gdpo_reward_keys"):
+        _call("gdpo", rewards, values, mask, uid, config=_gdpo_config(None), non_tensor_batch=parts)
+
+
 # --------------------------------------------------------------------------------- properties
 
-OUTCOME = ["grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "remax"]
+OUTCOME = ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "opo", "gpg", "reinforce_plus_plus_baseline", "remax",
+           "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
 
 
 def test_grpo_zero_mean_unit_std_per_group():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from posttrain.algorithms import entropy_from_logits, logprob_and_entropy, logprobs_from_logits
+from posttrain.algorithms.logprobs import logprob_entropy_sum_pi_squared
 
 
 def _inputs(seed=0, shape=(3, 5), vocab=37, dtype=torch.float32):
@@ -97,3 +98,24 @@ def test_float32_under_bf16_autocast():
         logp, ent = logprob_and_entropy(x, labels.reshape(-1))
     assert logp.dtype == ent.dtype == torch.float32
     torch.testing.assert_close(ent, entropy_from_logits(x.detach()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_sum_pi_squared_matches_float64(entropy, scale):
+    logits, labels = _inputs(5, shape=(7,), vocab=301)
+    logits = logits * scale  # 30: peaked rows, sum pi^2 near 1
+    ref_logp, ref_ent = _reference(logits, labels)
+    ref = torch.softmax(logits.double(), -1).square().sum(-1)
+    logp, ent, sum_pi2 = logprob_entropy_sum_pi_squared(logits, labels, entropy)
+    torch.testing.assert_close(sum_pi2.double(), ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
+    assert ent.numel() == 0 if not entropy else torch.allclose(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    assert not logp.requires_grad
+    # hand case: a uniform row over V words has sum pi^2 = V * (1/V)^2 = 1/V; one certain word: 1
+    flat, sure = torch.zeros(1, 4), torch.tensor([[0.0, -1e4, -1e4, -1e4]])
+    assert logprob_entropy_sum_pi_squared(flat, torch.tensor([0]))[2].item() == pytest.approx(0.25)
+    assert logprob_entropy_sum_pi_squared(sure, torch.tensor([0]))[2].item() == pytest.approx(1.0)
+    # negative control: sum pi (not squared) is 1 everywhere, far from it
+    assert not torch.allclose(sum_pi2.double(), torch.ones_like(ref), atol=1e-3)
+

@@ -24,7 +24,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def _config(**overrides):
     policy_loss = SimpleNamespace(
         loss_mode="vanilla", clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002,
-        ppo_kl_coef=0.1,
+        ppo_kl_coef=0.1, dro_beta=0.3, rollout_correction=SimpleNamespace(loss_type="ppo_clip"),
     )
     fields = dict(
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
@@ -254,12 +254,15 @@ def test_geo_mean_cispo_sapo_match_references():
     assert loss.item() == pytest.approx(_agg_ref(-gate * a, mask, "seq-mean-token-mean"), abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo"])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo",
+                                  "dppo_tv", "dppo_kl", "dro", "bypass_mode"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
 def test_masked_positions_never_change_policy_losses(name, mode):
     old, new, adv, mask = _batch(10, batch=6, length=7)
     noise = torch.randn(old.shape) * (1 - mask)
-    options = dict(clip_cov_ratio=0.5, clip_cov_lb=0.0, clip_cov_ub=5.0, kl_cov_ratio=0.3, ppo_kl_coef=0.1)
+    options = dict(clip_cov_ratio=0.5, clip_cov_lb=0.0, clip_cov_ub=5.0, kl_cov_ratio=0.3, ppo_kl_coef=0.1,
+                   dro_beta=0.5, rollout_correction=SimpleNamespace(
+                       loss_type="reinforce", rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"))
     cfg = _config(policy_loss=SimpleNamespace(**options))
     fn = get_policy_loss_fn(name)
     torch.manual_seed(0)
@@ -269,7 +272,131 @@ def test_masked_positions_never_change_policy_losses(name, mode):
     assert torch.equal(loss_a, loss_b)
     assert metrics_a.keys() == metrics_b.keys()
     for key in metrics_a:
-        assert torch.equal(metrics_a[key], metrics_b[key]), key
+        assert torch.equal(torch.as_tensor(metrics_a[key]), torch.as_tensor(metrics_b[key])), key
+
+
+# --------------------------------------------------------------------------------- DPPO, DRO, bypass mode
+
+
+def _dppo_ref(old, new, adv, low, high, c, kind):
+    """Float64 per-token DPPO losses (value; the gradient's form is -A * sg[min(r, c)] * d logp)."""
+    out, kept = [], []
+    for o_row, n_row, a_row in zip(old.double().tolist(), new.double().tolist(), adv.double().tolist()):
+        row, keep_row = [], []
+        for o, n, a in zip(o_row, n_row, a_row):
+            p, q = math.exp(n), math.exp(o)
+            if kind == "tv":
+                keep = p - q <= high if a > 0 else p - q >= -low
+            else:
+                kl = q * (o - n) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                keep = (kl <= high or p <= q) if a > 0 else (kl <= low or p >= q)
+            r = math.exp(max(min(n - o, 20.0), -20.0))
+            row.append(-a * min(r, c) * n if keep else 0.0)
+            keep_row.append(float(keep))
+        out.append(row)
+        kept.append(keep_row)
+    return torch.tensor(out, dtype=torch.float64), torch.tensor(kept, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["tv", "kl"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_dppo_matches_reference_and_gradient(kind, mode):
+    old, new, adv, mask = _batch(11, batch=8, length=7)
+    old, new = old.clamp(max=-0.05), (old + (new - old) * 2).clamp(max=-0.05)  # probabilities < 1, some far moves
+    config = _config(clip_ratio_low=0.05, clip_ratio_high=0.08 if kind == "tv" else 0.02, clip_ratio_c=1.5)
+    new = new.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss_fn(f"dppo_{kind}")(old, new, adv, mask, mode, config)
+    ref, kept = _dppo_ref(old, new.detach(), adv, 0.05, config.clip_ratio_high, 1.5, kind)
+    valid = mask.double()
+    assert 0 < (kept * valid).sum() < valid.sum()  # the bound leaves some tokens out
+    assert loss.item() == pytest.approx(_agg_ref(ref, mask, mode), abs=1e-6)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(((1 - kept) * valid).sum().item() / valid.sum().item())
+    truncated = ((new.detach() - old).double().exp() > 1.5).double() * kept
+    truncated_share = (truncated * valid).sum().item() / valid.sum().item()
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(truncated_share)
+    # gradient: the ratio is a constant weight, so d loss / d logp_t = -A * min(r, c) * keep times the
+    # aggregation's weight of token t (1 / tokens, or 1 / (row tokens * rows))
+    (grad,) = torch.autograd.grad(loss, new)
+    per_token = -adv.double() * (new.detach() - old).double().exp().clamp(max=1.5) * kept
+    lengths = mask.double().sum(-1, keepdim=True)
+    share = 1 / mask.sum() if mode == "token-mean" else 1 / (lengths.clamp(min=1) * (lengths > 0).sum())
+    torch.testing.assert_close(grad.double(), per_token * mask.double() * share, rtol=1e-5, atol=1e-6)
+
+
+def test_dppo_hand_case():
+    # old prob 0.5 everywhere; bounds 0.1 (TV), truncation c = 1.2
+    #  p=0.55 A=+1: change +0.05 <= 0.1 kept, r = 1.1  -> -1 * 1.1 * log 0.55
+    #  p=0.70 A=+1: change +0.20 > 0.1 left out        -> 0
+    #  p=0.70 A=-1: change +0.20 >= -0.1 kept, r = 1.4 truncated to 1.2 -> +1 * 1.2 * log 0.7
+    #  p=0.30 A=-1: change -0.20 < -0.1 left out       -> 0
+    new = torch.tensor([[0.55, 0.70, 0.70, 0.30]]).log()
+    old, adv, mask = torch.full((1, 4), 0.5).log(), torch.tensor([[1.0, 1.0, -1.0, -1.0]]), torch.ones(1, 4)
+    config = _config(clip_ratio_low=0.1, clip_ratio_high=0.1, clip_ratio_c=1.2)
+    loss, metrics = get_policy_loss_fn("dppo_tv")(old, new, adv, mask, "token-sum", config)
+    assert loss.item() == pytest.approx(-1.1 * math.log(0.55) + 1.2 * math.log(0.7), abs=1e-6)
+    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(0.5)  # two of four left out
+    assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(0.25)  # one kept token truncated
+
+
+def test_dro_matches_reference_and_needs_a_positive_beta():
+    old, new, adv, mask = _batch(12)
+    lr = (new - old).double()
+    for beta in (0.3, 2.0):
+        config = _config(policy_loss=SimpleNamespace(dro_beta=beta))
+        loss, metrics = get_policy_loss_fn("dro")(old, new, adv, mask, "token-mean", config)
+        ref = _agg_ref(-(new.double() * adv.double() - 0.5 * beta * lr.square()), mask, "token-mean")
+        assert loss.item() == pytest.approx(ref, abs=1e-6)
+    assert set(metrics) == {"actor/ppo_kl"}
+    # hand case: logp = -1, old = -1.5, A = 2, beta 0.5: -(-1 * 2 - 0.25 * 0.25) = 2.0625
+    one = torch.ones(1, 1)
+    loss, _ = get_policy_loss_fn("dro")(-1.5 * one, -one, 2 * one, one, "token-mean",
+                                        _config(policy_loss=SimpleNamespace(dro_beta=0.5)))
+    assert loss.item() == pytest.approx(2.0625)
+    for beta in (None, 0.0, -1.0):
+        with pytest.raises(ValueError, match="dro_beta must be > 0"):
+            get_policy_loss_fn("dro")(old, new, adv, mask, "token-mean",
+                                      _config(policy_loss=SimpleNamespace(dro_beta=beta)))
+
+
+def _bypass_config(**correction):
+    return _config(policy_loss=SimpleNamespace(rollout_correction=SimpleNamespace(**correction)))
+
+
+def test_bypass_mode_ppo_clip_is_vanilla_against_the_rollout_policy():
+    old, new, adv, mask = _batch(13)  # old: the rollout engine's log-probs
+    weights = torch.full(old.shape, 7.0)  # ignored: bypass mode computes its own
+    loss, metrics = get_policy_loss_fn("bypass_mode")(old, new, adv, mask, "token-mean",
+                                                      _bypass_config(loss_type="ppo_clip"), rollout_is_weights=weights)
+    ref = _agg_ref(_vanilla_ref(old, new, adv, 0.2, 0.28, 3.0), mask, "token-mean")
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    assert {"actor/pg_clipfrac", "actor/ppo_kl", "rollout_corr/kl"} <= set(metrics)
+
+
+def test_bypass_mode_reinforce_weights_and_rejects_against_the_current_policy():
+    old, new, adv, mask = _batch(14, batch=8, length=7)
+    new = new.clone().requires_grad_(True)
+    config = _bypass_config(loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.3,
+                            rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")
+    loss, metrics = get_policy_loss_fn("bypass_mode")(old, new, adv, mask, "token-mean", config)
+    ratio = (new.detach() - old).double().exp()  # current / rollout: the importance weight
+    # token_k1's "lower_upper" bounds the k1 statistic log(rollout / current) as a ratio: rollout / current
+    kept = mask.double() * ((1 / ratio >= 0.6) & (1 / ratio <= 1.6)).double()
+    assert 0 < kept.sum() < mask.sum()
+    w = ratio.clamp(max=1.3)
+    ref = _agg_ref(-w * adv.double() * new.detach().double(), kept, "token-mean")
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    (grad,) = torch.autograd.grad(loss, new)  # the weights carry no gradient: d/dlogp = -w * A / kept tokens
+    torch.testing.assert_close(grad.double(), -w * adv.double() * kept / kept.sum(), rtol=1e-5, atol=1e-6)
+    assert metrics["actor/ppo_kl"].item() == pytest.approx(((old - new.detach()).double() * kept).sum().item()
+                                                           / kept.sum().item(), abs=1e-6)
+    # negative control: without the rejection every token counts
+    loss_all, _ = get_policy_loss_fn("bypass_mode")(old, new, adv, mask, "token-mean", _bypass_config(
+        loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.3))
+    assert loss_all.item() != pytest.approx(loss.item(), abs=1e-5)
+    with pytest.raises(ValueError, match="needs policy_loss.rollout_correction"):
+        get_policy_loss_fn("bypass_mode")(old, new, adv, mask, "token-mean", _config(policy_loss=SimpleNamespace()))
+    with pytest.raises(ValueError, match="loss_type='ppo'"):
+        get_policy_loss_fn("bypass_mode")(old, new, adv, mask, "token-mean", _bypass_config(loss_type="ppo"))
 
 
 def _private_registry(monkeypatch):
@@ -329,8 +456,18 @@ def test_a_policy_loss_declares_the_keys_it_reads(monkeypatch):
     _private_registry(monkeypatch)
     builtin = "posttrain/config/builtin.yaml"
     assert policy_loss_spec("sapo").keys == ("tau_pos", "tau_neg")
-    with pytest.raises(ConfigError, match=r"loss_mode=sapo reads actor_rollout_ref.actor.tau_pos"):
-        load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"])
+    sapo = load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+                                                "actor_rollout_ref.actor.tau_pos=2.0"])
+    assert sapo.actor_rollout_ref.actor.tau_pos == 2.0
+    # bypass_mode reads policy_loss.rollout_correction, which verl's trainer fills in and posttrain's config lacks
+    with pytest.raises(ConfigError, match=r"loss_mode=bypass_mode reads actor_rollout_ref.actor.policy_loss"
+                                          r".rollout_correction"):
+        load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])
+    with pytest.raises(ConfigError, match=r"loss_mode=dro needs actor_rollout_ref.actor.policy_loss.dro_beta > 0, "
+                                          r"got None"):
+        load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=dro"])
+    load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=dro",
+                                         "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"])
 
     @register_policy_loss("mine_with_key", keys=("policy_loss.no_such_key",), summary="my loss")
     def mine(*args, **kwargs):

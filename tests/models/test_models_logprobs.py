@@ -65,6 +65,33 @@ def test_matches_full_logits_reference(tok, data, monkeypatch, micro, dynamic, p
     torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("micro,dynamic,packed", [(4, False, False), (1, False, False), (None, True, False),
+                                                  (3, False, True)])
+def test_sum_pi_squared_from_the_same_pass(tok, data, monkeypatch, micro, dynamic, packed):
+    """``calculate_sum_pi_squared`` (the old-log-prob pass for optimal_token_baseline): a third tensor, each
+    valid token's sum over the vocabulary of softmax(logits / T)^2, 0 elsewhere; log-probs and entropy unchanged."""
+    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 3 * len(tok))
+    model = tiny_llama(tok).eval()
+    lp, ent, sum_pi2 = compute_response_logprobs(model, data, micro, 0.7, True, use_dynamic_bsz=dynamic,
+                                                 max_token_len=24, remove_padding=packed,
+                                                 calculate_sum_pi_squared=True)
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"],
+                       position_ids=data["position_ids"]).logits[:, -R - 1:-1].double() / 0.7
+    mask = data["attention_mask"][:, -R:]
+    want = torch.softmax(logits, -1).square().sum(-1) * mask
+    torch.testing.assert_close(sum_pi2.double(), want, rtol=1e-5, atol=1e-7)
+    want_lp, want_ent = compute_response_logprobs(model, data, micro, 0.7, True, use_dynamic_bsz=dynamic,
+                                                  max_token_len=24, remove_padding=packed)
+    assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    _, no_ent, sum_pi2_alone = compute_response_logprobs(model, data, micro, 0.7, False, calculate_sum_pi_squared=True,
+                                                         use_dynamic_bsz=dynamic, max_token_len=24,
+                                                         remove_padding=packed)
+    assert no_ent is None and torch.allclose(sum_pi2_alone, sum_pi2, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="without gradient"):
+        response_logprobs(model, **data, calculate_sum_pi_squared=True)
+
+
 def test_lm_head_sees_only_valid_response_tokens(tok, data):
     model = tiny_llama(tok).eval()
     rows = []
@@ -126,6 +153,9 @@ def test_fallback_for_models_without_separate_head(tok, data):
 
     lp, _ = compute_response_logprobs(Opaque(), data, 2)
     torch.testing.assert_close(lp, compute_response_logprobs(model, data, 2)[0], rtol=1e-5, atol=1e-5)
+    _, _, sum_pi2 = compute_response_logprobs(Opaque(), data, 2, calculate_sum_pi_squared=True)
+    torch.testing.assert_close(sum_pi2, compute_response_logprobs(model, data, 2, calculate_sum_pi_squared=True)[2],
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_measure_matmul_flops_is_positive():
