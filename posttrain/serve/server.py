@@ -20,6 +20,7 @@ It binds 127.0.0.1 unless told otherwise (``--host 0.0.0.0`` without ``--api-key
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import sys
@@ -154,8 +155,12 @@ def build_engine(name: str, model_path: str, *, dtype: str = "fp32", device: str
     from posttrain.models.loading import load_causal_lm, load_tokenizer
     from posttrain.rollout import get_rollout_engine
 
-    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code, custom_chat_template=chat_template)
-    model = load_causal_lm(model_path, trust_remote_code=trust_remote_code, dtype=dtype, device=device)
+    try:
+        tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code, custom_chat_template=chat_template)
+        model = load_causal_lm(model_path, trust_remote_code=trust_remote_code, dtype=dtype, device=device)
+    except (OSError, ValueError) as err:  # no such folder or hub id, not a causal LM, a bad dtype
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"posttrain serve {model_path}: cannot load the model: {first}") from None
     model.eval()
     if name == "hf":
         return get_rollout_engine("hf", model=model, tokenizer=tokenizer), tokenizer, model
@@ -196,6 +201,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for package in ("starlette", "uvicorn"):
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"posttrain serve needs {package}: pip install -e \".[serve]\" (starlette, uvicorn, httpx)")
     template = None
     if args.chat_template:
         from posttrain.errors import read_utf8

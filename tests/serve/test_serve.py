@@ -243,3 +243,11 @@ def test_command_line_serves_a_saved_model(tmp_path, tiny):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_model_that_does_not_load_is_one_error_line(tmp_path, capsys):
+    from posttrain.cli import main
+
+    assert main(["serve", str(tmp_path / "no_model_here")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: posttrain serve") and "cannot load the model" in err[0]
