@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from posttrain.config.derived import RoleSizes, SizeError, derive_sizes, kl_loss_active, uses_critic, uses_reference
+from posttrain.config.distillation import distillation_enabled, resolve_teachers
 from posttrain.config.schema import PostTrainConfig
 
 GSM8K_TRAIN_SIZE = 7473
@@ -113,6 +114,8 @@ class Flow:
     staleness budget (posttrain.config.async_training), else None."""
     rollouts_on_disk: Optional[str] = None
     """What trainer.rollout_data_dir / validation_data_dir write, bounded (posttrain.trainer.rollout_dump), else None."""
+    distillation: Optional[str] = None
+    """With distillation.enabled: what the teachers score and how the student learns from it, else None."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +172,7 @@ def _forward(name: str, key: str, micro: Optional[int], per_rank: int) -> Forwar
 
 
 REWARD_MODEL_PASS = "reward model score"
+TEACHER_PASS = "teacher log-prob"
 
 
 def _reward_model_micro(rm: Any, dp: int) -> Optional[int]:
@@ -208,6 +212,9 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
         if uses_reference(config):
             passes.append(_forward("reference log-prob", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                                    sizes.ref_log_prob_micro_batch, per_rank))
+        if distillation_enabled(config):  # every teacher scores its rows, in the reference's micro-batches
+            passes.append(_forward(TEACHER_PASS, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                                   sizes.ref_log_prob_micro_batch or sizes.rollout_log_prob_micro_batch, per_rank))
         actor = _role_update("actor", arr.actor.ppo_mini_batch_size, n, dp, sizes.actor, per_rank, arr.actor.ppo_epochs)
         if sizes.critic is not None:
             c = config.critic
@@ -233,6 +240,7 @@ def build_flow(config: PostTrainConfig, train_size: Optional[int] = None) -> Flo
         responses // workers, prompts // workers,
         tuple(passes), actor, critic, size, note, steps_per_epoch, trainer.total_epochs, total, total_note, size_error,
         sampling, multi_turn_budget(arr.rollout), async_pools(config), rollouts_on_disk(config, total),
+        distillation_flow(config),
     )
 
 
@@ -303,6 +311,28 @@ def _dynamic_sampling(config: PostTrainConfig, size: Optional[int], note: str) -
     return None, note, bound * epochs, f"at most: {epochs} epochs x {bound} batches; the run ends when they are used up", text
 
 
+def distillation_flow(config: PostTrainConfig) -> Optional[str]:
+    """One line: the teachers' signal and how the student's update uses it (on-policy distillation), else None."""
+    if not distillation_enabled(config):
+        return None
+    from posttrain.algorithms.distillation import distillation_loss_spec
+
+    loss = config.distillation.distillation_loss
+    try:
+        teachers, topk = resolve_teachers(config), distillation_loss_spec(loss.loss_mode).use_topk
+    except ValueError as err:
+        return f"not plannable: {err}"
+    who = (f"{len(teachers)} teachers, each row's picked by its {config.distillation.teacher_key}" if len(teachers) > 1
+           else "the teacher")
+    what = (f"its top-{loss.topk} tokens and their log-probs at every response position" if topk
+            else "its log-prob of every sampled token")
+    how = ("the per-token loss, negated, is the advantage of the vanilla PPO loss (policy gradient)"
+           if loss.use_policy_gradient else "the per-token loss is back-propagated (supervised)")
+    task = (f"plus the task rewards' PPO loss, distillation x {loss.distillation_loss_coef}" if loss.use_task_rewards
+            else "task rewards logged, not trained on")
+    return f"{who} scores ({what}); loss_mode={loss.loss_mode}: {how}; {task}"
+
+
 def _reward_model_why(config: PostTrainConfig) -> str:
     rm = config.reward_model
     use = ("its score replaces the rule-based reward (verl)" if rm.combine == "replace"
@@ -348,4 +378,15 @@ def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
         scorer = config.custom_reward_function.path or f"built-in scorers chosen by data.{config.data.reward_fn_key}"
         rm = {"loaded": False, "model": None, "why": f"rule-based reward: {scorer}"}
     out.append({"role": "reward model", **rm})
+    if distillation_enabled(config):
+        try:
+            teachers = resolve_teachers(config)
+        except ValueError:
+            teachers = {}
+        for key, teacher in teachers.items():
+            routed = "every row" if len(teachers) == 1 else f"the rows whose {config.distillation.teacher_key} is {key}"
+            out.append({"role": "teacher" if len(teachers) == 1 else f"teacher {key}", "loaded": True,
+                        "model": teacher.model_path,
+                        "why": f"because distillation.enabled=True: frozen, scores the sampled tokens of {routed}; "
+                               "placed like the reference (actor_rollout_ref.ref.fsdp_config)"})
     return out

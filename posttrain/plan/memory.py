@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 from posttrain.config.derived import uses_critic, uses_reference
 from posttrain.config.schema import PostTrainConfig
-from posttrain.plan.flow import REWARD_MODEL_PASS, Flow
+from posttrain.plan.flow import REWARD_MODEL_PASS, TEACHER_PASS, Flow
 from posttrain.plan.model_dims import ModelDims
 
 GiB = 1024**3
@@ -407,6 +407,27 @@ def _reward_model_dims(config: PostTrainConfig, actor_dims: ModelDims) -> tuple[
     return value_model_dims(actor_dims), f"reward model {path}: config.json not at hand, the actor's shape assumed"
 
 
+def _teacher_dims(config: PostTrainConfig, actor_dims: ModelDims) -> tuple[ModelDims, int, Optional[str]]:
+    """The largest teacher's shape from its config.json (else the actor's, with a note) and how many teachers."""
+    from posttrain.config.distillation import resolve_teachers
+    from posttrain.plan.model_dims import find_model_config, read_model_config
+
+    try:
+        paths = [t.model_path for t in resolve_teachers(config).values() if t.model_path]
+    except ValueError:
+        paths = []
+    found = []
+    for path in paths:
+        config_json = find_model_config(path)
+        try:
+            found.append(read_model_config(config_json)) if config_json is not None else None
+        except (OSError, ValueError):
+            pass
+    if found and len(found) == len(paths):
+        return max(found, key=lambda d: d.params or 0), len(paths), None
+    return actor_dims, max(1, len(paths)), "teacher: config.json not at hand, the actor's shape assumed"
+
+
 def _rollout_role(ctx: _Ctx) -> dict[str, Any]:
     r, f, d = ctx.config.actor_rollout_ref.rollout, ctx.flow, ctx.dims
     seq = ctx.tokens
@@ -464,7 +485,7 @@ def _phases(roles: dict[str, dict[str, Any]]) -> list[Phase]:
                        f"weights {fmt_bytes(ro['weights'])} + KV cache {fmt_bytes(ro['kv_cache'])}")]
     phases = [Phase("rollout", tuple(_state(roles) + engine))]
     for phase, name in (("reward model score", "reward model"), ("old log-prob", "actor"),
-                        ("reference log-prob", "reference"), ("critic values", "critic")):
+                        ("reference log-prob", "reference"), (TEACHER_PASS, "teacher"), ("critic values", "critic")):
         if name in roles:
             role = roles[name]
             terms = _state(roles, active=name) + [
@@ -609,11 +630,20 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
         rctx = _Ctx(config, flow, rm_dims, rm_tokens, gpu_memory, **dtypes)
         roles["reward model"] = _reward_model_role(rctx, _tokens(rctx, _forward_micro(flow, REWARD_MODEL_PASS),
                                                                  rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu)[0])
+    teacher_note = None
+    if config.distillation.enabled:  # frozen like the reference, one copy per teacher (all of them every step)
+        tdims, count, teacher_note = _teacher_dims(config, dims)
+        tctx = _Ctx(config, flow, tdims, tokens, gpu_memory, **dtypes)
+        roles["teacher"] = _reference_role(tctx, _tokens(tctx, _forward_micro(flow, TEACHER_PASS),
+                                                         ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu,
+                                                         grouped=ref.use_prefix_grouper))
+        roles["teacher"]["params"] *= count
     phases = _phases(roles)
     peak = max(phases, key=lambda p: p.total)
     level, verdict, notes = _verdict(ctx, phases, roles, worst_case=mean_tokens is None)
     notes = notes + _lora_notes(ctx, roles)
     notes += [rm_note] if rm_note else []
+    notes += [teacher_note] if teacher_note else []
     assumptions = ASSUMPTIONS if cpu is None else (cpu.describe(),) + ASSUMPTIONS[:1] + ASSUMPTIONS[2:]
     return MemoryEstimate(gpu_memory, tokens, note, dims.as_dict(), roles, tuple(phases), peak.name, peak.total,
                           peak.largest.name, level, verdict, tuple(notes), assumptions,

@@ -56,6 +56,8 @@ def render_flow(f: Flow) -> list[str]:
         out.append(_more(f.dynamic_sampling))
     if f.multi_turn:
         out.append(_more(f.multi_turn))
+    if f.distillation:
+        out.append(_row("distillation", f.distillation))
     if f.rollouts_on_disk:
         first, *rest = f.rollouts_on_disk.splitlines()
         out += [_row("rollouts on disk", first)] + [_more(line) for line in rest]
