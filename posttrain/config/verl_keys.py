@@ -213,8 +213,6 @@ NO_EFFECT: tuple[VerlRule, ...] = (
     VerlRule("trainer.v1.sampler.custom_sampler.name", "a custom replay-buffer sampler is not supported"),
     VerlRule("trainer.v1.sampler.sampler_kwargs", "a custom replay-buffer sampler is not supported"),
     VerlRule("trainer.v1.sync", "the sync mode has no settings"),
-    VerlRule("ray_kwargs.ray_init.runtime_env.py_executable", "null: Ray's workers run this interpreter",
-             accepts=(None,), instead=""),
 )
 """verl 0.9.1 keys of the RL tree with no posttrain field, in matching order (the first match wins)."""
 

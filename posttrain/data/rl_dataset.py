@@ -117,6 +117,7 @@ class RLHFDataset(Dataset):
         self.return_raw_chat: bool = data_config.return_raw_chat
         self.apply_chat_template_kwargs: dict = dict(data_config.apply_chat_template_kwargs or {})
         self.tool_schemas = tool_schemas_of(_resolved(getattr(data_config, "tool_config_path", None)))
+        self.media_keys = {kind: getattr(data_config, f"{kind}_key", None) for kind in MEDIA_KINDS}
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={self.truncation!r}; expected one of {list(TRUNCATION_MODES)}")
         self.pad_token_id = _pad_id(tokenizer)
@@ -148,6 +149,7 @@ class RLHFDataset(Dataset):
         rows = read_rows(path)
         for i, row in enumerate(rows):
             validate_row(row, f"{path} row {i}", self.prompt_key, self.reward_fn_key)
+            media_problem(row, f"{path} row {i}", self.media_keys)
         ids_all = encode_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.apply_chat_template_kwargs,
                                  self.tool_schemas)
         for i, (row, ids) in enumerate(zip(rows, ids_all)):
@@ -197,6 +199,21 @@ class RLHFDataset(Dataset):
     def collate_fn(self, items: Sequence[dict[str, Any]]) -> Batch:
         """Left-pad ``items`` into a :class:`Batch` (see :func:`collate_prompts`)."""
         return collate_prompts(items, self.pad_token_id)
+
+
+MEDIA_KINDS = ("image", "video", "audio")
+"""verl's multimodal columns (``data.image_key``, ``video_key``, ``audio_key``)."""
+
+
+def media_problem(row: dict, where: str, keys: dict[str, Any]) -> None:
+    """DataError for a row that holds images, videos or audio in verl's columns: posttrain trains text models.
+    An absent, null or empty column is text data (verl's keys then have no effect)."""
+    for kind, key in keys.items():
+        value = row.get(key) if key else None
+        if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+            raise DataError(f"{where}: column {key!r} (data.{kind}_key) holds {kind} inputs; vision and audio "
+                            "training is not supported yet (posttrain trains text models): use text-only rows, or "
+                            f"point data.{kind}_key at a column that does not exist")
 
 
 def _resolved(value: Any) -> Any:

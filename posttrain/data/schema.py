@@ -91,7 +91,8 @@ def _write_rows_to(rows: list[dict[str, Any]], path: str, parquet: bool) -> None
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(rows), path)
+        columns = dict.fromkeys(key for row in rows for key in row)  # pyarrow alone keeps only the first row's
+        pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows]), path)
     else:
         with open(path, "w", encoding="utf-8") as f:
             for row in rows:

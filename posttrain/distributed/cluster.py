@@ -186,7 +186,9 @@ def _recorded_address(temp_dir: Optional[str]) -> Optional[tuple[str, str]]:
 
 
 def _with_job_env(runtime_env: Any, device: str) -> dict[str, Any]:
-    env = dict(runtime_env or {})
+    """``ray_kwargs.ray_init.runtime_env`` for ``ray.init``: a null entry is left out (verl's
+    ``py_executable: null`` means this interpreter, Ray's default), the job's environment variables added."""
+    env = {k: v for k, v in dict(runtime_env or {}).items() if v is not None}
     env_vars = dict(_JOB_ENV)
     if device == "cpu":  # ranks set their own thread count; stray helper processes stay at one
         env_vars["OMP_NUM_THREADS"] = "1"

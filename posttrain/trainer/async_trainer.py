@@ -252,7 +252,7 @@ def _start_pool(config: PostTrainConfig):
     trainer_devices = setup.world_size(config)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = cpu_share(cores, trainer_devices, k) if device == "cpu" else 1
-    init = {key: getattr(config.ray_kwargs.ray_init, key) for key in ("num_cpus",)}
+    init = {key: getattr(config.ray_kwargs.ray_init, key) for key in ("num_cpus", "runtime_env")}
     connect(init, device)
     on_driver_node = trainer_devices if rollout.nnodes == 1 else 0
     try:

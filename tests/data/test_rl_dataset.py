@@ -167,3 +167,27 @@ def test_missing_index_uses_position(tmp_path, tok):
     ds = RLHFDataset(path, tok, make_data_config())
     assert ds[0]["index"] == 7 and ds[1]["index"] == 1 and ds[1]["extra_info"] == {}
     assert isinstance(ds[0]["input_ids"], torch.Tensor)
+
+
+@pytest.mark.parametrize("column, key", [("images", "image_key"), ("videos", "video_key"), ("audios", "audio_key")])
+def test_media_columns_are_refused_before_any_model_loads(tmp_path, tok, column, key):
+    """verl's multimodal keys: a row holding images (videos, audio) stops with one line naming the file, the row and
+    the key; the same rows without the column, or with an empty one, load (the keys have no effect)."""
+    path = tmp_path / "mm.parquet"
+    write_rows([row(i=0), {**row(i=1), column: [{"image": "x.png"}]}], str(path))
+    with pytest.raises(DataError, match=rf"mm.parquet row 1: column '{column}' \(data.{key}\) holds .* not supported"):
+        RLHFDataset(str(path), tok, make_data_config())
+    write_rows([row(i=0), {**row(i=1), column: []}], str(path))
+    assert len(RLHFDataset(str(path), tok, make_data_config())) == 2
+    write_rows([row(i=0), {**row(i=1), column: [{"image": "x.png"}]}], str(path))
+    assert len(RLHFDataset(str(path), tok, make_data_config(**{key: "no_such_column"}))) == 2
+
+
+def test_write_rows_keeps_a_column_only_later_rows_have(tmp_path):
+    """pyarrow infers a table's columns from its first row: a column that only row 2 has must still be written."""
+    from posttrain.data.schema import read_rows
+
+    for name in ("r.parquet", "r.jsonl"):
+        write_rows([{"a": 1}, {"a": 2, "b": [1, 2]}], str(tmp_path / name))
+        rows = read_rows(str(tmp_path / name))
+        assert rows[1]["b"] == [1, 2] and rows[0].get("b") is None

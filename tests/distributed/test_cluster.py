@@ -148,3 +148,28 @@ def test_connect_starts_its_own_cluster_beside_a_dead_recorded_one(monkeypatch, 
     with pytest.raises(cluster.ClusterUnreachableError):
         cluster.connect({"num_cpus": 1}, "cpu")
     assert len(calls) == 1
+
+
+def test_verl_runtime_env_reaches_ray_init(monkeypatch):
+    """verl 0.9's ``ray_kwargs.ray_init.runtime_env`` (its scripts set ``py_executable``; null means this interpreter)
+    from a loaded config to ``ray.init``. Ray itself is replaced, as above; the rank group's own conversion is used."""
+    from omegaconf import OmegaConf
+
+    from posttrain.config import load_config
+
+    ray = pytest.importorskip("ray")
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cluster, "start_reaper", lambda: None)
+    monkeypatch.setattr(cluster, "start_run_peak", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "_recorded_address", lambda temp_dir: None)
+    for extra, expected in ((["ray_kwargs.ray_init.runtime_env.py_executable=null"], None),
+                            (["ray_kwargs.ray_init.runtime_env.py_executable=/opt/venv/bin/python3",
+                              "+ray_kwargs.ray_init.runtime_env.env_vars.MY_FLAG=1"], "/opt/venv/bin/python3")):
+        config = load_config(validate=False, overrides=extra)
+        cluster.connect(OmegaConf.to_container(OmegaConf.structured(config.ray_kwargs.ray_init), resolve=True), "cpu")
+        env = calls[-1]["runtime_env"]
+        assert env.get("py_executable") == expected  # null is left out: Ray's default, this interpreter
+    assert env["env_vars"]["MY_FLAG"] == 1 and env["env_vars"]["TOKENIZERS_PARALLELISM"] == "false"
