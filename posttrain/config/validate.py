@@ -326,7 +326,10 @@ def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
     errors += numeric_problems(config, PostTrainConfig, RL_RANGES, skip=named_keys(errors) | set(ASYNC_KEYS))
     if not errors:  # size arithmetic is only meaningful once values are individually valid
         errors.extend(_check_conflicts(config))
-    return errors, find_warnings(config) + dapo_warnings(config) + async_warnings(config) + distillation_warnings(config)
+    from posttrain.config.verl_keys import no_effect_lines
+
+    noted = no_effect_lines(list(config.no_effect))
+    return errors, find_warnings(config) + dapo_warnings(config) + async_warnings(config) + noted + distillation_warnings(config)
 
 
 def validate_config(config: PostTrainConfig) -> None:

@@ -61,6 +61,10 @@ def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.t
     config = load_config(args.config, [*entry_overrides, *args.overrides], base=base)
     if args.cfg is not None:
         return print_config(config)
+    from posttrain.config.verl_keys import no_effect_lines
+
+    for line in no_effect_lines(list(config.no_effect)):  # once, before anything loads
+        print(f"note: {line}", flush=True)
     return run(config)
 
 
