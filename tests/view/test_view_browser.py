@@ -64,6 +64,12 @@ def _wait(driver, script: str, timeout: float = 15):
     return WebDriverWait(driver, timeout).until(lambda d: d.execute_script(script))
 
 
+def _select(driver, css: str, value: str) -> None:
+    """Pick an option of a step browser's select, and wait until its panes are drawn again."""
+    Select(driver.find_element(By.CSS_SELECTOR, css)).select_by_value(value)
+    _wait(driver, "return window.__view.rendering === 0")
+
+
 def _tab(driver, name: str) -> None:
     driver.find_element(By.CSS_SELECTOR, f'#tabs button[data-tab="{name}"]').click()
 
@@ -126,11 +132,11 @@ def test_a_step_shows_groups_and_tokens_with_their_values(page, view_runs):
     assert rec["logprobs"]["actor"][int(flashed.get_attribute("data-k"))] == lowest
     driver.save_screenshot(str(shots / "view_step.png"))
     # groups all right, one filter away
-    Select(driver.find_element(By.CSS_SELECTOR, "#train .show")).select_by_value("right")
+    _select(driver, "#train .show", "right")
     right = {r["uid"] for r in recs} - {r["uid"] for r in recs if r["score"] <= 0}
     shown = driver.find_elements(By.CSS_SELECTOR, "#train .group")
     assert sorted(g.get_attribute("data-uid") for g in shown) == sorted(right) and "s2-p0" in right
-    Select(driver.find_element(By.CSS_SELECTOR, "#train .show")).select_by_value("all")
+    _select(driver, "#train .show", "all")
 
 
 def test_switching_the_colouring_recolours_every_token(page, view_runs):
@@ -141,18 +147,18 @@ def test_switching_the_colouring_recolours_every_token(page, view_runs):
     colour = Select(driver.find_element(By.CSS_SELECTOR, "#train .colour"))
     assert {o.get_attribute("value") for o in colour.options if o.is_enabled()} == \
         {"logprob", "entropy", "ratio", "advantage", "none"}
-    colour.select_by_value("entropy")
+    _select(driver, "#train .colour", "entropy")
     span = driver.find_element(By.CSS_SELECTOR, ".pane .card .t")
     top = max(e for r in recs for e in r["entropy"])
     r, g, b, a = _rgba(span.get_attribute("style"))
     assert (r, g, b) == (59, 130, 246) and a == pytest.approx(0.85 * min(1, recs[0]["entropy"][0] / top), abs=5e-3)
-    colour.select_by_value("advantage")
+    _select(driver, "#train .colour", "advantage")
     span = driver.find_element(By.CSS_SELECTOR, ".pane .card .t")
     assert ("34, 160, 80" if recs[0]["advantage"] >= 0 else "239, 68, 68") in span.get_attribute("style")
-    colour.select_by_value("ratio")
+    _select(driver, "#train .colour", "ratio")
     assert " ".join(driver.find_element(By.CSS_SELECTOR, "#train .scale").text.split()) == "rollout < actor rollout > actor"
     driver.save_screenshot(str(shots / "view_colour_ratio.png"))
-    colour.select_by_value("logprob")
+    _select(driver, "#train .colour", "logprob")
 
 
 def test_a_multi_turn_trajectory_opens_with_its_failed_tool_call(page, view_runs):
@@ -164,7 +170,7 @@ def test_a_multi_turn_trajectory_opens_with_its_failed_tool_call(page, view_runs
     _wait(driver, "return window.__view.ready.trainStep === 2")
     listed = driver.find_element(By.CSS_SELECTOR, "#train .steps button.step.on").text.replace("\n", " ")
     assert f"tool \u2717{index[-1]['tool_errors']}" in listed and index[-1]["tool_errors"] > 0
-    Select(driver.find_element(By.CSS_SELECTOR, "#train .show")).select_by_value("tools")
+    _select(driver, "#train .show", "tools")
     card = driver.find_element(By.CSS_SELECTOR, ".pane .card")
     failed = card.find_element(By.CSS_SELECTOR, ".call.error")
     assert failed.text.startswith("failed calculator(") and "division by zero" in failed.text
@@ -177,7 +183,7 @@ def test_a_multi_turn_trajectory_opens_with_its_failed_tool_call(page, view_runs
     driver.save_screenshot(str(shots / "view_trajectory.png"))
     driver.find_element(By.ID, "modalClose").click()
     assert not modal.is_displayed()
-    Select(driver.find_element(By.CSS_SELECTOR, "#train .show")).select_by_value("all")
+    _select(driver, "#train .show", "all")
 
 
 def test_two_runs_side_by_side(page):

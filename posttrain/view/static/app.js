@@ -47,6 +47,9 @@ function el(tag, attrs = {}, html = "") {
   if (html) e.innerHTML = html;
   return e;
 }
+function painted() {  // resolves once the browser has laid out and painted what the script just built
+  return new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
+}
 function showError(msg) {
   const box = $("#error");
   box.hidden = !msg;
@@ -179,7 +182,7 @@ function drawCurves() {
     box.innerHTML = `<p class="muted">no metrics yet: ${esc(S.runs[S.a].path)}/metrics.jsonl is written by the ` +
       "<code>file</code> logger (trainer.logger=[console,file]); this page polls it</p>";
   } else if (!window.__view.ready.curves) {
-    window.__view.ready.curves = performance.now();
+    painted().then(() => { window.__view.ready.curves = performance.now(); });
   }
 }
 function chart(title, series, removable) {
@@ -292,7 +295,7 @@ function browser(kind) {
     <div class="panes"></div></div></div>`;
   $(".stepfilter", sec).onchange = (e) => { S.stepFilter[kind] = e.target.value; drawStepList(kind); };
   $(".colour", sec).onchange = (e) => { S.colour = e.target.value; rerenderPanes(kind); };
-  $(".show", sec).onchange = (e) => { S.show = e.target.value; rerenderPanes(kind); };
+  $(".show", sec).onchange = (e) => { S.show = e.target.value; rerenderPanes(kind); };  // both: window.__view.rendering
   $(".lowest", sec).onclick = () => jumpToLowest(sec);
   return sec;
 }
@@ -316,6 +319,7 @@ function drawStepList(kind) {
   for (const b of list.querySelectorAll("button.step")) b.onclick = () => openStep(kind, +b.dataset.step);
 }
 async function openStep(kind, step) {
+  // times[kind + "Step"]: click to the first screen of groups painted; ...StepAll: to every group painted
   const t0 = performance.now();
   S.open[kind] = step;
   const sec = browser(kind);
@@ -324,6 +328,7 @@ async function openStep(kind, step) {
   panes.classList.toggle("two", shown().length > 1);
   const nodes = await Promise.all(shown().map(async (run) => {
     const pane = el("div", {class: "pane", "data-run": run});
+    pane.addEventListener("click", paneClick);
     try {
       const r = await fetch(`/api/step?run=${run}&kind=${kind}&step=${step}`);
       const text = await r.text();
@@ -336,15 +341,22 @@ async function openStep(kind, step) {
   }));
   if (S.open[kind] !== step) return;  // another step was opened meanwhile
   panes.replaceChildren(...nodes);
-  rerenderPanes(kind);
+  const shownNow = rerenderPanes(kind);
+  await shownNow.first;
   window.__view.times[kind + "Step"] = performance.now() - t0;
+  await shownNow.done;
+  window.__view.times[kind + "StepAll"] = performance.now() - t0;
   window.__view.ready[kind + "Step"] = step;
 }
 function rerenderPanes(kind) {
+  // each pane's first screen of groups now, the rest a chunk a frame; window.__view.rendering counts those going
   const sec = browser(kind);
-  let available = new Set(["none"]);
+  const available = new Set(["none"]);
+  const firsts = [], dones = [];
   for (const pane of sec.querySelectorAll(".pane")) {
-    renderPane(pane, kind);
+    const r = renderPane(pane, kind);
+    firsts.push(r.first);
+    dones.push(r.done);
     for (const m of pane._modes || []) available.add(m);
   }
   for (const o of $(".colour", sec).options) {
@@ -353,40 +365,70 @@ function rerenderPanes(kind) {
   }
   $(".colour", sec).value = S.colour;
   $(".scale", sec).innerHTML = scaleHtml(S.colour);
+  window.__view.rendering = (window.__view.rendering || 0) + 1;
+  const done = Promise.all(dones).then(painted).finally(() => { window.__view.rendering--; });
+  return {first: Promise.all(firsts), done};
 }
+const CHUNK_TOKENS = 2500;  // tokens rendered between two frames
 function renderPane(pane, kind) {
+  const gen = (pane._gen = (pane._gen || 0) + 1);
   const run = S.runs[+pane.dataset.run];
   const title = `<h2>${esc(run.name)} &middot; ${kind === "val" ? "validation at " : ""}step ${S.open[kind]}</h2>`;
-  if (pane._error) { pane.innerHTML = title + `<div class="err">${esc(pane._error)}</div>`; return; }
+  if (pane._error) {
+    pane.innerHTML = title + `<div class="err">${esc(pane._error)}</div>`;
+    return {first: painted(), done: Promise.resolve()};
+  }
   const recs = pane._recs;
   const groups = new Map();
   recs.forEach((r, i) => { r._i = i; if (!groups.has(r.uid)) groups.set(r.uid, []); groups.get(r.uid).push(r); });
-  pane._scale = paneScale(recs);
+  const scale = pane._scale = paneScale(recs);
   pane._modes = modesOf(recs);
-  const parts = [];
+  const todo = [];
   let right = 0;
   for (const [uid, g] of groups) {
     const gk = groupKind(g);
     if (gk === "right") right++;
     const same = g.length > 1 && new Set(g.map((r) => r.score)).size === 1;
     const fails = g.reduce((n, r) => n + failedCalls(r), 0);
-    const pass = S.show === "all" || S.show === gk || (S.show === "same" && same) || (S.show === "tools" && fails > 0);
-    if (!pass) continue;
-    parts.push(groupHtml(uid, g, gk, same, fails, pane._scale));
+    if (S.show === "all" || S.show === gk || (S.show === "same" && same) || (S.show === "tools" && fails > 0)) {
+      todo.push([uid, g, gk, same, fails]);
+    }
   }
   const scores = recs.filter((r) => r.score != null).map((r) => r.score);
   const mean = scores.length ? scores.reduce((a, b) => a + b, 0) / scores.length : null;
   pane.innerHTML = title + `<div class="muted">${recs.length} responses in ${groups.size} groups &middot; mean score ${fmt(mean, 3)}` +
     ` &middot; ${right} group${right === 1 ? "" : "s"} all right</div>` +
-    (parts.join("") || `<p class="muted">no group is ${esc(SHOW[S.show])} in this step</p>`);
-  for (const a of pane.querySelectorAll("a.low")) a.onclick = () => flash(a.closest(".card"), +a.dataset.k);
-  for (const b of pane.querySelectorAll("button.traj")) {
-    b.onclick = () => {
-      const card = b.closest(".card").cloneNode(true);
-      card._pane = pane;
-      $("button.traj", card)?.remove();
-      openModal(card);
-    };
+    (todo.length ? "" : `<p class="muted">no group is ${esc(SHOW[S.show])} in this step</p>`);
+  const chunk = () => {  // the next groups, about CHUNK_TOKENS tokens of them
+    let html = "", tokens = 0;
+    while (todo.length && (!html || tokens < CHUNK_TOKENS)) {
+      const [uid, g, gk, same, fails] = todo.shift();
+      html += groupHtml(uid, g, gk, same, fails, scale);
+      tokens += g.reduce((n, r) => n + (r.tokens ? r.tokens.length : 0), 0);
+    }
+    pane.insertAdjacentHTML("beforeend", html);
+  };
+  chunk();
+  const first = painted();
+  const done = (async () => {
+    while (todo.length) {
+      await painted();
+      if (pane._gen !== gen) return;  // re-rendered meanwhile (another colour, filter or step)
+      chunk();
+    }
+  })();
+  return {first, done};
+}
+function paneClick(e) {
+  const pane = e.currentTarget;
+  const low = e.target.closest("a.low");
+  if (low) flash(low.closest(".card"), +low.dataset.k);
+  const traj = e.target.closest("button.traj");
+  if (traj) {
+    const card = traj.closest(".card").cloneNode(true);
+    card._pane = pane;
+    $("button.traj", card)?.remove();
+    openModal(card);
   }
 }
 function modesOf(recs) {
