@@ -377,7 +377,8 @@ def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
 
 
 @register_policy_loss("dppo_tv", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
-                      summary="DPPO-TV: no gradient where |pi - pi_old| leaves the clip bounds, truncated ratio")
+                      summary="DPPO-TV: a token stops giving gradient once pi - pi_old passes the clip bound in "
+                              "its advantage's direction; ratio truncated at clip_ratio_c")
 def compute_policy_loss_dppo_tv(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
@@ -395,8 +396,8 @@ def compute_policy_loss_dppo_tv(
 
 
 @register_policy_loss("dppo_kl", keys=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
-                      summary="DPPO-KL: no gradient where the binary KL(pi_old || pi) leaves the clip bounds, "
-                              "truncated ratio")
+                      summary="DPPO-KL: a token stops giving gradient once the binary KL(pi_old || pi) passes "
+                              "the clip bound in its advantage's direction; ratio truncated at clip_ratio_c")
 def compute_policy_loss_dppo_kl(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):

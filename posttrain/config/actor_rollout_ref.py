@@ -102,7 +102,7 @@ class OptimConfig:
 @_cfg()
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """Policy loss: vanilla (PPO clip), gspo, gpg, clip_cov, kl_cov."""
+    """Policy loss (posttrain.algorithms): vanilla (PPO clip), gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl, dro."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: fraction of tokens whose gradient is clipped."""
     clip_cov_lb: float = 1.0

@@ -178,7 +178,7 @@ class AlgorithmConfig:
     lam: float = 1.0
     """GAE lambda."""
     adv_estimator: str = "gae"
-    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk."""
+    """Advantage estimator (posttrain.algorithms): gae, grpo, grpo_vectorized, grpo_passk, gdpo, rloo, rloo_vectorized, opo, gpg, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, optimal_token_baseline, tir_optimal_token_baseline."""
     norm_adv_by_std_in_grpo: bool = True
     """GRPO divides by the group's std; false is Dr.GRPO."""
     use_kl_in_reward: bool = False
