@@ -101,12 +101,20 @@ TINY_GDPO = ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[accura
              "actor_rollout_ref.rollout.n=4"]
 
 
-def test_gdpo_trains_two_steps_on_the_scoring_functions_parts(tmp_path):
+DYNAMIC_SAMPLING = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=score",
+                    "data.gen_batch_size=4", "algorithm.filter_groups.max_num_gen_batches=10"]
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_gdpo_trains_two_steps_on_the_scoring_functions_parts(tmp_path, dynamic_sampling):
+    """The parts travel with their rows, also when dynamic sampling drops groups and draws more rounds."""
     with one_thread():
-        trainer = tiny_trainer(tmp_path, TINY_GDPO)
+        trainer = tiny_trainer(tmp_path, TINY_GDPO + (DYNAMIC_SAMPLING if dynamic_sampling else []))
         trainer.reward_fn = two_part_score
         history = trainer.fit()
     assert [row["step"] for row in history] == [1, 2]
+    if dynamic_sampling:
+        assert max(row["train/num_gen_batches"] for row in history) > 1  # some rows were dropped
     for row in history:
         assert math.isfinite(row["actor/pg_loss"]) and all(math.isfinite(v) for v in row.values())
     batch = trainer.last_batch
