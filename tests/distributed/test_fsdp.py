@@ -153,6 +153,8 @@ def _two_rank_job(rank: int, world: int) -> dict:
     part = take(batch, LOGPROB_ROWS[rank])
     out["logprobs"] = compute_response_logprobs(model, part, None, TEMP, True, use_dynamic_bsz=True,
                                                 max_token_len=LP_BUDGET)
+    out["sum_pi_squared"] = compute_response_logprobs(model, part, None, TEMP, False, use_dynamic_bsz=True,
+                                                      max_token_len=LP_BUDGET, calculate_sum_pi_squared=True)[2]
     empty = take(batch, [0, 1, 2] if rank == 0 else [])  # rank 1 holds no rows at all
     out["logprobs_empty_rank"] = compute_response_logprobs(model, empty, 1, TEMP)[0]
     out["accumulate"] = accumulate_grads(sharded(tiny_llama(tok)), take(batch, LOGPROB_ROWS[rank]), LP_BUDGET, True)
@@ -226,6 +228,14 @@ def test_logprobs_split_over_ranks_equal_one_process(ranks, tok, batch):
     counts = [len(micro_batch_indices(take(batch, rows)["attention_mask"], None, True, LP_BUDGET))
               for rows in LOGPROB_ROWS]
     assert counts[0] > len(LOGPROB_ROWS[1]) >= counts[1]
+
+
+def test_sum_pi_squared_split_over_ranks_equals_one_process(ranks, tok, batch):
+    """The old-log-prob pass's sum of pi^2 (optimal_token_baseline) from FSDP2-sharded ranks."""
+    ref = compute_response_logprobs(tiny_llama(tok), batch, None, TEMP, False, use_dynamic_bsz=True,
+                                    max_token_len=LP_BUDGET, calculate_sum_pi_squared=True)[2]
+    torch.testing.assert_close(torch.cat([r["sum_pi_squared"] for r in ranks]), ref, rtol=1e-5, atol=1e-6)
+    assert bool((ref > 0).any())
 
 
 def test_logprobs_with_a_rank_holding_no_rows(ranks, tok, batch):
