@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES, HOST_PAGING_MODES
-from posttrain.config.async_training import V1_MODES, async_problems, async_warnings
+from posttrain.config.async_training import V1_MODES, async_enabled, async_problems, async_warnings
 from posttrain.config.dapo import dapo_problems, dapo_warnings
 from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, uses_critic
 from posttrain.config.distillation import distillation_problems, distillation_warnings
@@ -211,6 +211,9 @@ def _check_estimator_inputs(config: PostTrainConfig) -> Iterable[str]:
         if algo.rollout_correction.bypass_mode:
             yield (f"{name} needs the old-log-prob pass (its sum of pi^2), which "
                    "algorithm.rollout_correction.bypass_mode=True skips; set bypass_mode=False")
+        elif async_enabled(config) and not config.async_training.compute_prox_log_prob:
+            yield (f"{name} needs the old-log-prob pass (its sum of pi^2), which an asynchronous run "
+                   "(actor_rollout_ref.hybrid_engine=False) makes only with async_training.compute_prox_log_prob=True")
     if estimator_needs(algo.adv_estimator, "needs_reward_parts"):
         keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
         if not keys:

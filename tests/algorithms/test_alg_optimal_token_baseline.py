@@ -157,3 +157,9 @@ def test_config_needs_calculate_sum_pi_squared_and_the_old_log_prob_pass():
                                              "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
                                              "algorithm.rollout_correction.bypass_mode=True",
                                              "actor_rollout_ref.rollout.calculate_log_probs=True"])
+    asynchronous = ["algorithm.adv_estimator=optimal_token_baseline",
+                    "actor_rollout_ref.actor.calculate_sum_pi_squared=True", "actor_rollout_ref.hybrid_engine=False",
+                    "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+    with pytest.raises(ConfigError, match="makes only with async_training.compute_prox_log_prob=True"):
+        load_config(base=builtin, overrides=asynchronous)
+    load_config(base=builtin, overrides=asynchronous + ["async_training.compute_prox_log_prob=True"])
