@@ -13,6 +13,8 @@ These are verl's argument names (its `ActorConfig.global_batch_info` keys).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from posttrain.algorithms.logprobs import entropy_from_logits
@@ -77,6 +79,13 @@ def agg_loss(
 def _require_local(dp_size: int, name: str) -> None:
     if dp_size > 1:
         raise ValueError(f"agg_loss: {name} (a global count) is required when dp_size > 1")
+
+
+def with_loss_scale_factor(info: dict[str, Any], config: Any) -> dict[str, Any]:
+    """``agg_loss``'s normalisers plus the role's ``loss_scale_factor`` (verl 0.9.1 puts it into
+    ``global_batch_info`` the same way) where one is set: seq-mean-token-sum-norm's divisor."""
+    factor = getattr(config, "loss_scale_factor", None)
+    return info if factor is None else {**info, "loss_scale_factor": factor}
 
 
 def compute_value_loss(

@@ -32,7 +32,7 @@ from posttrain.algorithms.distillation import (DistillationScores, combine_with_
                                                sampled_token_metrics)
 from posttrain.algorithms.dpo import dpo_loss, dpo_metrics, pair_logps, simpo_loss
 from posttrain.algorithms.kl import kl_penalty
-from posttrain.algorithms.losses import agg_loss
+from posttrain.algorithms.losses import agg_loss, with_loss_scale_factor
 from posttrain.algorithms.policy_losses import get_policy_loss_fn
 from posttrain.algorithms.utils import masked_mean
 from posttrain.batch import response_mask_of
@@ -152,6 +152,7 @@ class PPO(Objective):
 
     def loss(self, log_prob, entropy, mb, info, meter, cfg):
         mode, mask = cfg.loss_agg_mode, response_mask_of(mb)
+        info = with_loss_scale_factor(info, cfg)
         pg_loss, pg_metrics = get_policy_loss_fn(cfg.policy_loss.loss_mode)(
             old_log_prob=mb["old_log_probs"] if "old_log_probs" in mb else log_prob.detach(), log_prob=log_prob,
             advantages=mb["advantages"], response_mask=mask, loss_agg_mode=mode,

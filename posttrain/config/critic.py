@@ -82,6 +82,8 @@ class CriticConfig:
     """(posttrain) Encode each distinct prompt of a micro-batch once, and the beginning its prompts share, in the value and critic-update forwards, as the actor's key of this name does (follows it): the same values and gradients on fewer tokens. Off where critic.model.use_remove_padding packs the rows instead."""
     cliprange_value: float = 0.5
     """Value clip: new values stay within old values +- this."""
+    loss_scale_factor: Optional[float] = "${actor_rollout_ref.actor.loss_scale_factor}"  # type: ignore[assignment]
+    """Constant divisor of the value loss with loss_agg_mode=seq-mean-token-sum-norm (follows the actor's; null: the response length)."""
     loss_agg_mode: str = "${actor_rollout_ref.actor.loss_agg_mode}"
     """Aggregation of the value loss (follows the actor)."""
     checkpoint: CheckpointContentsConfig = field(default_factory=CheckpointContentsConfig)

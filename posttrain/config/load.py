@@ -99,6 +99,24 @@ def _route(key: str, where: str, allow_new: bool, tree: Tree = RL_TREE) -> tuple
     raise ConfigError(f"{where}: unknown {tree.name}config key '{key}'{foreign}{hint}")
 
 
+def verl_key_status(key: str, tree: Tree = RL_TREE) -> tuple[str, str]:
+    """How posttrain reads one of verl's keys: (status, detail). Status: ``honoured`` (a field, verl's meaning),
+    ``alias`` (detail: posttrain's key), ``free-form entry`` (detail: the dict key it sits under), ``no effect``
+    or ``refused unless off`` (detail: the reason), or ``unknown``."""
+    try:
+        routed, rule = _route(key, "", False, tree)
+    except ConfigError:
+        return "unknown", ""
+    if rule is not None:
+        return ("no effect" if rule.accepts is None else "refused unless off"), rule.reason
+    if routed != key:
+        return "alias", routed
+    if routed in tree.keys():
+        return "honoured", ""
+    parents = [".".join(routed.split(".")[:i]) for i in range(routed.count("."), 0, -1)]
+    return "free-form entry", next(p for p in parents if p in tree.keys())
+
+
 def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 

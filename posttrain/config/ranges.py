@@ -183,6 +183,8 @@ def get_key(config: Any, key: str) -> Any:
 
 def _follows(config: Any, reference: str, value: Any) -> bool:
     try:
-        return get_key(config, reference[2:-1]) == value
+        followed = get_key(config, reference[2:-1])
     except AttributeError:
         return False
+    both_nan = _is_number(value) and _is_number(followed) and math.isnan(value) and math.isnan(followed)
+    return followed == value or both_nan  # NaN is not equal to itself, but it still followed the key

@@ -78,7 +78,8 @@ def markdown_reference() -> str:
             top_info = all_keys()[top]
             out += ["", f"## `{top}`", "", top_info.doc, "", "| key | type | default | built-in run | meaning |",
                     "|---|---|---|---|---|"]
-            continue
+            if top_info.is_section:
+                continue  # a top-level leaf (no_effect) is its own one-row table
         if info.is_section:
             continue
         default = format_value(info.default)
@@ -87,4 +88,24 @@ def markdown_reference() -> str:
         out.append(f"| `{info.key}` | {typ} | `{_cell(default)}` | {mine} | {info.doc} |")
     from posttrain.config.sft_docs import sft_markdown_reference  # the SFT / DPO trainers' own tree
 
-    return "\n".join(out) + "\n" + sft_markdown_reference()
+    return "\n".join(out) + "\n" + sft_markdown_reference() + verl_status_markdown()
+
+
+def verl_status_markdown() -> str:
+    """Every key of verl 0.9.1's PPO and engine-SFT trees with what posttrain does with it."""
+    from posttrain.config.load import RL_TREE, verl_key_status
+    from posttrain.config.sft_engine import engine_sft_tree
+    from posttrain.config.verl_keys import KEY_LISTS, VERL_VERSION, verl_key_names
+
+    out = ["", f"## verl {VERL_VERSION}'s keys", "",
+           "Each key of verl's config trees and what posttrain does with it: honoured (a key above, verl's meaning), "
+           "alias (the same setting under posttrain's name), free-form entry (inside a dict key), no effect (read, "
+           "listed at start-up and by `posttrain plan` with the reason) or refused unless off (its off value has no "
+           "effect; another value is one error saying what it needs).", ""]
+    for name, tree in (("ppo_trainer", RL_TREE), ("sft_trainer_engine", engine_sft_tree())):
+        out += [f"### `{name}` ({KEY_LISTS[name]})", "", "| verl key | status | detail |", "|---|---|---|"]
+        for key in verl_key_names(name):
+            status, detail = verl_key_status(key, tree)
+            out.append(f"| {key} | {status} | {_cell(detail)} |")
+        out.append("")
+    return "\n".join(out)

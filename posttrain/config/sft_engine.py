@@ -298,12 +298,18 @@ def _group_choices(overrides: Iterable[str]) -> list[str]:
     return kept
 
 
+def engine_sft_tree() -> Any:
+    """The loader's view of this tree (`posttrain.config.load.Tree`): its keys, no aliases, its no-effect rules."""
+    from posttrain.config.load import Tree
+
+    return Tree(EngineSFTConfig, "SFT ", aliases=(), no_effect=ENGINE_SFT_NO_EFFECT)
+
+
 def load_engine_sft_config(path: Any = None, overrides: Iterable[str] = ()) -> EngineSFTConfig:
     """verl 0.9's engine SFT defaults <- ``path`` YAML <- overrides (the RL loader's rules and errors)."""
-    from posttrain.config.load import Tree, load_raw, to_dataclass
+    from posttrain.config.load import load_raw, to_dataclass
 
-    tree = Tree(EngineSFTConfig, "SFT ", aliases=(), no_effect=ENGINE_SFT_NO_EFFECT)
-    return to_dataclass(load_raw(path, _group_choices(overrides), None, tree))
+    return to_dataclass(load_raw(path, _group_choices(overrides), None, engine_sft_tree()))
 
 
 _DTYPE = {"bfloat16": "auto", "bf16": "auto", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["NO_EFFECT", "PPO_ALIASES", "SFT_ALIASES", "SFT_NO_EFFECT", "VerlRule", "alias_of", "rule_for"]
@@ -225,6 +226,7 @@ PPO_ALIASES: tuple[tuple[str, str], ...] = (
     ("reward_model.reward_loop_source", "reward.reward_manager.source"),
     ("reward_model.reward_loop_module_path", "reward.reward_manager.module.path"),
     ("reward_model.reward_loop_class_name", "reward.reward_manager.module.name"),
+    ("reward.timeout", "reward.timeout_s"),  # verl's limit manager reads +reward.timeout (seconds a row may take)
     # verl's SAPO scripts write these under policy_loss, where verl 0.9.1 ignores them (it reads actor.tau_pos);
     # posttrain honours what the script means
     ("actor_rollout_ref.actor.policy_loss.tau_pos", "actor_rollout_ref.actor.tau_pos"),
@@ -300,3 +302,13 @@ def backend_refusal(key: str, value: Any) -> Optional[str]:
         return None
     needs, instead = found
     return f"{key}={value}: needs {needs}; {instead}"
+
+
+KEY_LISTS = {"ppo_trainer": "verl/trainer/config/_generated_ppo_trainer.yaml",
+             "sft_trainer_engine": "verl/trainer/config/sft_trainer_engine.yaml with its defaults (hf_model, fsdp)"}
+"""The recorded key lists (``posttrain/config/verl_0_9_1/<name>_keys.txt``: the leaf keys of verl 0.9.1's file)."""
+
+
+def verl_key_names(name: str) -> list[str]:
+    """verl 0.9.1's leaf keys of one config tree (`KEY_LISTS`), in verl's order."""
+    return (Path(__file__).parent / "verl_0_9_1" / f"{name}_keys.txt").read_text().split()

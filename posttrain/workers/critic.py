@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import compute_value_loss, masked_mean
+from posttrain.algorithms.losses import with_loss_scale_factor
 from posttrain.algorithms.batch_info import token_normalisers
 from posttrain.algorithms.objectives import StepMetricNames, ppo_loop
 from posttrain.checkpoint.role import load_role_into, save_role
@@ -115,7 +116,8 @@ class CriticWorker:
             vpreds = response_values(self.module, *(mb[k] for k in _KEYS), remove_padding=self.remove_padding,
                                      shared_prefix=self.shared_prefix)
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **info)
+            vpreds, mb["returns"], mb["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode,
+            **with_loss_scale_factor(info, cfg))
         vf_loss.backward()
         share = float(mask.sum()) / max(info["batch_num_tokens"], 1.0)
         meter.add("critic/vf_loss", vf_loss)

@@ -479,3 +479,19 @@ def test_a_policy_loss_declares_the_keys_it_reads(monkeypatch):
     b = load_config(base=builtin, overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
     assert any("policy loss: A uses vanilla, PPO clipped surrogate" in c and "B uses gspo, GSPO" in c
                for c in consequences(a, b))
+
+
+def test_loss_scale_factor_divides_seq_mean_token_sum_norm():
+    """verl 0.9.1's actor/critic.loss_scale_factor: seq-mean-token-sum-norm is the mean over sequences of their token
+    sums divided by the factor (hand value), and without it by the response length (the control)."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms.losses import agg_loss, with_loss_scale_factor
+
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    info = {"dp_size": 1, "batch_num_tokens": 4, "global_batch_size": 2}
+    scaled = agg_loss(loss, mask, "seq-mean-token-sum-norm", **with_loss_scale_factor(info, SimpleNamespace(loss_scale_factor=5.0)))
+    default = agg_loss(loss, mask, "seq-mean-token-sum-norm", **with_loss_scale_factor(info, SimpleNamespace(loss_scale_factor=None)))
+    assert scaled.item() == pytest.approx((6.0 + 4.0) / 2 / 5.0)
+    assert default.item() == pytest.approx((6.0 + 4.0) / 2 / 4.0)
