@@ -9,7 +9,8 @@ eval card (``*card*.json``) as a table, and two runs side by side. The page poll
 writing shows its new steps.
 
 No folder: the runs under ./outputs (the built-in run's folder is outputs/posttrain/arithmetic_grpo_smollm2).
-A compare folder (`posttrain compare`) stands for its runs, ``A/seed1`` beside ``B/seed1``.
+A compare folder (`posttrain compare`) stands for its runs, shown ``A/seed1`` beside ``B/seed1``; two run
+folders named on the command line are shown side by side.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ DEFAULT_PORT = 8765
 
 
 def main(argv: list[str] | None = None) -> int:
-    from posttrain.view.runs import find_runs
+    from posttrain.view.runs import beside, find_runs
     from posttrain.view.server import HOST, make_server
 
     parser = argparse.ArgumentParser(
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--open", action="store_true", help="open the page in this machine's web browser")
     args = parser.parse_args(argv)
     runs = find_runs(args.folders)
-    server = make_server(runs, args.port, title=", ".join(r.name for r in runs[:2]))
+    server = make_server(runs, args.port, title=", ".join(r.name for r in runs[:2]), beside=beside(runs, bool(args.folders)))
     url = f"http://{HOST}:{server.server_address[1]}/"
     shown = ", ".join(str(r.folder) for r in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
     print(f"posttrain view: {shown}\nopen {url} (Ctrl-C stops)", flush=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from posttrain.errors import PosttrainError
 from posttrain.trainer.rollout_dump import INDEX, POINTER, step_file
 
-__all__ = ["Run", "ViewError", "find_runs", "read_tail", "run_of"]
+__all__ = ["Run", "ViewError", "beside", "find_runs", "read_tail", "run_of"]
 
 METRICS = "metrics.jsonl"
 COMPARE_RECORD = "compare_run.json"
@@ -167,6 +167,15 @@ def find_runs(paths: list[str]) -> list[Run]:
         if names.count(r.name) > 1:  # two folders named alike: say which parent
             r.name = f"{r.folder.parent.name}/{r.folder.name}"
     return runs
+
+
+def beside(runs: list[Run], named: bool) -> int | None:
+    """The run the page shows beside the first: the second of two runs named on the command line, or in a
+    compare folder (``A/seed1``, ``B/seed1``, ...) the other config's run of the first one's seed."""
+    parts = [r.name.split("/") for r in runs]
+    if len(runs) > 2 and all(len(p) == 2 and p[1].startswith("seed") for p in parts):
+        return next((i for i, p in enumerate(parts) if p[1] == parts[0][1] and p[0] != parts[0][0]), None)
+    return 1 if named and len(runs) == 2 else None
 
 
 def _mtime(folder: Path) -> float:

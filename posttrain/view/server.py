@@ -3,7 +3,8 @@ fetched from elsewhere) and a small JSON/text API over the runs' files, on 127.0
 
 =====================================  ==================================================================
 GET /                                  the page (``static/index.html``); /app.js, /style.css its parts
-GET /api/runs                          ``{"runs": [{name, path, metrics, train, val, cards}], "title"}``
+GET /api/runs                          ``{"runs": [{name, path, metrics, train, val, cards}], "title",
+                                       "beside": the run shown beside the first, or null}``
 GET /api/tail?run=I&what=W&offset=N    whole lines of ``metrics.jsonl`` (W=metrics) or a dump's
                                        ``index.jsonl`` (W=train, val) from byte N; the next offset in the
                                        ``X-Offset`` header, ``X-Reset: 1`` when the file was written anew
@@ -44,15 +45,16 @@ def _natural(name: str) -> list:
 class ViewServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], runs: list[Run], title: str):
-        self.runs, self.title = runs, title
+    def __init__(self, address: tuple[str, int], runs: list[Run], title: str, beside: int | None):
+        self.runs, self.title, self.beside = runs, title, beside
         super().__init__(address, _Handler)
 
 
-def make_server(runs: list[Run], port: int, title: str = "posttrain view") -> ViewServer:
-    """The server bound to 127.0.0.1:``port`` (0: any free port); a port in use is one `ViewError` line."""
+def make_server(runs: list[Run], port: int, title: str = "posttrain view", beside: int | None = None) -> ViewServer:
+    """The server bound to 127.0.0.1:``port`` (0: any free port); a port in use is one `ViewError` line.
+    ``beside``: the run shown beside the first when the page opens (`posttrain.view.runs.beside`)."""
     try:
-        return ViewServer((HOST, port), runs, title)
+        return ViewServer((HOST, port), runs, title, beside)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
             raise ViewError(f"port {port} on {HOST} is in use (another posttrain view, or another server): pass "
@@ -93,7 +95,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self.server.runs[i]
 
     def _runs(self, query: dict) -> None:
-        body = {"runs": [r.describe() for r in self.server.runs], "title": self.server.title}
+        body = {"runs": [r.describe() for r in self.server.runs], "title": self.server.title,
+                "beside": self.server.beside}
         self._send(json.dumps(body).encode(), "application/json")
 
     def _tail(self, query: dict) -> None:

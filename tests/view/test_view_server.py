@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.cli import main as cli_main
-from posttrain.view.runs import ViewError, find_runs, read_tail
+from posttrain.view.runs import Run, ViewError, beside, find_runs, read_tail
 from posttrain.view.server import make_server
 
 
@@ -50,6 +50,14 @@ def test_a_compare_folder_stands_for_its_runs(view_runs):
     assert runs[0].describe()["train"] and runs[0].describe()["val"]
     two = find_runs([str(view_runs["A"]), str(view_runs["multi_turn"])])
     assert [r.name for r in two] == ["seed1", "run"]
+
+
+def test_which_run_opens_beside_the_first(tmp_path, view_runs):
+    assert beside(find_runs([str(view_runs["compare"])]), named=True) == 1
+    seeds = [Run(name, tmp_path / name) for name in ("A/seed1", "A/seed2", "B/seed1", "B/seed2")]
+    assert beside(seeds, named=True) == 2  # B's seed 1 beside A's seed 1
+    two = find_runs([str(view_runs["A"]), str(view_runs["multi_turn"])])
+    assert beside(two, named=True) == 1 and beside(two, named=False) is None  # ./outputs' runs: one at a time
 
 
 def test_the_api_serves_page_runs_metrics_steps_and_cards(view_runs, serve):

@@ -670,8 +670,8 @@ async function start() {
     b.appendChild(el("option", {value: i}, esc(r.name)));
   });
   const params = new URLSearchParams(location.hash.slice(1));
-  // #b=N shows run N beside the first, #b= none; by default two runs (a compare folder) side by side
-  let second = params.has("b") ? (params.get("b") === "" ? null : +params.get("b")) : (S.runs.length === 2 ? 1 : null);
+  // #b=N shows run N beside the first, #b= none; by default the server's choice (two runs named, a compare folder)
+  let second = params.has("b") ? (params.get("b") === "" ? null : +params.get("b")) : body.beside;
   if (second === 0 || second >= S.runs.length) second = null;
   a.value = 0;
   b.value = second == null ? "" : second;
