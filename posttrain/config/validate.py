@@ -133,6 +133,15 @@ ULYSSES_KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
                 "reward_model.ulysses_sequence_parallel_size")
 
 
+ULYSSES_NOTE = ("no effect here: Ulysses sequence parallelism splits each sequence over ranks to save activation "
+                "memory; posttrain keeps whole sequences on each rank (the same updates, more memory per rank)")
+
+
+def _follows_actor(config: PostTrainConfig, key: str) -> bool:
+    """The reference's sequence-parallel size that merely follows the actor's (one note, not two)."""
+    return key.startswith("actor_rollout_ref.ref.") and get_key(config, key) == get_key(config, ULYSSES_KEYS[0])
+
+
 def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     """Settings verl accepts that posttrain does not implement yet: refused, never ignored."""
     unsupported = [
@@ -151,12 +160,6 @@ def _check_unsupported(config: PostTrainConfig) -> Iterable[str]:
     for key, bad, why in unsupported:
         if get_key(config, key) == bad:
             yield f"{key}={bad}: {why}; set it to {not bad}"
-    for key in ULYSSES_KEYS:
-        sp = get_key(config, key)
-        follows_actor = key.startswith("actor_rollout_ref.ref.") and sp == get_key(config, ULYSSES_KEYS[0])
-        if sp is not None and sp > 1 and not follows_actor:
-            yield (f"{key}={sp}: Ulysses sequence parallelism is not supported yet (ranks split the batch, not "
-                   "the sequence); set it to 1")
     rollout = config.actor_rollout_ref.rollout
     if rollout.seed_per_batch and rollout.name != "hf":
         yield (f"actor_rollout_ref.rollout.seed_per_batch=True with actor_rollout_ref.rollout.name={rollout.name}: "
@@ -272,7 +275,8 @@ def _loss_modes_with_keys() -> list[str]:
 def find_warnings(config: PostTrainConfig) -> list[str]:
     """Legal but suspicious settings."""
     algo, arr = config.algorithm, config.actor_rollout_ref
-    warnings = []
+    warnings = [f"{key}={get_key(config, key)}: {ULYSSES_NOTE}" for key in ULYSSES_KEYS
+                if (get_key(config, key) or 1) > 1 and not _follows_actor(config, key)]
     if algo.use_kl_in_reward and arr.actor.use_kl_loss:
         warnings.append("KL is used twice: algorithm.use_kl_in_reward=True and actor_rollout_ref.actor.use_kl_loss=True")
     if arr.actor.entropy_coeff and estimator_needs(algo.adv_estimator, "needs_groups"):
