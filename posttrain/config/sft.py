@@ -287,7 +287,7 @@ class SFTConfig:
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
     """The training loop, checkpoints and loggers."""
     ulysses_sequence_parallel_size: int = 1
-    """Sequence parallelism (not implemented: values > 1 are refused)."""
+    """Ulysses sequence parallelism: no effect (each rank keeps whole sequences: the same updates, more memory per rank; said at start-up)."""
     use_remove_padding: bool = False
     """Pack the valid tokens of a micro-batch into one row (no padding computed)."""
     use_prefix_grouper: bool = False

@@ -110,9 +110,6 @@ def sft_problems(config: SFTConfig) -> list[str]:
         out.append(f"optim.betas={o.betas} must hold two numbers")
     if o.clip_grad < 0:
         out.append(f"optim.clip_grad={o.clip_grad} must be >= 0 (0: no clipping)")
-    if config.ulysses_sequence_parallel_size != 1:
-        out.append(f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size}: sequence parallelism "
-                   "is not implemented in posttrain; set 1")
     if config.use_remove_padding and config.use_prefix_grouper:
         out.append("use_remove_padding and use_prefix_grouper are two layouts of a micro-batch; set one of them")
     if m.use_liger:
@@ -147,6 +144,14 @@ def _dpo_problems(config: DPOConfig) -> list[str]:
             out.append(f"data.{key}={getattr(d, key)}: an SFT key; DPO reads the columns data.prompt_key, "
                        "data.chosen_key and data.rejected_key as they are (text or chat messages); set null")
     return out
+
+
+def sft_notes(config: SFTConfig) -> list[str]:
+    """Settings that have no effect here, one line each (printed before the run starts)."""
+    from posttrain.config.validate import ULYSSES_NOTE
+
+    sp = config.ulysses_sequence_parallel_size
+    return [f"ulysses_sequence_parallel_size={sp}: {ULYSSES_NOTE}"] if sp != 1 else []
 
 
 def validate_sft_config(config: SFTConfig) -> None:

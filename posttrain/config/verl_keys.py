@@ -56,8 +56,8 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "actor_r
 _PROFILER = ("verl's profiler hooks (nsys, NPU, torch.profiler, memory snapshots, precision debugger) are not "
              "in posttrain: each step's phases are timed in metrics.jsonl (timing_s/*) and peak memory is printed")
 _GPU_ENGINE = "a GPU serving-engine knob (vLLM/SGLang on CUDA); posttrain's engines read what they need elsewhere"
-_SEQ_PAR = ("Ulysses sequence parallelism is not in posttrain (ranks split the batch, not the sequence); 1 has "
-            "no effect")
+_SEQ_PAR = ("Ulysses sequence parallelism splits each sequence over ranks to save activation memory; posttrain keeps "
+            "whole sequences on each rank (the same updates, more memory per rank)")
 _ENTROPY = "posttrain's log-prob head computes entropy by chunks with its own backward (posttrain.models.logprobs)"
 _FSDP1 = "an FSDP1 or verl-engine switch; posttrain shards with FSDP2 (fully_shard) and its own engine"
 _OFF = (False, None, 0, "", [], {})
@@ -73,8 +73,7 @@ NO_EFFECT: tuple[VerlRule, ...] = (
              accepts=_OFF, instead="set it False (to look at a run's samples: trainer.rollout_data_dir)"),
     VerlRule("skip.*", "settings of verl's SkipManager (rollout replay), which posttrain does not have"),
     # FSDP engine switches (actor, ref, critic; verl 0.9's engine config)
-    VerlRule("*.fsdp_config.ulysses_sequence_parallel_size", _SEQ_PAR, accepts=(1, None),
-             instead="set it to 1"),
+    VerlRule("*.fsdp_config.ulysses_sequence_parallel_size", _SEQ_PAR),
     VerlRule("*.fsdp_config.entropy_from_logits_with_chunking", _ENTROPY),
     VerlRule("*.fsdp_config.entropy_from_logits_chunk_size", _ENTROPY),
     VerlRule("*.fsdp_config.entropy_checkpointing", _ENTROPY),

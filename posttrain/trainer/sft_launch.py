@@ -15,7 +15,11 @@ __all__ = ["engine_sft_cli", "heldout_accuracy", "run_sft"]
 def run_sft(trainer_cls: Any, config: Any, heldout: bool) -> int:
     """Build ``trainer_cls(config)``, train, print the summary (and the held-out accuracy before and after when
     ``heldout``); the exit code (128 + the signal for a run stopped by one)."""
+    from posttrain.config.sft_load import sft_notes
     from posttrain.trainer.run import startup_signals
+
+    for line in sft_notes(config):
+        print(f"note: {line}", flush=True)
 
     before = heldout_accuracy(config.model.partial_pretrain, config) if heldout else None
     try:

@@ -66,14 +66,20 @@ def test_warnings_for_legal_but_suspicious():
     assert errors == [] and any("KL is used twice" in w for w in warnings)
 
 
-def test_sequence_parallelism_is_refused_naming_the_key():
-    from posttrain.config import ConfigError, load_config
+def test_sequence_parallelism_has_no_effect_and_says_so_naming_the_key():
+    """verl's Ulysses sizes (its scripts set 2-8): posttrain keeps whole sequences per rank, the same updates; one
+    warning per key (the reference's that follows the actor's is not repeated); size 1 says nothing."""
+    from posttrain.config import find_problems, load_config
 
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ulysses_sequence_parallel_size=2: Ulysses") as err:
-        load_config(overrides=["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
-    assert "ref.ulysses" not in str(err.value)  # the ref follows the actor: one message, not two
-    with pytest.raises(ConfigError, match=r"critic.ulysses_sequence_parallel_size=2"):
-        load_config(overrides=["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    base = ["trainer.n_gpus_per_node=2", "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]
+    for extra, key in ((["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "actor_rollout_ref.actor"),
+                       (["critic.ulysses_sequence_parallel_size=2"], "critic")):
+        errors, warnings = find_problems(load_config(validate=False, overrides=[*base, *extra]))
+        noted = [w for w in warnings if "ulysses_sequence_parallel_size=2" in w]
+        assert not errors and len(noted) == 1 and noted[0].startswith(key) and "no effect here" in noted[0]
+    assert not [w for w in find_problems(load_config(validate=False, overrides=base))[1] if "Ulysses" in w]
 
 
 def test_compiled_layers_on_several_ranks_are_refused_naming_the_key():

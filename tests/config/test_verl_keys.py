@@ -54,7 +54,6 @@ def test_no_effect_keys_are_kept_and_listed_with_their_reason():
     ("actor_rollout_ref.rollout.disaggregation.enabled=True", "SGLang"),
     ("actor_rollout_ref.actor.fsdp_config.qat.enable=True", "quantization-aware"),
     ("actor_rollout_ref.model.lora.rank=16", "set model.lora_rank"),
-    ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4", "Ulysses"),
     ("actor_rollout_ref.actor.strategy=megatron", "Megatron-LM"),
     ("actor_rollout_ref.rollout.name=trtllm", "TensorRT-LLM"),
     ("trainer.device=npu", "Ascend"),
