@@ -30,7 +30,7 @@ from posttrain.models.topk_logprobs import response_topk_logprobs
 from posttrain.rollout import SamplingParams, get_rollout_engine
 from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
 from posttrain.workers.common import MetricMeter, response_mask_of
-from posttrain.workers.optim import build_lr_scheduler
+from posttrain.optim.build import build_lr_scheduler
 from posttrain.workers.prepare import OnDevice, Placement, decide_param_dtype, prepare
 from posttrain.workers.update import run_update
 
