@@ -70,7 +70,8 @@ def _switch(trainer, lever: str, on: bool) -> None:
     if lever == "offload":  # off: the same memory, never paged out (resident like any other) and no trims
         import torch
 
-        from posttrain.host.paging import PAGED_WEIGHTS_ATTR, PagedAdamW, paged_weights
+        from posttrain.host.paging import PAGED_WEIGHTS_ATTR, paged_weights
+        from posttrain.optim.paged import PagedAdamW
 
         actor = trainer.workers.actor
         if not hasattr(actor, "paged_optimizer"):

@@ -200,7 +200,7 @@ def optimizer_step(repeats: int = 5) -> int:
 
     import torch
 
-    from posttrain.host.adamw8bit import AdamW8bit, state_bytes
+    from posttrain.optim.adamw8bit import AdamW8bit, state_bytes
 
     shapes = ([(49152, 576)] + [(576, 576)] * 60 + [(192, 576)] * 60 + [(1536, 576)] * 90 + [(576,)] * 61)
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""`posttrain.host.adamw8bit.AdamW8bit`: 8-bit block-wise moments, held against a float64 AdamW; its C kernel
+"""`posttrain.optim.adamw8bit.AdamW8bit`: 8-bit block-wise moments, held against a float64 AdamW; its C kernel
 (``adamw8bit.c``) held against a float64 step of the same format and against the torch update."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from posttrain.host import native
-from posttrain.host.adamw8bit import BLOCK, CODE_KEYS, MIN_8BIT_SIZE, AdamW8bit, state_bytes
+from posttrain.optim import native
+from posttrain.optim.adamw8bit import BLOCK, CODE_KEYS, MIN_8BIT_SIZE, AdamW8bit, state_bytes
 
 needs_cc = pytest.mark.skipif(native.load("adamw8bit") is None, reason="no C compiler to build adamw8bit.c")
 both_paths = pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_cc), False], ids=["C", "torch"])

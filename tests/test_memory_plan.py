@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.host import native
-from posttrain.host.adamw8bit import AdamW8bit, state_bytes
+from posttrain.optim import native
+from posttrain.optim.adamw8bit import AdamW8bit, state_bytes
 from posttrain.host.memory_plan import MIN_PARAMS_8BIT, MemoryPlan, machine_ram
 from posttrain.host.placement import InProcess
 from posttrain.host.process_tree import TreePeak, descendants, tree_resident_bytes
-from posttrain.workers.optim import build_optimizer, optimizer_kind
+from posttrain.optim.build import build_optimizer, optimizer_kind
 
 
 def _optim(name="auto"):

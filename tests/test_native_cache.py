@@ -1,5 +1,5 @@
 """Issue 59: the C kernel's cache cannot be planted into, and a damaged entry is rebuilt, never loaded.
-Each case runs `posttrain.host.native.load` in a fresh process (a library, once loaded, stays) against a
+Each case runs `posttrain.optim.native.load` in a fresh process (a library, once loaded, stays) against a
 cache folder of the test's, and has a negative control showing the same file is loaded (or crashes the
 loader) without the check."""
 
@@ -20,7 +20,7 @@ needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, 
 LOAD = textwrap.dedent("""
     import logging, sys
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
-    from posttrain.host import native
+    from posttrain.optim import native
     library = native.load("adamw8bit")
     print("C" if library is not None and hasattr(library, "adamw8bit_update") else "none", native.last_error)
 """)

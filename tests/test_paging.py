@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from posttrain.errors import ConfigError
-from posttrain.host.paging import (IN_MEMORY_FILESYSTEMS, PagedAdamW, PagedTensors, _filesystem_type, offload_directory,
-                                   one_pass, page_module, paged_weights, paging_directory)
+from posttrain.host.paging import (IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, one_pass,
+                                   page_module, paged_weights, paging_directory)
+from posttrain.optim.paged import PagedAdamW
 from posttrain.host.placement import InProcess
 from posttrain.host.resident import current_resident_bytes
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
@@ -259,7 +260,7 @@ def _steps(opt, params, steps, seed=1):
 def test_paged_8bit_moments_equal_the_in_memory_ones_and_leave_memory(tmp_path):
     """host_paging's claim for a trained role: the same updates, bit for bit, as 8-bit moments in memory, and
     after a step the codes (2 bytes a parameter) are out of the process (the control: in memory, they stay)."""
-    from posttrain.host.adamw8bit import AdamW8bit
+    from posttrain.optim.adamw8bit import AdamW8bit
 
     plain_params, paged_params = _two_params(), _two_params()
     plain = AdamW8bit(plain_params, lr=1e-2)
@@ -280,7 +281,7 @@ def test_paged_8bit_moments_equal_the_in_memory_ones_and_leave_memory(tmp_path):
 def test_paged_8bit_state_dict_resumes_exactly(tmp_path):
     """A paged optimizer's state dict loads into a paged optimizer (codes copied into its file) and into an
     in-memory one; both continue exactly as the uninterrupted run."""
-    from posttrain.host.adamw8bit import AdamW8bit
+    from posttrain.optim.adamw8bit import AdamW8bit
 
     straight = _two_params()
     opt = AdamW8bit(straight, lr=1e-2, directory=str(tmp_path))
@@ -306,7 +307,7 @@ def test_paged_8bit_state_dict_resumes_exactly(tmp_path):
 def test_host_paging_auto_pages_the_reference_and_the_8bit_moments(paging_dir):
     """The default (host_paging=auto, TMPDIR on a disk) on a one-process CPU run: the frozen reference's
     weights are paged, and a trained role's 8-bit moments; off keeps both in memory."""
-    from posttrain.host.adamw8bit import AdamW8bit
+    from posttrain.optim.adamw8bit import AdamW8bit
     from posttrain.host.memory_plan import MIN_PARAMS_8BIT
 
     cfg = tiny_worker_configs()
@@ -374,7 +375,7 @@ def test_a_paged_pass_holds_one_layer_at_a_time(tmp_path, per_layer):
 def test_host_paging_auto_keeps_state_in_memory_when_the_disk_is_full(paging_dir, monkeypatch, capsys):
     """auto never stops a run: a file that cannot be reserved leaves the reference and the moments in memory,
     said in the plan line; `on` (the user asked) is the full-disk error (the control)."""
-    from posttrain.host.adamw8bit import AdamW8bit
+    from posttrain.optim.adamw8bit import AdamW8bit
     from posttrain.host.memory_plan import MIN_PARAMS_8BIT
 
     def full(fd, offset, length):

@@ -62,7 +62,7 @@ class RankPlacement:
 
     @staticmethod
     def optimizer(module: torch.nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
-        from posttrain.workers.optim import build_optimizer, trainable_parameters
+        from posttrain.optim.build import build_optimizer, trainable_parameters
 
         return build_optimizer(trainable_parameters(module), optim_config)
 

@@ -3,7 +3,7 @@
 A one-process CPU run (`posttrain.host.placement.InProcess`) decides here what ``auto`` means for the
 keys that trade memory for nothing or little:
 
-- ``<role>.optim.optimizer: auto`` -> ``adamw_8bit`` (`posttrain.host.adamw8bit.AdamW8bit`: 2 bytes of
+- ``<role>.optim.optimizer: auto`` -> ``adamw_8bit`` (`posttrain.optim.adamw8bit.AdamW8bit`: 2 bytes of
   moments a parameter instead of 8; for SmolLM2-135M 0.27 GB instead of 1.08 GB) on a CPU for a role
   that trains >= 10M parameters, ``AdamW`` elsewhere (GPU ranks, tiny models, LoRA adapters) or when
   ``optimizer_offload`` already pages the moments to a file.
@@ -18,7 +18,7 @@ keys that trade memory for nothing or little:
   2.66 GB and 5.61 s before the update came from the heap; benchmarks/README.md has the figures, pass by pass.
 - ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary
   directory when that is on a disk (`idle_state_directory`): a frozen role's weights between its passes,
-  a trained role's 8-bit moments between optimizer steps (`posttrain.host.adamw8bit.AdamW8bit`'s
+  a trained role's 8-bit moments between optimizer steps (`posttrain.optim.adamw8bit.AdamW8bit`'s
   ``directory``). The same numbers; it takes 0.27 + 0.27 GB out of the built-in run's update for
   SmolLM2-135M, at the price of mapping them back from the page cache once a step.
 
@@ -110,7 +110,7 @@ class MemoryPlan:
 
     def note_optimizer(self, role: str, kind: str, requested: str, paged: bool, trained_params: int,
                        idle_paged: bool = False, kernel: str = "C") -> None:
-        """``kernel``: what updates the 8-bit moments (`posttrain.host.adamw8bit.AdamW8bit.kernel`)."""
+        """``kernel``: what updates the 8-bit moments (`posttrain.optim.adamw8bit.AdamW8bit.kernel`)."""
         how = "chosen" if requested == "auto" else "asked"
         if paged:
             self.notes.append(f"{role}: AdamW moments paged to a file (optimizer_offload)")

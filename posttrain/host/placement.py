@@ -8,7 +8,7 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   the temporary directory is on a disk): its weights paged to a file and dropped from memory after each
   pass (`posttrain.host.paging`);
 - ``host_paging`` on a trained role with 8-bit moments: the moments paged to a file between optimizer
-  steps (`posttrain.host.adamw8bit.AdamW8bit`), so the update's forward and backward do not hold them;
+  steps (`posttrain.optim.adamw8bit.AdamW8bit`), so the update's forward and backward do not hold them;
 - ``optimizer_offload``: AdamW's moments paged to a file, one parameter's in memory at a time
   (`posttrain.host.paging.PagedAdamW`), and the actor's rollout and update run memory-first
   (`resident`);
@@ -36,17 +36,17 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from posttrain.host.adamw8bit import AdamW8bit
+from posttrain.optim.adamw8bit import AdamW8bit
 from posttrain.host.allocator import (heap_allocations, keep_freed_memory, map_large_blocks, mapped_allocations,
                                       release_freed_memory)
 from posttrain.host.memory_plan import MemoryPlan
-from posttrain.host.paging import (PagedAdamW, offload_directory, one_pass, page_module, page_out_after_each_layer,
-                                   paged_weights)
+from posttrain.host.paging import offload_directory, one_pass, page_module, page_out_after_each_layer, paged_weights
 from posttrain.host.process_tree import start_run_peak
 from posttrain.models.compile import decoder_layers, enable_layer_compile
 from posttrain.models.into_grad import embeddings_add_into_grad
 from posttrain.models.lean_backward import keep_less_for_backward
-from posttrain.workers.optim import build_optimizer, optimizer_kind, trainable_parameters
+from posttrain.optim.build import build_optimizer, optimizer_kind, trainable_parameters
+from posttrain.optim.paged import PagedAdamW
 from posttrain.workers.prepare import OnDevice
 
 __all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_bf16"]

@@ -1,8 +1,8 @@
 /* AdamW's step over one parameter whose moments are stored in 8 bits, block by block: the arithmetic of
- * `posttrain.host.adamw8bit._update_blocks` (the format is described there) in one pass over each block of
+ * `posttrain.optim.adamw8bit._update_blocks` (the format is described there) in one pass over each block of
  * 256 values, which stays in the L1 cache, instead of torch's ~20 passes over a chunk.
  *
- * Built once per machine by `posttrain.host.native` (cc -O3 -march=native -fopenmp -ffp-contract=off: each
+ * Built once per machine by `posttrain.optim.native` (cc -O3 -march=native -fopenmp -ffp-contract=off: each
  * operation rounds on its own, as in torch's kernels, but for the two multiply-adds torch fuses, written as
  * fmaf) and called through ctypes, which releases the GIL.
  * OpenMP is the libgomp torch already loaded (same soname), so its threads are torch's.

@@ -5,7 +5,7 @@ Why not bitsandbytes: bitsandbytes 0.50.2 installs and runs on this CPU (AVX2), 
 took 1.0-1.2 s for one ``[49152 * 576]`` parameter against fused AdamW's 0.03 s (x40; ~4.7 s a
 step for the 134.5M parameters of SmolLM2), more than the run's whole step-time allowance. Here a
 parameter's blocks are updated by ``adamw8bit.c`` (one pass a block of 256 values, in L1; built once
-per machine by `posttrain.host.native`): 0.09-0.10 s for 56M values against 0.29-0.31 s for the same
+per machine by `posttrain.optim.native`): 0.09-0.10 s for 56M values against 0.29-0.31 s for the same
 arithmetic in torch ops (`_update_blocks`, ~20 passes over chunks that stay in cache), which runs where no
 C compiler builds the kernel. The two agree but where torch's sqrt (MKL's, within an ulp, not correctly
 rounded) tips a code by one level (figures: benchmarks/README.md, "Memory").
@@ -193,11 +193,11 @@ def _init_state(state: dict, p: torch.Tensor, paged: _PagedCodes | None = None) 
 
 
 def _native_kernel(native: bool | None):
-    """``adamw8bit.c``'s ``adamw8bit_update`` (`posttrain.host.native`), or None: ``native=False``, or no C
+    """``adamw8bit.c``'s ``adamw8bit_update`` (`posttrain.optim.native`), or None: ``native=False``, or no C
     compiler (auto warns once and keeps the torch update, the same arithmetic ~3x slower; True raises)."""
     if native is False:
         return None
-    from posttrain.host.native import last_error, load  # noqa: PLC0415 - builds a library on first use
+    from posttrain.optim.native import last_error, load  # noqa: PLC0415 - builds a library on first use
 
     library = load("adamw8bit")
     if library is None:

@@ -32,7 +32,7 @@ __all__ = [
 OPTIMIZER_NAMES = {"auto": "auto", "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
                    "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit", "adamw_bnb_8bit": "adamw_8bit"}
 """Accepted spellings of ``optim.optimizer`` (lower-cased) -> ``adamw`` (float32 moments), ``adamw_8bit``
-(`posttrain.host.adamw8bit.AdamW8bit`: 8-bit block-wise moments, 2 bytes a parameter instead of 8) or
+(`posttrain.optim.adamw8bit.AdamW8bit`: 8-bit block-wise moments, 2 bytes a parameter instead of 8) or
 ``auto`` (the placement decides)."""
 
 
@@ -105,7 +105,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any,
             del kwargs["betas"]  # verl's rule: betas only for Adam-like classes (SGD takes none)
         return external_optimizer_class(optim)(params, **kwargs)
     if kind == "adamw_8bit":
-        from posttrain.host.adamw8bit import AdamW8bit  # a torch optimizer; none of host's process levers
+        from posttrain.optim.adamw8bit import AdamW8bit  # a torch optimizer; none of host's process levers
         return (make or AdamW8bit)(params, **kwargs)
     make = make or torch.optim.AdamW
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]

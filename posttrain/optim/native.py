@@ -7,7 +7,7 @@ compiler, the flags and the CPU's model and flags, so an edited source, another 
 a second; two processes building at once each write their own file and rename it into place.
 
 Why not ``torch.compile`` for the same fusion: inductor fused the torch form of the 8-bit update
-(`posttrain.host.adamw8bit._update_blocks`) to 0.16 s for 56M values (0.29 s eager; this kernel 0.10 s),
+(`posttrain.optim.adamw8bit._update_blocks`) to 0.16 s for 56M values (0.29 s eager; this kernel 0.10 s),
 but importing and running it kept ~0.16 GB more resident for the rest of the run and took 2-18 s at
 start-up, and its graph recompiled each step unless the step size was kept out of any ``alpha=``.
 

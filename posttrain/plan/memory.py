@@ -251,7 +251,7 @@ class _Ctx:
     one_process: bool = False
     """A one-process CPU run (`posttrain.host.placement.InProcess`), whose levers differ from ranks'."""
     adam_bytes: float = ADAM_BYTES
-    """AdamW's m and v per trained parameter: 8 (fp32), 2 with 8-bit moments (posttrain.host.adamw8bit)."""
+    """AdamW's m and v per trained parameter: 8 (fp32), 2 with 8-bit moments (posttrain.optim.adamw8bit)."""
 
     @property
     def act_scale(self) -> float:
@@ -684,13 +684,13 @@ class CpuTerms:
         return cls(2 if bf16 else 4, one, why, host if one else "")
 
     def adam_bytes(self, optim: Any, trained_params: Optional[float]) -> float:
-        """What the run's optimizer keeps per trained parameter: the spellings of `posttrain.workers.optim` and,
+        """What the run's optimizer keeps per trained parameter: the spellings of `posttrain.optim.build` and,
         for ``auto``, the one-process placement's choice (`posttrain.host.memory_plan.MemoryPlan.optimizer`);
         ranks take ``auto`` as AdamW. An unknown name (an error of the plan's checks) counts as AdamW."""
         import torch
 
         from posttrain.host.memory_plan import MemoryPlan
-        from posttrain.workers.optim import OPTIMIZER_NAMES
+        from posttrain.optim.build import OPTIMIZER_NAMES
 
         kind = OPTIMIZER_NAMES.get(str(getattr(optim, "optimizer", "auto") or "auto").lower(), "adamw")
         if kind == "auto":

@@ -13,6 +13,6 @@ prepares its module in this process by the same steps (`posttrain.workers.prepar
 
 from posttrain.workers.actor import ActorWorker, RefWorker
 from posttrain.workers.critic import CriticWorker, response_values
-from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+from posttrain.optim.build import build_lr_scheduler, build_optimizer
 
 __all__ = ["ActorWorker", "CriticWorker", "RefWorker", "build_lr_scheduler", "build_optimizer", "response_values"]

@@ -27,7 +27,7 @@ from posttrain.models import enable_activation_checkpointing, load_causal_lm, lo
 from posttrain.models.compute_dtype import resolve_param_dtype
 from posttrain.models.lora import LoraAdapter, apply_lora, lora_settings
 from posttrain.models.reward_model import import_external_lib, load_reward_model
-from posttrain.workers.optim import build_optimizer, trainable_parameters
+from posttrain.optim.build import build_optimizer, trainable_parameters
 
 __all__ = ["OnDevice", "Placement", "ROLE_KINDS", "Ready", "add_lora", "decide_param_dtype", "follow_actor",
            "load_role_model", "prepare"]

@@ -105,7 +105,7 @@ def test_optimizer_impl_builds_the_named_class():
     (verl's rule), AdamW gets override's eps; a module that does not import is one error naming the key."""
     from types import SimpleNamespace
 
-    from posttrain.workers.optim import build_optimizer, optimizer_kind
+    from posttrain.optim.build import build_optimizer, optimizer_kind
 
     params = list(torch.nn.Linear(3, 2).parameters())
     common = dict(lr=0.1, betas=[0.9, 0.99], weight_decay=0.0)

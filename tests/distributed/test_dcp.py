@@ -16,7 +16,7 @@ from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.checkpoint.dcp import (SafeFileSystemReader, UnsafeCheckpointError, full_state_dict_for_export,
                                        load_sharded, save_sharded)
 from posttrain.distributed.fsdp import build_mesh, run_local_ranks, shard_model
-from posttrain.workers.optim import build_optimizer
+from posttrain.optim.build import build_optimizer
 from helpers.tiny_models import tiny_llama, tiny_worker_configs
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.config.actor_rollout_ref import OptimConfig
-from posttrain.workers.optim import build_lr_scheduler, build_optimizer
+from posttrain.optim.build import build_lr_scheduler, build_optimizer
 
 
 def lrs(optim_cfg, steps):
