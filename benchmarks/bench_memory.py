@@ -52,7 +52,7 @@ QUIET = ["trainer.logger=[]", "trainer.val_before_train=False", "trainer.test_fr
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
 LEVERS = {  # name -> (overrides with the lever off, overrides with it on)
     "adamw_8bit": (["actor_rollout_ref.actor.optim.optimizer=AdamW"],
-                   ["actor_rollout_ref.actor.optim.optimizer=adamw_8bit"]),
+                   ["actor_rollout_ref.actor.optim.optimizer=posttrain_adamw_8bit"]),
     "no_reference": (["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.0"],
                      ["actor_rollout_ref.actor.use_kl_loss=False"]),
     "gradient_checkpointing": (["actor_rollout_ref.model.enable_gradient_checkpointing=False"],

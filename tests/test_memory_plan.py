@@ -26,7 +26,7 @@ def _fsdp(offload=False):
 
 
 @pytest.mark.parametrize("name,kind", [("AdamW", "adamw"), ("adamw_torch", "adamw"), ("adamw_torch_fused", "adamw"),
-                                       ("adamw_8bit", "adamw_8bit"), ("AdamW8bit", "adamw_8bit"), ("auto", "auto")])
+                                       ("posttrain_adamw_8bit", "adamw_8bit"), ("AdamW8bit", "adamw_8bit"), ("adamw_8bit", "external"), ("adamw_torch_8bit", "external"), ("auto", "auto")])
 def test_optimizer_names_in_verls_and_trls_spelling(name, kind):
     assert optimizer_kind(_optim(name)) == kind
 
@@ -63,19 +63,19 @@ def test_placement_builds_8bit_state_a_quarter_the_size(tmp_path):
     assert sizes["auto"] < 0.27 * sizes["AdamW"]
     line = place.plan.line()
     update = "updated in C" if native.load("adamw8bit") else "updated by torch ops: no C kernel"
-    assert line.startswith("memory plan: CPU, ") and "actor: AdamW moments 8-bit (adamw_8bit, chosen: 0.02 GB " \
+    assert line.startswith("memory plan: CPU, ") and "actor: AdamW moments 8-bit (posttrain_adamw_8bit, chosen: 0.02 GB " \
         f"instead of 0.08 GB, paged to a file between steps (host_paging), {update})" in line and "actor: AdamW moments fp32 (0.08 GB; asked)" in line
 
 
 def test_8bit_with_offload_is_refused_naming_both_keys():
-    with pytest.raises(ValueError, match=r"actor.optim.optimizer=adamw_8bit and .*actor.fsdp_config.optimizer_offload"):
-        InProcess("cpu").optimizer(torch.nn.Linear(2, 2), _optim("adamw_8bit"), SimpleNamespace(
+    with pytest.raises(ValueError, match=r"actor.optim.optimizer=posttrain_adamw_8bit and .*actor.fsdp_config.optimizer_offload"):
+        InProcess("cpu").optimizer(torch.nn.Linear(2, 2), _optim("posttrain_adamw_8bit"), SimpleNamespace(
             optimizer_offload=True, offload_policy=False), "actor_rollout_ref.actor")
 
 
 def test_build_optimizer_reads_the_key():
     params = [torch.nn.Parameter(torch.zeros(3))]
-    assert isinstance(build_optimizer(params, _optim("adamw_8bit")), AdamW8bit)
+    assert isinstance(build_optimizer(params, _optim("posttrain_adamw_8bit")), AdamW8bit)
     assert type(build_optimizer(params, _optim("auto"))) is torch.optim.AdamW  # nothing chose: plain AdamW
 
 

@@ -90,9 +90,10 @@ class OptimConfig:
     warmup_style: Optional[str] = None
     """Deprecated verl name of lr_scheduler_type; when set it wins."""
     optimizer: str = "auto"
-    """AdamW (float32 moments; also adamw_torch), adamw_8bit (TRL's name: 8-bit block-wise moments, 2 bytes a
-    parameter instead of 8), or auto: the run's memory plan chooses (adamw_8bit on a one-process CPU run); with
-    optimizer_impl another module, the name of its class (verl: AdamW8bit with torchao.optim)."""
+    """AdamW (float32 moments; also adamw_torch), posttrain_adamw_8bit (posttrain's 8-bit block-wise moments, 2 bytes
+    a parameter instead of 8, updated in C), a library's optimizer by transformers' name (adamw_8bit and adamw_bnb_8bit:
+    bitsandbytes; adamw_torch_8bit: torchao), or auto: the run's memory plan chooses (posttrain_adamw_8bit on a
+    one-process CPU run); with optimizer_impl another module, the name of its class (verl: AdamW8bit with torchao.optim)."""
     optimizer_impl: str = "torch.optim"
     """Module the optimizer class comes from (verl's key): torch.optim (AdamW and posttrain's own names above, or any torch.optim class such as SGD), posttrain.optim (the same names), or any importable module, e.g. torchao.optim or bitsandbytes.optim, whose class `optimizer` is built with lr, betas, weight_decay."""
     override_optimizer_config: Optional[dict[str, Any]] = None

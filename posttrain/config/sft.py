@@ -177,8 +177,9 @@ class SFTOptimConfig:
     lr_scheduler: str = "cosine"
     """Schedule after warm-up: cosine or constant."""
     optimizer: str = "auto"
-    """(posttrain; TRL's ``optim``) AdamW (float32 moments), adamw_8bit (8-bit block-wise moments), or auto:
-    the run's memory plan chooses (adamw_8bit on a one-process CPU run)."""
+    """(posttrain; TRL's ``optim``) AdamW (float32 moments), posttrain_adamw_8bit (posttrain's 8-bit block-wise
+    moments), a library's by transformers' name (adamw_8bit: bitsandbytes; adamw_torch_8bit: torchao), or auto: the
+    run's memory plan chooses (posttrain_adamw_8bit on a one-process CPU run)."""
     min_lr_ratio: float = 0.0
     """(posttrain) Cosine floor as a fraction of lr."""
     optimizer_impl: str = "torch.optim"

@@ -147,7 +147,7 @@ GROUP_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
 @_cfg()
 class EngineOptimConfig:
     optimizer: str = "AdamW"
-    """Optimizer class (verl's name), or posttrain's adamw_8bit / auto."""
+    """Optimizer class (verl's name: AdamW), posttrain_adamw_8bit, or auto (posttrain's choice for the machine)."""
     optimizer_impl: str = "torch.optim"
     """Module of the optimizer class (torch.optim, posttrain.optim, torchao.optim, ...)."""
     lr: float = 1e-3

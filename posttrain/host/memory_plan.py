@@ -117,7 +117,7 @@ class MemoryPlan:
         elif kind == "adamw_8bit":
             between = ", paged to a file between steps (host_paging)" if idle_paged else ""
             update = ", updated in C" if kernel == "C" else ", updated by torch ops: no C kernel"
-            self.notes.append(f"{role}: AdamW moments 8-bit ({kind}, {how}: {2 * trained_params / 1e9:.2f} GB instead "
+            self.notes.append(f"{role}: AdamW moments 8-bit (posttrain_adamw_8bit, {how}: {2 * trained_params / 1e9:.2f} GB instead "
                               f"of {8 * trained_params / 1e9:.2f} GB{between}{update})")
         elif kind == "external":
             self.notes.append(f"{role}: optimizer from optim.optimizer_impl (asked; its own state)")

@@ -107,7 +107,7 @@ class InProcess(OnDevice):
         requested = optimizer_kind(optim_config, f"{role}.optim.optimizer")
         directory = offload_directory(fsdp_config, "optimizer_offload", section, module, self.device)
         if directory is not None and requested == "adamw_8bit":
-            raise ValueError(f"{section}.optim.optimizer=adamw_8bit and {section}.fsdp_config.optimizer_offload=True "
+            raise ValueError(f"{section}.optim.optimizer=posttrain_adamw_8bit and {section}.fsdp_config.optimizer_offload=True "
                              "both shrink AdamW's moments; choose one (8-bit moments stay in memory, offloaded ones "
                              "are paged to a file)")
         params = trainable_parameters(module)

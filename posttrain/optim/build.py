@@ -29,11 +29,22 @@ __all__ = [
 ]
 
 
+OWN_8BIT = "posttrain_adamw_8bit"
+"""The name of posttrain's own 8-bit AdamW (`posttrain.optim.adamw8bit.AdamW8bit`: block-wise moments in its own
+format, 2 bytes a parameter instead of 8, updated in C); ``auto`` picks it on a one-process CPU run."""
+
 OPTIMIZER_NAMES = {"auto": "auto", "adamw": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
-                   "adamw_8bit": "adamw_8bit", "adamw8bit": "adamw_8bit", "adamw_bnb_8bit": "adamw_8bit"}
+                   OWN_8BIT: "adamw_8bit", "adamw8bit": "adamw_8bit"}
 """Accepted spellings of ``optim.optimizer`` (lower-cased) -> ``adamw`` (float32 moments), ``adamw_8bit``
-(`posttrain.optim.adamw8bit.AdamW8bit`: 8-bit block-wise moments, 2 bytes a parameter instead of 8) or
-``auto`` (the placement decides)."""
+(posttrain's own 8-bit AdamW, `OWN_8BIT`) or ``auto`` (the placement decides)."""
+
+LIBRARY_OPTIMIZERS = {"adamw_8bit": ("bitsandbytes.optim", "AdamW8bit"),
+                      "adamw_bnb_8bit": ("bitsandbytes.optim", "AdamW8bit"),
+                      "paged_adamw_8bit": ("bitsandbytes.optim", "PagedAdamW8bit"),
+                      "adamw_torch_8bit": ("torchao.optim", "AdamW8bit"),
+                      "adamw_torch_4bit": ("torchao.optim", "AdamW4bit")}
+"""transformers' and TRL's names of other libraries' optimizers (``OptimizerNames``): each means that library's
+class, as it does there."""
 
 
 OWN_IMPLS = ("torch.optim", "posttrain.optim")
@@ -46,15 +57,16 @@ def optimizer_kind(optim: Any, key: str = "optim.optimizer") -> str:
     ``optim.optimizer_impl``, verl's key, or a torch.optim class other than AdamW); ``key`` names it in the error."""
     name = str(getattr(optim, "optimizer", "auto") or "auto")
     impl = str(getattr(optim, "optimizer_impl", "torch.optim") or "torch.optim")
-    if impl not in OWN_IMPLS:
+    if impl not in OWN_IMPLS or name.lower() in LIBRARY_OPTIMIZERS:
         return "external"
     kind = OPTIMIZER_NAMES.get(name.lower())
     if kind is None and impl == "torch.optim" and isinstance(getattr(torch.optim, name, None), type):
         return "external"  # verl: getattr(torch.optim, optimizer), e.g. SGD or Adam
     if kind is None:
         raise ValueError(f"{key}={name!r} is not an optimizer posttrain knows: AdamW (verl's name; also adamw_torch, "
-                         f"adamw_torch_fused), adamw_8bit (TRL's name: 8-bit moments), auto, a torch.optim class, or "
-                         f"a class of another module named by optim.optimizer_impl (e.g. torchao.optim)")
+                         f"adamw_torch_fused), {OWN_8BIT} (posttrain's 8-bit moments), auto, a library's name as "
+                         f"transformers has it ({', '.join(LIBRARY_OPTIMIZERS)}), a torch.optim class, or a class of "
+                         f"another module named by optim.optimizer_impl (e.g. torchao.optim)")
     return kind
 
 
@@ -64,11 +76,15 @@ def external_optimizer_class(optim: Any, key: str = "optim") -> type:
 
     impl = str(getattr(optim, "optimizer_impl", "torch.optim") or "torch.optim")
     name = str(optim.optimizer)
+    if name.lower() in LIBRARY_OPTIMIZERS:
+        impl, name = LIBRARY_OPTIMIZERS[name.lower()]
     try:
         module = importlib.import_module(impl)
     except ImportError as err:
-        raise ValueError(f"{key}.optimizer_impl={impl!r} cannot be imported ({err}); install it or set "
-                         "optimizer_impl=torch.optim") from None
+        library = impl.split(".")[0]
+        raise ValueError(f"{key}.optimizer={optim.optimizer!r} (optimizer_impl={impl}) needs {library}, which cannot be "
+                         f"imported ({err}); install it, or use posttrain's own 8-bit AdamW: {key}.optimizer={OWN_8BIT} "
+                         "(auto picks it on a one-process CPU run)") from None
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ValueError(f"{key}.optimizer={name!r} is not a class of {impl}")

@@ -118,5 +118,31 @@ def test_optimizer_impl_builds_the_named_class():
     missing = SimpleNamespace(optimizer="AdamW8bit", optimizer_impl="no_such_optim_lib", override_optimizer_config=None,
                               **common)
     assert optimizer_kind(missing) == "external"
-    with pytest.raises(ValueError, match="optimizer_impl='no_such_optim_lib' cannot be imported"):
+    with pytest.raises(ValueError, match="optimizer_impl=no_such_optim_lib\\) needs no_such_optim_lib"):
         build_optimizer(params, missing)
+
+
+def test_library_names_mean_the_library_as_in_transformers():
+    """adamw_8bit / adamw_bnb_8bit are bitsandbytes' AdamW8bit, adamw_torch_8bit torchao's (transformers'
+    OptimizerNames); posttrain's own format has its own name. Where the library is missing: one error naming it
+    and posttrain's own."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from posttrain.optim.adamw8bit import AdamW8bit
+    from posttrain.optim.build import OWN_8BIT, build_optimizer, optimizer_kind
+
+    params = list(torch.nn.Linear(3, 2).parameters())
+    common = dict(lr=0.1, betas=[0.9, 0.99], weight_decay=0.0, optimizer_impl="torch.optim", override_optimizer_config=None)
+    assert isinstance(build_optimizer(params, SimpleNamespace(optimizer=OWN_8BIT, **common)), AdamW8bit)
+    ours = SimpleNamespace(**{**common, "optimizer": "AdamW8bit", "optimizer_impl": "posttrain.optim"})
+    assert optimizer_kind(ours) == "adamw_8bit"
+    for name, library in (("adamw_8bit", "bitsandbytes"), ("adamw_bnb_8bit", "bitsandbytes"),
+                          ("adamw_torch_8bit", "torchao")):
+        optim = SimpleNamespace(optimizer=name, **common)
+        assert optimizer_kind(optim) == "external"
+        if importlib.util.find_spec(library) is None:
+            with pytest.raises(ValueError, match=f"needs {library}.*{OWN_8BIT}"):
+                build_optimizer(params, optim)
+        else:
+            assert type(build_optimizer(params, optim)).__module__.startswith(library)
