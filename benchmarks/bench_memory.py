@@ -28,7 +28,7 @@ model: weights, gradients and Adam's two moments of the actor, and the reference
 at 4 bytes per parameter.
 
 With ``actor_rollout_ref.actor.fsdp_config.optimizer_offload=True`` the one-process placement also
-runs the actor's rollout and update memory-first (`posttrain.host.placement.memory_first`: large
+runs the actor's rollout and update memory-first (`posttrain.distributed.placement.memory_first`: large
 buffers in mappings of their own, the freed heap handed back after the phase). The built-in run at
 fp32 with micro-batches of 16 peaked at 4.1-4.2 GB without it and 3.1-3.2 GB with it (2.5-2.7 GB with
 micro-batches of 8); it cost ~x0.93 a step (fresh pages are zero-filled).

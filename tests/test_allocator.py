@@ -129,7 +129,7 @@ print(libc.mallinfo2().fordblks >> 20, (current_resident_bytes() >> 20) - base)
 @pytest.mark.parametrize("mapped", [True, False])
 @needs_glibc
 def test_a_block_allocated_memory_first_goes_back_to_the_kernel_when_freed(mapped):
-    """What ``host_memory=memory`` relies on (posttrain.host.placement.memory_first): the block has a mapping
+    """What ``host_memory=memory`` relies on (posttrain.distributed.placement.memory_first): the block has a mapping
     of its own, unmapped at its free; kept for reuse otherwise (the negative control), still resident."""
     free_mib, grown_mib = map(int, _run_probe(MAPPED_PROBE, "mapped" if mapped else "kept"))
     if mapped:
@@ -272,7 +272,7 @@ free_and_report(block)
 @pytest.mark.parametrize("heap", [True, False])
 @needs_glibc
 def test_a_large_block_comes_from_the_heap_inside_heap_allocations(heap):
-    """The update's phase under ``host_memory=balanced`` (posttrain.host.placement): a block above the threshold
+    """The update's phase under ``host_memory=balanced`` (posttrain.distributed.placement): a block above the threshold
     comes from the heap and its freed pages stay there for the next micro-batch; outside, it is mapped and its
     pages leave with its free (the negative control)."""
     free_mib, returned_mib = map(int, _run_probe(HEAP_PROBE, "heap" if heap else "mapped"))

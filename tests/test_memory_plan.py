@@ -12,7 +12,7 @@ import torch
 from posttrain.optim import native
 from posttrain.optim.adamw8bit import AdamW8bit, state_bytes
 from posttrain.host.memory_plan import MIN_PARAMS_8BIT, MemoryPlan, machine_ram
-from posttrain.host.placement import InProcess
+from posttrain.distributed.placement import InProcess
 from posttrain.host.process_tree import TreePeak, descendants, tree_resident_bytes
 from posttrain.optim.build import build_optimizer, optimizer_kind
 
@@ -159,7 +159,7 @@ def test_the_actors_rollout_and_update_run_memory_first_when_chosen(mode, expect
 
     from helpers.tiny_run import one_thread, tiny_overrides
     from posttrain.config import load_config
-    from posttrain.host import placement
+    from posttrain.distributed import placement
     from posttrain.trainer.trainer import RLTrainer
 
     phases, real = [], placement.memory_first

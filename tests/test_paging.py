@@ -16,7 +16,7 @@ from posttrain.errors import ConfigError
 from posttrain.host.paging import (IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, one_pass,
                                    page_module, paged_weights, paging_directory)
 from posttrain.optim.paged import PagedAdamW
-from posttrain.host.placement import InProcess
+from posttrain.distributed.placement import InProcess
 from posttrain.host.resident import current_resident_bytes
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 from helpers.tokenizer import build_tiny_tokenizer
@@ -215,7 +215,7 @@ def test_the_one_process_group_pages_out_after_each_call_and_updates_memory_firs
 
     from helpers.tiny_run import one_thread, tiny_overrides
     from posttrain.config import load_config
-    from posttrain.host import placement
+    from posttrain.distributed import placement
     from posttrain.trainer.trainer import RLTrainer
 
     entered, whole_page_outs = [], []

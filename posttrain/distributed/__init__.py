@@ -1,7 +1,10 @@
-"""Scale-out: several ranks (one process per GPU, or per CPU slot with gloo) running posttrain's workers.
+"""Where the roles run: one process (`placement.InProcess`, where the machine's levers meet the roles), or several
+ranks (one process per GPU, or per CPU slot with gloo) running posttrain's workers.
 
 Modules (import the one you need; this package itself imports nothing heavy, and no Ray):
 
+    placement  InProcess: the one-process placement (device, precision, paging, the optimizer's choice and
+               the allocator's phases on a CPU run)
     rank_group RankWorkerGroup: the trainer's WorkerGroup over Ray ranks (split, call, gather, metrics)
     rank       RankWorker: one rank's actor (+ rollout), reference and critic on FSDP2 shards
     ray_pool   RayActorPool: placement groups per node, rank environment, liveness-polled calls

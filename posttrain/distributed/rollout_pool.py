@@ -164,7 +164,7 @@ def _build_actor(config: Any, device: str) -> Any:
 
     from posttrain.config import derive_sizes, worker_config
     from posttrain.config.roles import RoleSpecs, rl_role_specs
-    from posttrain.host.placement import InProcess
+    from posttrain.distributed.placement import InProcess
     from posttrain.workers.build import build_roles
 
     specs = rl_role_specs(worker_config(config, derive_sizes(config)))

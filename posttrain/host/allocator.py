@@ -17,7 +17,7 @@ step until full, ~0.6 GB held for nothing. ``keep_freed_memory`` first caps both
 step's distinct shapes, so the reuse within a phase is kept.
 
 Each Ray rank calls it; a one-process CPU run does when ``host_memory`` is ``speed`` or ``memory``
-(`posttrain.host.placement.InProcess`): by default (``balanced``) it holds the ``mmap`` threshold instead
+(`posttrain.distributed.placement.InProcess`): by default (``balanced``) it holds the ``mmap`` threshold instead
 (`map_large_blocks`), which on the built-in run peaks 0.3-0.45 GB lower at the same step time
 (`posttrain.host.memory_plan`). The command-line entry points bound the kernel caches before torch's first
 matmul (`bound_kernel_caches`). Nothing is done off glibc, or when the user configured the allocator (a

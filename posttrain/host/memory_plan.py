@@ -1,6 +1,6 @@
 """The run's memory plan: the levers chosen from what this machine has, announced in one console line.
 
-A one-process CPU run (`posttrain.host.placement.InProcess`) decides here what ``auto`` means for the
+A one-process CPU run (`posttrain.distributed.placement.InProcess`) decides here what ``auto`` means for the
 keys that trade memory for nothing or little:
 
 - ``<role>.optim.optimizer: auto`` -> ``adamw_8bit`` (`posttrain.optim.adamw8bit.AdamW8bit`: 2 bytes of
@@ -13,7 +13,7 @@ keys that trade memory for nothing or little:
   buffers), and the heap's free pages go back to the kernel after each rollout, before each optimizer step and
   after each update, so one phase's holes do not sit under the next. ``speed`` keeps every freed block in the heap
   for reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
-  buffers and trims the heap after them (`posttrain.host.placement.memory_first`). On the built-in run (Zen 4,
+  buffers and trims the heap after them (`posttrain.distributed.placement.memory_first`). On the built-in run (Zen 4,
   bf16, 15 steps, one run each) balanced peaks at 2.54-2.60 GB with a median step of 5.66-5.88 s, against
   2.66 GB and 5.61 s before the update came from the heap; benchmarks/README.md has the figures, pass by pass.
 - ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary

@@ -13,7 +13,7 @@ memory.
 Used for the frozen reference's and reward model's weights (``actor_rollout_ref.ref.fsdp_config.
 param_offload``, ``reward_model.model.fsdp_config.param_offload``: paged out after each pass) and for
 AdamW's moments (``*.fsdp_config.optimizer_offload``: `posttrain.optim.paged.PagedAdamW` pages each parameter's moments out
-right after its update). The one-process placement (`posttrain.host.placement.InProcess`) decides both.
+right after its update). The one-process placement (`posttrain.distributed.placement.InProcess`) decides both.
 The file lives in the temporary directory (``TMPDIR``), which must be on a disk: paging to a
 ``tmpfs`` would move the memory, not free it, so that is refused with an error that says so.
 """

@@ -249,7 +249,7 @@ class _Ctx:
     """Bytes of a compute-dtype value: 2 (bf16, GPUs' and bf16 CPUs'), 4 on a CPU that computes in fp32."""
     on_cpu: bool = False
     one_process: bool = False
-    """A one-process CPU run (`posttrain.host.placement.InProcess`), whose levers differ from ranks'."""
+    """A one-process CPU run (`posttrain.distributed.placement.InProcess`), whose levers differ from ranks'."""
     adam_bytes: float = ADAM_BYTES
     """AdamW's m and v per trained parameter: 8 (fp32), 2 with 8-bit moments (posttrain.optim.adamw8bit)."""
 
@@ -369,7 +369,7 @@ def _pages_idle_state(ctx: _Ctx, fsdp: Any) -> bool:
 
 def _frozen_bytes(ctx: _Ctx, model_dtype: str) -> int:
     """Bytes a frozen role keeps per parameter: on a one-process CPU run that computes in bf16 its weights
-    are kept in bf16 (ranks keep ``model_dtype``) (`posttrain.host.placement.store_frozen_in_bf16`), else in ``model_dtype``."""
+    are kept in bf16 (ranks keep ``model_dtype``) (`posttrain.distributed.placement.store_frozen_in_bf16`), else in ``model_dtype``."""
     if ctx.on_cpu and ctx.one_process and ctx.compute_bytes == 2:
         return 2
     return MASTER_DTYPE_BYTES.get(model_dtype, 4)

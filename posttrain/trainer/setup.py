@@ -163,9 +163,9 @@ def build_workers(config: PostTrainConfig, specs: RoleSpecs, device: torch.devic
 def build_local_group(specs: RoleSpecs, device: torch.device, seed: int, actor_module: Any = None,
                       critic_module: Any = None, tokenizer: Any = None):
     """Every role in ``specs`` in this process (`posttrain.workers.build.build_roles`), placed by
-    `posttrain.host.placement.InProcess` on ``device``, which the group also asks for each call's
+    `posttrain.distributed.placement.InProcess` on ``device``, which the group also asks for each call's
     residency. Batch sizes in ``specs`` are per rank."""
-    from posttrain.host.placement import InProcess
+    from posttrain.distributed.placement import InProcess
     from posttrain.workers.build import build_roles
     from posttrain.workers.group import LocalWorkerGroup
 

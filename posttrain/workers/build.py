@@ -3,7 +3,7 @@
 Per role: load on CPU -> LoRA -> compute precision -> ``place.shard`` -> the worker, which receives
 the ready module and asks the placement for its optimizer (`posttrain.workers.prepare` holds the
 steps). The placement is the only thing that differs: the one-process placement
-(`posttrain.host.placement.InProcess`) moves modules to the device and applies this machine's
+(`posttrain.distributed.placement.InProcess`) moves modules to the device and applies this machine's
 levers (state kept in files on a CPU run, compiled layers); a rank's placement
 (`posttrain.distributed.rank`) shards them with FSDP2 and lets rank 0 decide ``auto``.
 

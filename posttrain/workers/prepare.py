@@ -5,7 +5,7 @@ Each step has one home here: `load_role_model` is the only place a role's model 
 config, `add_lora` the only place adapters are injected, `decide_param_dtype` the only place
 ``mixed_precision.param_dtype: auto`` is decided. A placement (`Placement`) says where the module
 goes and how it runs, and hands out the optimizer: the one-process placement
-(`posttrain.host.placement.InProcess`) moves it to the device and applies the machine's levers
+(`posttrain.distributed.placement.InProcess`) moves it to the device and applies the machine's levers
 (frozen weights and AdamW's moments kept in files on a CPU run, compiled decoder layers); a rank's FSDP2
 placement (`posttrain.distributed.rank`) shards it and lets rank 0 decide ``auto`` for every rank.
 The roles receive a placed module and never decide any of this.

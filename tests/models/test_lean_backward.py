@@ -14,7 +14,7 @@ from torch import nn
 from helpers.saved import kept_for_backward
 from helpers.tokenizer import build_tiny_tokenizer
 from helpers.tiny_models import tiny_llama
-from posttrain.host.placement import InProcess
+from posttrain.distributed.placement import InProcess
 from posttrain.models.lean_backward import RecastLinear, keep_less_for_backward
 
 

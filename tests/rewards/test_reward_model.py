@@ -14,7 +14,7 @@ from helpers.tiny_reward_model import build_rm_tokenizer, tiny_reward_model, tin
 from helpers.tiny_run import tiny_config, tiny_model_dir
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.host import paging
-from posttrain.host.placement import InProcess
+from posttrain.distributed.placement import InProcess
 from posttrain.batch import Batch, to_object_array
 from posttrain.config import ConfigError
 from posttrain.config.critic import RewardModelConfig

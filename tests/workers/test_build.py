@@ -10,7 +10,7 @@ import torch
 from helpers.tiny_models import tiny_llama, tiny_worker_configs
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.workers import ActorWorker
-from posttrain.host.placement import InProcess
+from posttrain.distributed.placement import InProcess
 from posttrain.workers.prepare import follow_actor, prepare
 from posttrain.workers.reward_model import RewardModelWorker
 

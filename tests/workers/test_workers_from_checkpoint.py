@@ -10,7 +10,7 @@ import torch
 
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.config.roles import RoleSpec, RoleSpecs
-from posttrain.host.placement import InProcess
+from posttrain.distributed.placement import InProcess
 from posttrain.workers.build import build_roles
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 
@@ -43,7 +43,7 @@ def test_full_step_from_folder_bf16_checkpointing(ckpt):
     old, entropy = actor.compute_log_prob(batch)
     batch.batch["old_log_probs"] = old
     batch.batch["ref_log_prob"] = ref.compute_ref_log_prob(batch)
-    # the same weights, kept in bf16 by the reference (posttrain.host.placement.store_frozen_in_bf16): every
+    # the same weights, kept in bf16 by the reference (posttrain.distributed.placement.store_frozen_in_bf16): every
     # matmul reads the bf16 weight the actor's autocast reads; the norm scales and embeddings round to bf16
     assert {p.dtype for p in ref.module.parameters()} == {torch.bfloat16}
     torch.testing.assert_close(batch["ref_log_prob"], old, rtol=0, atol=0.01)  # measured 0.002
