@@ -296,6 +296,26 @@ class MultiTurnConfig:
 
 
 @_cfg()
+class AgentEpisodeConfig:
+    path: Optional[str] = None
+    """(posttrain) A Python file defining the agent: async def episode(client, row) -> float, given an
+    openai.AsyncOpenAI client bound to that episode (the policy served with the current weights); the
+    return value is the reward. Set path (with name) or command to train agent programs."""
+    name: str = "episode"
+    """(posttrain) The episode function's name in path."""
+    command: Optional[str] = None
+    """(posttrain) A shell command run once per episode instead of a function, with OPENAI_BASE_URL,
+    OPENAI_API_KEY, OPENAI_MODEL and POSTTRAIN_ROW (the row as JSON) in its environment; its reward is the
+    last line it prints. Exiting non-zero is a failed episode."""
+    model_name: str = "policy"
+    """(posttrain) The model name episodes send (any other is refused with 404 and counted)."""
+    timeout_s: float = 300.0
+    """(posttrain) Seconds an episode may run; one past it is abandoned and counted as failed."""
+    max_concurrent: int = 64
+    """(posttrain) Episodes running at once (their calls are decoded together in batches)."""
+
+
+@_cfg()
 class AgentLoopConfig:
     num_workers: int = 8
     """Accepted for compatibility: posttrain drives all trajectories from one loop per rank."""
@@ -303,6 +323,8 @@ class AgentLoopConfig:
     """Loop for rows without an agent_name column when multi_turn.enable: tool_agent or single_turn_agent."""
     agent_loop_config_path: Optional[str] = None
     """Custom agent loops (not supported yet; must stay null)."""
+    episode: AgentEpisodeConfig = field(default_factory=AgentEpisodeConfig)
+    """(posttrain) Agent programs trained through an OpenAI-compatible endpoint (posttrain.agents)."""
 
 
 @_cfg()

@@ -15,7 +15,7 @@ import asyncio
 import hmac
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,13 +23,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from posttrain.serve.batcher import Batcher
-from posttrain.serve.protocol import (ServeError, chat_response, chat_stream_events, completion_response,
+from posttrain.serve.protocol import (Choice, Job, ServeError, chat_response, chat_stream_events, completion_response,
                                       completion_stream_events, error_body, parse_chat, parse_completion)
 
-__all__ = ["build_app", "KeyCheck"]
+__all__ = ["build_app", "KeyCheck", "RequestHook"]
 
 KeyCheck = Callable[[str], bool]
 """An API-key check: ``check(presented_key) -> bool`` (per-episode keys, for instance)."""
+
+
+class RequestHook(Protocol):
+    """What a server that knows its clients (the agent episodes of a run: `posttrain.agents.sessions`)
+    does around each request, by the API key it presented."""
+
+    def parse(self, kind: str, body: Any, tokenizer: Any, key: str | None) -> Job:
+        """The request as a :class:`Job` (``kind``: chat or completion); ``max_tokens`` 0 answers at once
+        with an empty ``length`` choice (nothing left to sample)."""
+
+    def refused(self, key: str | None, error: ServeError) -> None:
+        """A request of ``key`` was refused with ``error`` (counted)."""
 
 MAX_BODY_BYTES = 32 << 20
 
@@ -56,9 +68,9 @@ def _authorized(presented: str | None, api_key: str | KeyCheck | None) -> bool:
 
 
 def build_app(batcher: Batcher, model_name: str, *, api_key: str | KeyCheck | None = None,
-              aliases: tuple[str, ...] = ()) -> Starlette:
+              aliases: tuple[str, ...] = (), hook: RequestHook | None = None) -> Starlette:
     """The ASGI app: ``model_name`` (plus ``aliases``) is the one model served; ``api_key`` (a string, or a
-    :data:`KeyCheck`) is required on ``/v1/*`` when given."""
+    :data:`KeyCheck`) is required on ``/v1/*`` when given; ``hook`` parses requests in its place."""
     names = (model_name, *aliases)
     created = int(time.time())
 
@@ -75,6 +87,8 @@ def build_app(batcher: Batcher, model_name: str, *, api_key: str | KeyCheck | No
             try:
                 return await handler(request, key)
             except ServeError as err:
+                if hook is not None:
+                    hook.refused(key, err)
                 return _error(err)
         return endpoint
 
@@ -97,15 +111,18 @@ def build_app(batcher: Batcher, model_name: str, *, api_key: str | KeyCheck | No
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ServeError(f"the request body is not JSON: {err}") from None
 
-    def make_generate(parse, respond, events):
+    def make_generate(kind, parse, respond, events):
         async def generate(request: Request, key: str | None) -> Response:
             body = await read_json(request)
             if isinstance(body, dict) and body.get("model") not in names:
                 raise ServeError(f"model {body.get('model')!r} is not served here; served: {list(names)}",
                                  status=404, param="model", code="model_not_found")
             with batcher.tokenizer_lock:
-                job = parse(body, batcher.tokenizer)
-            choices = await asyncio.wrap_future(batcher.submit(job, key))
+                job = parse(body, batcher.tokenizer) if hook is None else hook.parse(kind, body, batcher.tokenizer, key)
+            if job.max_tokens == 0:  # the hook leaves nothing to sample (an episode's token budget is spent)
+                choices = [[Choice([], [], "", "length") for _ in range(job.n)] for _ in job.prompts]
+            else:
+                choices = await asyncio.wrap_future(batcher.submit(job, key))
             with batcher.tokenizer_lock:
                 if not job.stream:
                     return JSONResponse(respond(job, choices, batcher.tokenizer))
@@ -132,10 +149,10 @@ def build_app(batcher: Batcher, model_name: str, *, api_key: str | KeyCheck | No
     routes = [
         Route("/v1/models", guarded(list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(get_model), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(make_generate(parse_chat, chat_response, chat_stream_events)),
+        Route("/v1/chat/completions", guarded(make_generate("chat", parse_chat, chat_response, chat_stream_events)),
               methods=["POST"]),
-        Route("/v1/completions", guarded(make_generate(parse_completion, completion_response,
-                                                       completion_stream_events)), methods=["POST"]),
+        Route("/v1/completions", guarded(make_generate("completion", parse_completion,
+                                                       completion_response, completion_stream_events)), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})

@@ -71,16 +71,20 @@ class Batcher:
         batch_wait_s: how long a batch waits for more requests once the engine is free.
         max_pending_rows: rows waiting at most; a request beyond it is refused (HTTP 503).
         recorder: called with a :class:`ServeRecord` for every finished request (on this thread).
+        admit: ``admit(key) -> bool``, asked when a request is taken for decoding (the engine lock held):
+            a request whose key is no longer admitted (an episode that has ended) fails with HTTP 401
+            instead of decoding, so nothing decodes once a trainer has closed its episodes.
     """
 
     def __init__(self, engine: Any, tokenizer: Any, *, max_model_len: int, default_max_tokens: int = 512,
                  max_batch_rows: int = 64, batch_wait_s: float = 0.0, max_pending_rows: int = 4096,
-                 recorder: Callable[[ServeRecord], None] | None = None):
+                 recorder: Callable[[ServeRecord], None] | None = None,
+                 admit: Callable[[str | None], bool] | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.max_model_len, self.default_max_tokens = int(max_model_len), int(default_max_tokens)
         self.max_batch_rows, self.batch_wait_s = max(1, int(max_batch_rows)), float(batch_wait_s)
         self.max_pending_rows = int(max_pending_rows)
-        self.recorder = recorder
+        self.recorder, self.admit = recorder, admit
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = getattr(engine, "eos_token_ids", None) or [tokenizer.eos_token_id]
         self.eos_ids = {int(i) for i in eos}
@@ -178,6 +182,13 @@ class Batcher:
                     self._run(batch)
 
     def _run(self, batch: list[_Pending]) -> None:
+        if self.admit is not None:
+            closed = [p for p in batch if not self.admit(p.key)]
+            for p in closed:
+                if p.future.set_running_or_notify_cancel():
+                    p.future.set_exception(ServeError("this API key's episode has ended", status=401,
+                                                      code="invalid_api_key"))
+            batch = [p for p in batch if p not in closed]
         live = [p for p in batch if p.future.set_running_or_notify_cancel()]
         if not live:
             return

@@ -3,7 +3,9 @@ a finished job becomes the response body. No HTTP here, no engine: plain data, t
 
 What a request may ask (anything else is refused with one JSON error naming the field):
 
-- chat (``/v1/chat/completions``): ``messages`` (``content`` a string or a list of text parts), ``model``,
+- chat (``/v1/chat/completions``): ``messages`` (``content`` a string or a list of text parts; ``assistant``
+  messages with ``tool_calls``, ``tool`` messages with results), ``tools`` and ``tool_choice`` auto/none
+  (the model's hermes ``<tool_call>`` blocks become ``tool_calls``: `posttrain.serve.chat_tools`), ``model``,
   ``temperature`` (0-2), ``top_p`` (0-1], ``top_k`` (vLLM's extension), ``max_tokens`` /
   ``max_completion_tokens``, ``n``, ``stop`` (a string or up to 4), ``seed``, ``logprobs`` (bool),
   ``top_logprobs`` 0, ``stream``, ``stream_options``; ``user``/``metadata``/``store``/``service_tier`` are ignored.
@@ -25,6 +27,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.serve import chat_tools
+from posttrain.serve.errors import ServeError
+
 __all__ = ["Job", "Choice", "ServeError", "parse_chat", "parse_completion", "chat_response", "completion_response",
            "chat_stream_events", "completion_stream_events", "error_body", "apply_stop"]
 
@@ -32,25 +37,17 @@ MAX_N = 64
 MAX_STOP = 4
 IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "model", "stream", "return_token_ids"}
 SAMPLING = {"temperature", "top_p", "top_k", "max_tokens", "n", "stop", "seed", "logprobs"}
-CHAT_FIELDS = IGNORED | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
+CHAT_FIELDS = IGNORED | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls", "tools",
+                                    "tool_choice"}
 COMPLETION_FIELDS = IGNORED | SAMPLING | {"prompt", "echo", "best_of", "suffix"}
 # fields that are part of OpenAI's API but change what is generated in ways this server does not do
 UNSUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "functions": "function calling",
-    "function_call": "function calling", "response_format": "structured output (response_format)",
+    "functions": "function calling (send 'tools')",
+    "function_call": "function calling (send 'tool_choice')", "response_format": "structured output (response_format)",
     "logit_bias": "logit_bias", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "reasoning_effort": "reasoning_effort", "web_search_options": "web search",
 }
-
-
-class ServeError(Exception):
-    """A request the server refuses: HTTP ``status`` and OpenAI's error object fields."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.kind, self.code = status, param, kind, code
 
 
 def error_body(error: ServeError) -> dict:
@@ -77,6 +74,8 @@ class Job:
     token_ids: bool = False
     stream: bool = False
     include_usage: bool = False
+    tools: list[dict] | None = None
+    """The request's tools (chat): the replies' ``<tool_call>`` blocks become ``tool_calls``."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -134,8 +133,6 @@ def _harmless(name: str, value: Any) -> bool:
     """An unsupported field sent with a value that asks for nothing (a zero penalty, no tools, plain text)."""
     if name == "response_format":
         return value is None or value == {"type": "text"}
-    if name == "tool_choice":
-        return value in (None, "none", "auto")
     return value is None or (not isinstance(value, bool) and value in ([], {}, 0))
 
 
@@ -184,58 +181,32 @@ def _max_tokens(body: dict, *names: str) -> int | None:
     return values[0][1] if values else None
 
 
-def _text_content(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ServeError(f"messages[{index}].content: only text parts are supported, got {kind!r}",
-                                 param=f"messages[{index}].content", code="unsupported_parameter")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ServeError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
-
-
 def chat_messages(body: dict) -> list[dict]:
-    """The request's messages as ``{"role", "content"}`` dicts with text content, checked."""
+    """The request's messages as ``{"role", "content"}`` dicts with text content (plus an assistant's
+    ``tool_calls`` and a tool message's ``tool_call_id``: `posttrain.serve.chat_tools`), checked."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ServeError("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ServeError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        if m["role"] == "tool" or m.get("tool_calls"):
-            raise ServeError(f"messages[{i}]: tool messages and tool_calls are not supported by posttrain serve",
-                             param="messages", code="unsupported_parameter")
-        out.append({"role": m["role"], "content": _text_content(m.get("content"), i)})
-    return out
+    return [chat_tools.message_of(m, i) for i, m in enumerate(messages)]
 
 
-def parse_chat(body: Any, tokenizer: Any) -> Job:
-    """A ``/v1/chat/completions`` body -> :class:`Job` (the model's chat template applied)."""
+def parse_chat(body: Any, tokenizer: Any, render: Any = None) -> Job:
+    """A ``/v1/chat/completions`` body -> :class:`Job` (the model's chat template applied, with the
+    request's ``tools``). ``render(messages, tools) -> ids`` replaces the template (a server that keeps
+    each conversation's tokens: `posttrain.agents.sessions`)."""
     _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     messages = chat_messages(body)
+    tools = chat_tools.check_tools(body)
+    parse_calls = chat_tools.check_tool_choice(body, tools)
     if body.get("top_logprobs"):
         raise ServeError("'top_logprobs' > 0 (alternatives to each sampled token) is not supported; logprobs=true "
                          "returns each sampled token's log-prob and id", param="top_logprobs",
                          code="unsupported_parameter")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ServeError("this model has no chat template; send the prompt text to /v1/completions instead",
-                         param="messages")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as err:  # the template's own checks (roles out of order, ...)
-        raise ServeError(f"the model's chat template refused these messages: {err}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = render(messages, tools) if render is not None else chat_tools.render_prompt(tokenizer, messages, tools)
     job = Job("chat", [list(ids)], str(body.get("model") or ""), _max_tokens(body, "max_completion_tokens",
                                                                                "max_tokens"))
     job.logprobs = bool(body.get("logprobs") or False)
+    job.tools = tools if parse_calls else None
     return _sampling(body, job)
 
 
@@ -331,8 +302,9 @@ def chat_response(job: Job, choices: list[list[Choice]], tokenizer: Any) -> dict
     """The ``chat.completion`` object (``choices[0]``: one prompt, ``n`` choices)."""
     out = []
     for i, c in enumerate(choices[0]):
-        entry: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": c.text},
-                                 "finish_reason": c.finish_reason, "logprobs": None}
+        message, _ = chat_tools.reply_message(c.text, job.tools, job.id, i)
+        finish = "tool_calls" if message.get("tool_calls") and c.finish_reason == "stop" else c.finish_reason
+        entry: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
         if job.logprobs:
             entry["logprobs"] = _chat_logprobs(c, tokenizer)
         if job.logprobs or job.token_ids:
@@ -381,8 +353,10 @@ def chat_stream_events(job: Job, choices: list[list[Choice]], tokenizer: Any) ->
         i = entry["index"]
         events.append({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-        content = {"index": i, "delta": {"content": entry["message"]["content"]}, "logprobs": entry["logprobs"],
-                   "finish_reason": None}
+        delta = {"content": entry["message"]["content"]}
+        if entry["message"].get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(entry["message"]["tool_calls"])]
+        content = {"index": i, "delta": delta, "logprobs": entry["logprobs"], "finish_reason": None}
         if "token_ids" in entry:
             content["token_ids"] = entry["token_ids"]
         events.append({**base, "choices": [content]})

@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable
 
 from posttrain.errors import ConfigError
-from posttrain.serve.app import KeyCheck, build_app
+from posttrain.serve.app import KeyCheck, RequestHook, build_app
 from posttrain.serve.batcher import Batcher, ServeRecord
 
 __all__ = ["CompletionServer", "main", "build_engine"]
@@ -56,17 +56,19 @@ class CompletionServer:
         api_key: a key every ``/v1`` request must present, or a ``check(key) -> bool``; None: no key.
         max_model_len: context length (default: the model config's ``max_position_embeddings``).
         recorder: receives a :class:`ServeRecord` per finished request (prompt ids, sampled ids, log-probs).
+        hook: parses each request in the server's place and hears of its refusals (`posttrain.serve.app.RequestHook`:
+            the agent episodes of a run, `posttrain.agents.sessions`).
         Other keyword arguments go to :class:`Batcher` (``max_batch_rows``, ``default_max_tokens``,
-        ``batch_wait_s``, ``max_pending_rows``).
+        ``batch_wait_s``, ``max_pending_rows``, ``admit``).
     """
 
     def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | KeyCheck | None = None, max_model_len: int | None = None,
                  recorder: Callable[[ServeRecord], None] | None = None, aliases: tuple[str, ...] = (),
-                 **batcher_kwargs: Any):
+                 hook: RequestHook | None = None, **batcher_kwargs: Any):
         length = max_model_len or _context_length(getattr(engine, "model", None), tokenizer)
         self.batcher = Batcher(engine, tokenizer, max_model_len=length, recorder=recorder, **batcher_kwargs)
-        self.app = build_app(self.batcher, model_name, api_key=api_key, aliases=aliases)
+        self.app = build_app(self.batcher, model_name, api_key=api_key, aliases=aliases, hook=hook)
         self.model_name, self.host, self.port = model_name, host, int(port)
         self._server = None
         self._thread: threading.Thread | None = None

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from posttrain.agents.episode import check_agent_setup
+from posttrain.agents.rollout import agent_scores, agent_step_metrics
 from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
                                   kl_penalty, masked_mean)
 from posttrain.host.allocator import release_freed_memory
@@ -101,6 +103,7 @@ class RLTrainer:
         self.objective = distill.prepare(config, tokenizer, self.data)  # on-policy distillation's (None: PPO)
         check_multi_turn_setup(config, (self.data.train, self.data.val),
                                check_tool_names=bool(config.actor_rollout_ref.rollout.multi_turn.tool_config_path))
+        check_agent_setup(config)  # rollout.agent.episode: the agent program loads (one line if not)
         self.reward_fn = setup.build_reward_fn(config, tokenizer)
         self.total_steps = self._total_steps()
         wcfg = worker_config(config, self.sizes)
@@ -175,6 +178,7 @@ class RLTrainer:
         entropy = None  # per token where the old log-probs are recomputed (written with the step's samples)
         with timer("step"):
             batch = self._rollout(prompts, timer, metrics)
+            metrics.update(agent_step_metrics(batch))  # agent episodes: retokenized tokens, splits, failures
             old_from = self.sizes.old_log_probs_from  # recompute, update (on-policy) or rollout
             if old_from == "rollout":  # bypass_mode: the engine's log-probs, no recompute
                 batch["old_log_probs"] = batch["rollout_log_probs"]
@@ -282,7 +286,9 @@ class RLTrainer:
         """token_level_scores ``[N, R]`` and the reward's extra output: the reward model's score when
         reward_model.enable (replacing the reward function's, or added with reward_model.combine=sum,
         `posttrain.rewards.rm_combine.combine_rm_scores`), else the reward function's; plus the tools' and
-        interactions' rewards with multi_turn.add_tool_rewards."""
+        interactions' rewards with multi_turn.add_tool_rewards. Agent episodes: what each episode returned."""
+        if (agent := agent_scores(batch)) is not None:
+            return agent
         if self.workers.has_rm:
             rm_scores = self.workers.compute_rm_score(batch)  # the reward model's forward, on the workers
             scores, extra = combine_rm_scores(batch, rm_scores, self.reward_fn, self.config.reward_model.combine)
@@ -319,7 +325,8 @@ class RLTrainer:
             print(skipped, flush=True)
             return {}
         metrics, samples = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
-                                          self.reward_fn, n, self.config.data.reward_fn_key)
+                                          lambda b: agent_scores(b) or self.reward_fn(b), n,
+                                          self.config.data.reward_fn_key)
         self.rollout_dumps.validation(self.global_step, samples)
         metrics["timing_s/testing"] = time.perf_counter() - start
         write_validation_card(self.config, metrics, step=self.global_step, tokenizer=self.tokenizer,

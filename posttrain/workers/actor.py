@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.agents.episode import agent_enabled
 from posttrain.algorithms import get_policy_loss_fn
 from posttrain.algorithms.objectives import LOGPROB_KEYS, PPO, Objective
 from posttrain.checkpoint.ranks import process_rank
@@ -122,7 +123,8 @@ class ActorWorker:
             self.rollout.update_weights(self.module)
             self.rollout.weights_version = self.weights_version
         sampling = SamplingParams.from_rollout_config(self.rollout_config, validate=validate)
-        engine = self.multi_turn_rollout() if self.rollout_config.multi_turn.enable else self.rollout
+        engine = (self.agent_rollout() if agent_enabled(self.rollout_config)
+                  else self.multi_turn_rollout() if self.rollout_config.multi_turn.enable else self.rollout)
         with self._generation_weights() as self._merged, seeded_sampling(prompts.meta_info):
             try:
                 out = engine.generate(prompts, sampling)
@@ -140,6 +142,15 @@ class ActorWorker:
             self._multi_turn = MultiTurnRollout.from_config(self.rollout, self.tokenizer, self.rollout_config,
                                                             getattr(self, "extra_tools", ()))
         return self._multi_turn
+
+    def agent_rollout(self) -> Any:
+        """Agent programs through an OpenAI-compatible endpoint over this actor's engine
+        (``rollout.agent.episode``, `posttrain.agents.rollout.AgentRollout`), built on first use."""
+        if getattr(self, "_agent_rollout", None) is None:
+            from posttrain.agents.rollout import AgentRollout
+
+            self._agent_rollout = AgentRollout(self.rollout, self.tokenizer, self.rollout_config)
+        return self._agent_rollout
 
     def refresh_generation_weights(self) -> None:
         """Weights were loaded into the module inside a generation (a partial rollout's push, between two

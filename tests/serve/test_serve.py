@@ -155,7 +155,8 @@ def test_streaming_gives_the_same_text(served):
 
 
 @pytest.mark.parametrize("kwargs, status, code", [
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "unsupported_parameter"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="required"), 400,
+     "unsupported_parameter"),
     (dict(logit_bias={"5": 10}), 400, "unsupported_parameter"),
     (dict(top_logprobs=2, logprobs=True), 400, "unsupported_parameter"),
     (dict(extra_body={"mirostat": 1}), 400, "unsupported_parameter"),
