@@ -555,7 +555,8 @@ function turnHtml(r, t, scale) {
   const calls = (t.calls || []).map((c) => {
     const args = typeof c.arguments === "string" ? c.arguments : JSON.stringify(c.arguments);
     const label = c.status === "ok" ? "ok" : c.status === "error" ? "failed" : "invalid call";
-    return `<div class="call ${c.status}"><span class="st">${esc(label)}</span> ${esc(c.name)}(${esc(args)})` +
+    const what = c.status === "invalid" ? esc(args) : `${esc(c.name)}(${esc(args)})`;  // an invalid call: as written
+    return `<div class="call ${c.status}"><span class="st">${esc(label)}</span> ${what}` +
       (c.output != null ? `<pre>${esc(c.output)}</pre>` : "") + "</div>";
   }).join("");
   return `<div class="turn assistant"><div class="role">assistant</div><div class="toks">${tokensHtml(r, t.start, t.end, scale)}</div>${calls}</div>`;
