@@ -163,6 +163,21 @@ class InProcess(OnDevice):
         """The memory plan's one console line (after every role is built)."""
         print(self.plan.line(), flush=True)
 
+    def announce_roles(self, roles: Any, ref_in_actor: bool) -> None:
+        """The memory plan's line once every role is built (`posttrain.workers.build.Roles`): what the reference
+        and each distillation teacher keep, and where."""
+        if roles.ref is not None:
+            paged = paged_weights(getattr(roles.ref, "module", None)) is not None
+            self.plan.note_reference("adapters-off" if ref_in_actor else "copy",
+                                     getattr(roles.ref, "param_dtype", "fp32"), paged)
+        else:
+            self.plan.notes.append("no reference model (no KL term, or a KL coefficient of 0)")
+        for key, teacher in (roles.teachers.teachers.items() if roles.teachers is not None else ()):
+            kept = "bf16 (its compute precision)" if teacher.param_dtype == "bf16" else teacher.param_dtype
+            paged = ", paged to a file between passes" if paged_weights(teacher.module) is not None else ""
+            self.plan.notes.append(f"teacher {key}: frozen in {kept}{paged}")
+        self.announce_plan()
+
     @contextlib.contextmanager
     def resident(self, worker: Any, *, with_optimizer: bool = False, phase: str | None = None) -> Iterator[None]:
         """One call on ``worker`` (None: nothing to do): its paged weights, if any, dropped from memory

@@ -5,6 +5,7 @@
     paging.py     state paged to a file between uses (param_offload / optimizer_offload on a CPU run)
     resident.py   resident memory now, at its peak and per phase
     cache.py      the per-user cache folder and per-machine answers (timings measured once)
+    cpu.py        what this CPU computes in (bf16 instructions or not)
     disk.py       failed writes (full disk, quota, read-only) as one error naming the file
 
 The optimizers (8-bit AdamW and its C kernel, the paged AdamW) are `posttrain.optim`'s; the one-process

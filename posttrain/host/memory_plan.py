@@ -134,7 +134,7 @@ class MemoryPlan:
             self.notes.append("reference: the actor with its LoRA adapters off (no copy)")
 
     def line(self) -> str:
-        from posttrain.models.compute_dtype import cpu_bf16_support
+        from posttrain.host.cpu import cpu_bf16_support
 
         total, free = machine_ram()
         where = "CPU" if self.device.type == "cpu" else str(self.device)

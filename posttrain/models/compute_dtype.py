@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from posttrain.host.cache import cache_root, machine_key, read_answers, write_answer
+from posttrain.host.cpu import BF16_FLAGS, cpu_bf16_support  # noqa: F401 - the machine's probe, read here too
 from posttrain.models.precision import autocast_context
 
 __all__ = ["BUDGET_S", "CHOICES", "choose_param_dtype", "cpu_bf16_support", "resolve_param_dtype",
@@ -46,9 +47,6 @@ BUDGET_S = 4.0
 CLEARLY_SLOWER = 1.3
 """A bf16 pass this many times fp32's best ends the bf16 timing: more passes would not change the answer."""
 
-BF16_FLAGS = {"x86": ("amx_bf16", "avx512_bf16"), "arm": ("bf16",)}
-
-
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)  # a diagnostic: stdout may carry a result (eval --json)
 
@@ -61,29 +59,6 @@ def resolve_param_dtype(requested: str, module: nn.Module, device: torch.device,
     choice, why = choose_param_dtype(module, device, log=log)
     log(f"compute precision: {choice} (mixed_precision.param_dtype=auto: {why})")
     return choice
-
-
-def cpu_bf16_support(cpuinfo: str | None = None) -> tuple[bool, str]:
-    """(whether this CPU has bf16 instructions, the flags that say so or a sentence saying none do).
-
-    ``cpuinfo``: the text of ``/proc/cpuinfo`` (read here when None; elsewhere, e.g. macOS, the
-    answer is "unknown", treated as capable so that the measurement decides)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return True, "CPU flags unknown on this system"
-    words = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):  # x86 / ARM
-            words.update(line.split(":", 1)[-1].split())
-    if not words:
-        return True, "CPU flags unknown on this system"
-    found = [flag for flags in BF16_FLAGS.values() for flag in flags if flag in words]
-    if found:
-        return True, "this CPU has " + " and ".join(found)
-    wanted = " / ".join(f for flags in BF16_FLAGS.values() for f in flags)
-    return False, f"this CPU has no bf16 instructions ({wanted}), so bf16 would be emulated, many times slower"
 
 
 def choose_param_dtype(module: nn.Module, device: torch.device, cache_dir: str | os.PathLike | None = None,

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.roles import RoleSpec, RoleSpecs
-from posttrain.host.paging import paged_weights
 from posttrain.models.lora import lora_settings
 from posttrain.workers.actor import ActorWorker, LoraReference, RefWorker
 from posttrain.workers.critic import CriticWorker
@@ -77,20 +76,11 @@ def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any
 
 
 def _announce_plan(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
-    """The placement's memory plan in one console line, where it has one (the one-process placement)."""
-    plan, announce = getattr(place, "plan", None), getattr(place, "announce_plan", None)
-    if plan is None or announce is None:
-        return
-    if roles.ref is not None:
-        paged = paged_weights(getattr(roles.ref, "module", None)) is not None
-        plan.note_reference("adapters-off" if ref_in_actor else "copy", getattr(roles.ref, "param_dtype", "fp32"), paged)
-    else:
-        plan.notes.append("no reference model (no KL term, or a KL coefficient of 0)")
-    for key, teacher in (roles.teachers.teachers.items() if roles.teachers is not None else ()):
-        kept = "bf16 (its compute precision)" if teacher.param_dtype == "bf16" else teacher.param_dtype
-        paged = ", paged to a file between passes" if paged_weights(teacher.module) is not None else ""
-        plan.notes.append(f"teacher {key}: frozen in {kept}{paged}")
-    announce()
+    """The placement's memory plan in one console line, where it has one (the one-process placement says what
+    each role keeps where: `posttrain.distributed.placement.InProcess.announce_roles`)."""
+    announce = getattr(place, "announce_roles", None)
+    if announce is not None:
+        announce(roles, ref_in_actor)
 
 
 def _actor(spec: RoleSpec, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:
