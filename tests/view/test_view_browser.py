@@ -225,3 +225,28 @@ def test_validation_samples_eval_card_and_a_missing_step(page, view_runs):
             for tr in driver.find_elements(By.CSS_SELECTOR, "#cards table.kv tr")}
     assert rows["model.sha256"] == "ab12" and rows["sampling.n"] == "4" and rows["seed"] == "1"
     driver.save_screenshot(str(shots / "view_eval_card.png"))
+
+
+def test_a_run_still_writing_shows_its_new_steps(page, view_runs, tmp_path):
+    driver, _, _ = page
+    run = tmp_path / "live"
+    shutil.copytree(view_runs["A"], run)
+    index, metrics = run / "rollouts" / "index.jsonl", run / "metrics.jsonl"
+    lines = index.read_text().splitlines()
+    index.write_text(lines[0] + "\n")  # the run so far: step 1
+    server = make_server(find_runs([str(run)]), 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _open(driver, f"http://127.0.0.1:{server.server_address[1]}/", "#tab=train")
+        _wait(driver, "return window.__view.ready.trainStep === 1")
+        with open(index, "a") as f:  # step 2 arrives, its index line in two writes (the page waits for the whole line)
+            f.write(lines[1][:20])
+            f.flush()
+            f.write(lines[1][20:] + "\n")
+        with open(metrics, "a") as f:
+            f.write(json.dumps({"step": 4, "critic/score/mean": 0.5}) + "\n")
+        _wait(driver, "return document.querySelector('#train button.step[data-step=\"2\"]') !== null", timeout=10)
+        assert "live" in driver.find_element(By.ID, "live").text
+    finally:
+        server.shutdown()
+        server.server_close()
