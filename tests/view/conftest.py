@@ -26,10 +26,10 @@ def group_reward(batch):
     return torch.tensor(out)
 
 
-def _tiny_run(folder: Path, extra: list[str]):
-    trainer = tiny_trainer(folder, [f"trainer.run_dir={folder / 'run'}", f"trainer.rollout_data_dir={folder / 'run' / 'rollouts'}",
-                                    f"trainer.validation_data_dir={folder / 'run' / 'validation'}", *extra])
-    return trainer
+def _tiny_run(folder: Path, run: Path, extra: list[str]):
+    """The tiny trainer (its data and model written in ``folder``) with its run folder ``run`` and both dumps in it."""
+    return tiny_trainer(folder, [f"trainer.run_dir={run}", f"trainer.rollout_data_dir={run / 'rollouts'}",
+                                 f"trainer.validation_data_dir={run / 'validation'}", *extra])
 
 
 @pytest.fixture(scope="session")
@@ -38,13 +38,13 @@ def view_runs(tmp_path_factory) -> dict:
     compare = base / "compare"
     runs = {}
     for side, lr in (("A", "1e-3"), ("B", "3e-3")):
-        trainer = _tiny_run(compare / side / "seed1", [
+        trainer = _tiny_run(base / f"model_{side}", compare / side / "seed1", [
             "trainer.total_training_steps=3", "trainer.val_before_train=True", "trainer.test_freq=2",
             "actor_rollout_ref.rollout.n=4", f"actor_rollout_ref.actor.optim.lr={lr}"])
         trainer.reward_fn = group_reward
         with one_thread():
             trainer.fit()
-        runs[side] = compare / side / "seed1" / "run"
+        runs[side] = compare / side / "seed1"
         runs[f"{side}_last_batch"] = trainer.last_batch  # the last step's batch, to check its file against
     (runs["A"] / "eval_card.json").write_text(json.dumps(EVAL_CARD))
     runs["compare"] = compare
@@ -58,7 +58,7 @@ def _multi_turn_run(folder: Path) -> Path:
     tools = folder / "tools.yaml"
     folder.mkdir(parents=True, exist_ok=True)
     tools.write_text("tools:\n  - class_name: posttrain.tools.calculator_tool.CalculatorTool\n    config: {type: native}\n")
-    trainer = _tiny_run(folder, [
+    trainer = _tiny_run(folder, folder / "run", [
         "trainer.total_training_steps=2", "data.max_response_length=320", "trainer.val_before_train=False",
         "actor_rollout_ref.rollout.multi_turn.enable=True", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4"])
