@@ -118,5 +118,5 @@ def run_validation(val_batches: list[Batch], generate: Callable[[Batch], Batch],
             col.extend([None] * (len(sources) - len(col)))  # a field this batch's scorer left out
         if "multi_turn/turns" in out.non_tensor_batch:  # verl's __num_turns__: the prompt is a turn too
             turns += [int(t) + 1 for t in out.non_tensor_batch["multi_turn/turns"]]
-        samples.append({"batch": out, "scores": seq_scores})
+        samples.append({"batch": out, "scores": seq_scores, "extra": extra})  # the scorer's acc etc. for the dumps
     return validation_metrics(sources, uids, infos, turns or None), samples
