@@ -15,7 +15,7 @@ keys that trade memory for nothing or little:
   for reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
   buffers and trims the heap after them (`posttrain.distributed.placement.memory_first`). On the built-in run (Zen 4,
   bf16, 15 steps, one run each) balanced peaks at 2.54-2.60 GB with a median step of 5.66-5.88 s, against
-  2.66 GB and 5.61 s before the update came from the heap; benchmarks/README.md has the figures, pass by pass.
+  2.66 GB and 5.61 s before the update came from the heap; benchmarks/CHANGELOG.md has the figures, pass by pass.
 - ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary
   directory when that is on a disk (`idle_state_directory`): a frozen role's weights between its passes,
   a trained role's 8-bit moments between optimizer steps (`posttrain.optim.adamw8bit.AdamW8bit`'s
