@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from posttrain.config.derived import estimator_needs
+from posttrain.config.reward_tree import reward_settings
 from posttrain.config.schema import PostTrainConfig
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
@@ -102,7 +103,7 @@ def _reward_kwargs_problems(config: PostTrainConfig) -> Iterable[str]:
 
 def _overlong_problems(config: PostTrainConfig) -> Iterable[str]:
     yield from _reward_kwargs_problems(config)
-    s, rm = overlong_settings(config), config.reward_model
+    s = overlong_settings(config)
     if not s.enable:
         return
     if not _is_int(s.max_len) or s.max_len < 1:
@@ -111,8 +112,9 @@ def _overlong_problems(config: PostTrainConfig) -> Iterable[str]:
         yield f"{s.prefix}.len={s.length!r} must be in 1..{s.max_len} ({s.max_key}) when {s.prefix}.enable=True"
     if isinstance(s.penalty_factor, bool) or not isinstance(s.penalty_factor, (int, float)) or not s.penalty_factor >= 0:
         yield f"{s.prefix}.penalty_factor={s.penalty_factor!r} must be >= 0"
-    if rm.reward_manager != "dapo":
-        yield (f"{s.prefix}.enable=True with reward_model.reward_manager={rm.reward_manager}: the overlong penalty is "
+    manager = reward_settings(config).manager_name  # reward_model.reward_manager or reward.reward_manager.name
+    if manager != "dapo":
+        yield (f"{s.prefix}.enable=True with reward_model.reward_manager={manager}: the overlong penalty is "
                "part of the dapo reward manager (as in verl); set reward_model.reward_manager=dapo")
 
 

@@ -175,7 +175,15 @@ class RewardConfig:
     on_error: str = "raise"
     """(posttrain) An exception, a time-out or a nan/inf score in a scorer: raise (naming the row) or zero (score 0, counted in reward/errors)."""
     timeout_s: Optional[float] = 60.0
-    """(posttrain) Seconds the scorer may take on one row; then the row is handled per reward.on_error (null: no limit)."""
+    """(posttrain) Seconds the scorer may take on one row; then the row is handled per reward.on_error (null: no limit). Also each judge request's limit, retries included; verl's reward.timeout is the same key."""
+    max_concurrent: Optional[int] = None
+    """Rows the limit reward manager scores at once (verl reads +reward.max_concurrent; null: 1, verl's default); also the judge client's requests in flight (null: 64 to the run's own GenRM server, 8 to a URL)."""
+    max_rpm: Optional[float] = None
+    """Judge requests a minute at most (the limit manager's and the judge client's bound; verl's +reward.max_rpm; null: no limit)."""
+    max_tpm: Optional[float] = None
+    """Tokens a minute at most, each row counted as estimated_tokens_per_request (the limit manager; verl's +reward.max_tpm; null: no limit)."""
+    estimated_tokens_per_request: int = 2000
+    """Tokens one row is counted as against max_tpm (verl's default)."""
     custom_reward_function: RewardFunctionConfig = field(default_factory=RewardFunctionConfig)
     """The user's scoring function (verl 0.9's place for the legacy custom_reward_function.*)."""
     reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)

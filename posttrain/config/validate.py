@@ -16,6 +16,7 @@ from posttrain.config.derived import SizeError, derive_sizes, estimator_needs, u
 from posttrain.config.distillation import distillation_problems, distillation_warnings
 from posttrain.errors import ConfigError
 from posttrain.config.ranges import get_key
+from posttrain.config.reward_tree import reward_tree_problems
 from posttrain.config.schema import PostTrainConfig
 
 ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
@@ -327,7 +328,7 @@ def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
 
     errors: list[str] = []
     for check in (_check_choices, _check_ranges, _check_unsupported, dapo_problems, _check_lora, async_problems,
-                  distillation_problems):
+                  distillation_problems, reward_tree_problems):
         errors.extend(check(config))
     # every number the checks above did not name (NaN and inf slip past their comparisons): its declared range
     errors += numeric_problems(config, PostTrainConfig, RL_RANGES, skip=named_keys(errors) | set(ASYNC_KEYS))

@@ -23,6 +23,7 @@ from posttrain.config.scripts import ConfigSource, ScriptOverride, load_source, 
 from posttrain.plan.checks import plan_problems
 from posttrain.plan.flow import Flow, build_flow, uses_models
 from posttrain.plan.memory import MemoryEstimate, estimate_memory, parse_bytes
+from posttrain.plan.reward import reward_plan
 from posttrain.plan.model_dims import (
     ModelDims,
     dims_from_args,
@@ -44,6 +45,8 @@ class Plan:
     memory_skipped: Optional[str]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    reward: dict[str, Any] = field(default_factory=dict)
+    """Where the reward comes from, its manager, judge and limits (`posttrain.plan.reward`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +54,7 @@ class Plan:
             "flow": self.flow.as_dict(),
             "models": self.models,
             "memory": self.memory.as_dict() if self.memory else {"skipped": self.memory_skipped},
+            "reward": self.reward,
             "errors": self.errors,
             "warnings": self.warnings,
         }
@@ -140,7 +144,10 @@ def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[Mode
         cpu = None if gpu_memory else cpu_terms(config)  # --gpu-memory: the user plans for a GPU
         budget = gpu_memory or (cpu_ram_bytes() if cpu else None) or parse_bytes("80GiB")
         memory = estimate_memory(config, flow, dims, budget, mean_tokens, _critic_dims(config, dims), cpu=cpu)
-    return Plan(source, flow, uses_models(config), memory, skipped, errors + more_errors, warnings + more_warnings)
+    reward = reward_plan(config)
+    more_errors += [reward["problem"]] if "problem" in reward else []
+    return Plan(source, flow, uses_models(config), memory, skipped, errors + more_errors, warnings + more_warnings,
+                reward)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -374,6 +374,11 @@ def uses_models(config: PostTrainConfig) -> list[dict[str, Any]]:
     out.append({"role": "critic", "loaded": uses_critic(config), "model": config.critic.model.path, "why": why})
     if config.reward_model.enable:
         rm = {"loaded": True, "model": config.reward_model.model.path, "why": _reward_model_why(config)}
+    elif config.reward.reward_model.enable:  # a generative judge (posttrain.plan.reward: where and its limits)
+        url = str(config.reward.reward_model.model_path or "").startswith(("http://", "https://"))
+        rm = {"loaded": not url, "model": config.reward.reward_model.model_path,
+              "why": ("GenRM: the scoring function asks the endpoint " + str(config.reward.reward_model.model_path)) if url
+              else "because reward.reward_model.enable=True: a generative judge served by posttrain serve (see Reward)"}
     else:
         scorer = config.custom_reward_function.path or f"built-in scorers chosen by data.{config.data.reward_fn_key}"
         rm = {"loaded": False, "model": None, "why": f"rule-based reward: {scorer}"}

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from posttrain.plan.flow import Flow, RoleUpdate, rollout_description, tensor_parallel_note
 from posttrain.plan.memory import MemoryEstimate, fmt_bytes
+from posttrain.plan.reward import render_reward
 
 W = 24  # label column
 
@@ -176,6 +177,7 @@ def render_memory(m: Optional[MemoryEstimate], skipped: Optional[str]) -> list[s
 def render(plan) -> str:
     lines = [f"posttrain plan: {plan.source}", ""]
     lines += render_flow(plan.flow) + [""] + render_models(plan.models) + [""]
+    lines += render_reward(plan.reward) + [""] if plan.reward else []
     lines += render_memory(plan.memory, plan.memory_skipped) + [""]
     lines.append(f"Problems: {_plural(len(plan.errors), 'error')}, {_plural(len(plan.warnings), 'warning')}")
     lines += [f"  error: {e}" for e in plan.errors]

@@ -8,6 +8,7 @@ rows of a batch concurrently, and a registry for the user's own (``reward.reward
 Managers (``@register``\\ ed by name, as verl's):
 
 - ``naive``: decode, score, ``{"acc": score}`` for a plain number (a dict result's fields otherwise).
+- ``gdpo``: ``naive`` with ``extra_info["experiment_name"]`` (verl's, for gdpo's multi-part rewards).
 - ``dapo``: ``naive`` plus DAPO's overlong penalty (:func:`posttrain.rewards.manager.overlong_penalty`).
 - ``limit`` (verl's code registers it as ``rate_limited``; both names work): at most ``max_concurrent``
   rows scored at once, ``max_rpm`` requests and ``max_tpm`` estimated tokens a minute; a row's time-out
@@ -59,7 +60,7 @@ from posttrain.rewards.functions import GENRM_PARAMS, is_async
 from posttrain.rewards.manager import (ERRORS_KEY, OverlongBuffer, RewardError, _scoring, _stack_extra,
                                        overlong_penalty, place_on_last_token)
 
-__all__ = ["REWARD_MANAGERS", "RewardManagerBase", "NaiveRewardManager", "DAPORewardManager",
+__all__ = ["REWARD_MANAGERS", "RewardManagerBase", "NaiveRewardManager", "GDPORewardManager", "DAPORewardManager",
            "RateLimitedRewardManager", "RemoteRewardManager", "register", "get_reward_manager_cls",
            "resolve_reward_manager_cls", "build_reward_manager"]
 
@@ -379,6 +380,19 @@ class NaiveRewardManager(RewardManagerBase):
         row = self.row_inputs(data)
         row.pop("valid_response_length")
         return self.as_result(await self.call_score(**row))
+
+
+@register("gdpo")
+class GDPORewardManager(NaiveRewardManager):
+    """``naive`` that also tells the function the run's name (verl 0.9.1's ``gdpo``: ``extra_info["experiment_name"]``);
+    the function's dict of reward parts reaches the gdpo estimator by key (``algorithm.gdpo_reward_keys``)."""
+
+    def row_inputs(self, data: Batch) -> dict[str, Any]:
+        row = super().row_inputs(data)
+        name = getattr(getattr(self.config, "trainer", None), "experiment_name", None)
+        if name is not None:
+            row["extra_info"]["experiment_name"] = name
+        return row
 
 
 @register("dapo")

@@ -71,6 +71,9 @@ def check_model_paths(config: PostTrainConfig, actor_module: Any = None, critic_
         keys.append(("data.tokenizer", config.data.tokenizer))
     if uses_critic(config) and critic_module is None:
         keys.append(("critic.model.path", config.critic.model.path))
+    judge = config.reward.reward_model  # a GenRM judge the run serves (a URL is asked at start-up instead)
+    if judge.enable and judge.model_path and not str(judge.model_path).startswith(("http://", "https://")):
+        keys.append(("reward.reward_model.model_path", judge.model_path))
     for key, value in keys:
         if value is None:
             problems.append(f"{key} is not set")

@@ -123,10 +123,16 @@ def build_data(config: PostTrainConfig, tokenizer) -> Data:
 
 
 def build_reward_fn(config: PostTrainConfig, tokenizer) -> Callable:
+    """The classic `RewardManager`, or verl 0.9's reward loop where the reward tree asks for it (a served
+    judge, a manager other than naive/dapo, an async function: `posttrain.trainer.reward_loop`)."""
+    from posttrain.config.reward_tree import reward_settings
     from posttrain.rewards import RewardManager, load_custom_reward_fn
+    from posttrain.trainer import reward_loop
 
-    crf = config.custom_reward_function
-    compute_score = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
+    if reward_loop.wants_reward_loop(config):
+        return reward_loop.build_reward_loop(config, tokenizer, device=resolve_device(config).type)
+    crf = reward_settings(config)  # custom_reward_function.* or reward.custom_reward_function.*
+    compute_score = load_custom_reward_fn(crf.function_path, crf.function_name) if crf.function_path else None
     return RewardManager(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
                          num_workers=config.reward.num_workers, on_error=config.reward.on_error,
                          timeout_s=config.reward.timeout_s, **dapo_reward_options(config))
@@ -138,7 +144,9 @@ def dapo_reward_options(config: PostTrainConfig) -> dict[str, Any]:
     from posttrain.config.dapo import overlong_settings
     from posttrain.rewards.manager import OverlongBuffer
 
-    if config.reward_model.reward_manager != "dapo":
+    from posttrain.config.reward_tree import reward_settings
+
+    if reward_settings(config).manager_name != "dapo":  # reward_model.reward_manager or reward.reward_manager.name
         return {}
     s = overlong_settings(config)  # reward_model.overlong_buffer or reward_model.reward_kwargs.overlong_buffer_cfg
     overlong = OverlongBuffer(s.length, float(s.penalty_factor), s.max_len, s.log) if s.enable else None
