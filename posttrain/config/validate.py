@@ -181,7 +181,9 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
     if estimator_needs(algo.adv_estimator, "needs_critic") and config.critic.enable is False:
         yield (f"algorithm.adv_estimator={algo.adv_estimator} needs a learned critic, but critic.enable=False; "
                "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
-    if estimator_needs(algo.adv_estimator, "needs_groups") and arr.rollout.n < 2:
+    distill = config.distillation
+    distillation_only = distill.enabled and not distill.distillation_loss.use_task_rewards  # no task advantage used
+    if estimator_needs(algo.adv_estimator, "needs_groups") and arr.rollout.n < 2 and not distillation_only:
         yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses to the same prompt, but "
                f"actor_rollout_ref.rollout.n={arr.rollout.n} gives groups of one; set rollout.n >= 2 "
                "or use reinforce_plus_plus / gae")

@@ -117,6 +117,16 @@ NO_EFFECT: tuple[VerlRule, ...] = (
              "tower (vision data is refused at start-up)"),
     VerlRule("*.optim.zero_indexed_step", "posttrain's schedules count from step 0, verl's default",
              accepts=(True, None), instead="set it True"),
+    # Hydra's choice of verl's training engine (``model_engine=megatron`` in a launch script)
+    VerlRule("model_engine", "picks verl's training engine; posttrain trains with FSDP2 (verl's dp engine) and has "
+             "no Megatron-LM, VeOmni or TorchTitan engine", accepts=("dp", "fsdp", None), instead="set it to dp"),
+    VerlRule("*.model_engine", "picks verl's training engine; posttrain trains with FSDP2 (verl's dp engine)",
+             accepts=("dp", "fsdp", None), instead="set it to dp"),
+    # the settings sections of the other engines (their strategy value is refused, naming the engine)
+    VerlRule("*.megatron.*", "settings of verl's Megatron-LM engine (strategy=megatron is refused)"),
+    VerlRule("*.veomni.*", "settings of verl's VeOmni engine (strategy=veomni is refused)"),
+    VerlRule("*.torchtitan.*", "settings of verl's TorchTitan engine (strategy=torchtitan is refused)"),
+    VerlRule("*.automodel.*", "settings of verl's NeMo AutoModel engine (strategy=automodel is refused)"),
     # rollout: GPU serving-engine knobs
     VerlRule("actor_rollout_ref.rollout.cudagraph_capture_sizes", _GPU_ENGINE),
     VerlRule("actor_rollout_ref.rollout.data_parallel_size", _GPU_ENGINE),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from posttrain.config import BUILTIN_CONFIG, load_config
+from posttrain.config import BUILTIN_CONFIG, ConfigError, load_config
 
 
 def run(config) -> int:
@@ -55,8 +55,12 @@ def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.t
     parser.add_argument("--config", help="YAML config layered over verl's defaults (replaces the built-in run)")
     parser.add_argument("--cfg", choices=("job", "all"), default=None,
                         help="print the resolved config after its checks and exit without training (Hydra's flag)")
+    parser.add_argument("--config-path", dest="hydra_path", help=argparse.SUPPRESS)
+    parser.add_argument("--config-name", dest="hydra_name", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
+    if args.hydra_path is not None or args.hydra_name is not None:
+        raise ConfigError(hydra_config_refusal(args.hydra_path, args.hydra_name))
     base = BUILTIN_CONFIG if builtin and args.config is None else None
     config = load_config(args.config, [*entry_overrides, *args.overrides], base=base)
     if args.cfg is not None:
@@ -66,6 +70,17 @@ def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.t
     for line in no_effect_lines(list(config.no_effect)):  # once, before anything loads
         print(f"note: {line}", flush=True)
     return run(config)
+
+
+def hydra_config_refusal(path: str | None, name: str | None) -> str:
+    """One line for Hydra's ``--config-path/--config-name`` (verl's scripts pick another trainer config that way)."""
+    named = name or "ppo_trainer"
+    for engine in ("megatron", "veomni", "torchtitan", "automodel"):
+        if engine in named or engine in (path or ""):
+            return (f"--config-name={named}: verl's {engine} trainer config needs verl's {engine} engine; posttrain "
+                    "trains with FSDP2 and reads verl's FSDP config (ppo_trainer): drop --config-path/--config-name")
+    return (f"--config-path/--config-name ({path or '.'}/{named}) are Hydra's; posttrain reads verl's ppo_trainer "
+            "defaults: give a YAML file of overrides with --config FILE")
 
 
 def print_config(config) -> int:
