@@ -146,3 +146,17 @@ def test_library_names_mean_the_library_as_in_transformers():
                 build_optimizer(params, optim)
         else:
             assert type(build_optimizer(params, optim)).__module__.startswith(library)
+
+
+def test_reward_loop_model_without_a_function_is_the_discriminative_reward_model():
+    """verl 0.9's reward.reward_model.enable=True with no reward function scores with the model's classification
+    head (examples/grpo_trainer/run_mistral_nemo_12b_skyworkrm_fsdp.sh): posttrain's DisRM on the workers, batched by
+    tokens as verl's server is; with a function it stays the GenRM judge (the control)."""
+    loop = ["reward.reward_model.enable=True", "reward.reward_model.model_path=Skywork/Skywork-Reward-Llama-3.1-8B",
+            "reward.reward_model.rollout.prompt_length=1024", "reward.reward_model.rollout.response_length=512"]
+    config = load_config(overrides=[*GRPO, *loop])
+    rm = config.reward_model
+    assert rm.enable and rm.model.path == "Skywork/Skywork-Reward-Llama-3.1-8B" and not config.reward.reward_model.enable
+    assert rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu == 1536
+    judged = load_config(validate=False, overrides=[*GRPO, *loop, "reward.custom_reward_function.path=judge.py"])
+    assert judged.reward.reward_model.enable and not judged.reward_model.enable
