@@ -4,12 +4,14 @@ Shapes: ``N`` rows, ``R`` response length, ``K`` top-k, ``V`` vocabulary, ``T`` 
 
 The teacher (no gradient) needs, per response position, its ``K`` most likely tokens and their log-probs
 (and the sampled token's log-prob); the student (with gradient) needs its log-probs at the teacher's
-tokens (and at the sampled token, and its own top-k tokens for the overlap diagnostics). Both come from one
-pass of the same steps as `posttrain.models.logprobs`: the hidden states that predict response tokens only
-(`response_hidden_states`: padding columns dropped, ``remove_padding``, ``shared_prefix``), then ``lm_head``
-and a float32 log-softmax chunk by chunk (``CHUNK_ELEMENTS`` logits at a time), so no ``[N, R, V]`` tensor
-exists. With gradients on, a micro-batch of more than ``KEEP_ELEMENTS`` logits recomputes each chunk in
-backward instead of keeping its softmax (checkpointing). Log-probs are of ``logits / temperature``.
+tokens (and at the sampled token, and its own top-k tokens for the overlap diagnostics). Both start from the
+same steps as `posttrain.models.logprobs`: the hidden states that predict response tokens only
+(`response_hidden_states`: padding columns dropped, ``remove_padding``, ``shared_prefix``). The teacher's then
+run ``lm_head`` and a float32 log-softmax chunk by chunk (``CHUNK_ELEMENTS`` logits at a time), so no
+``[N, R, V]`` tensor exists. The student's, with a plain linear head, go through the RL update's own lean
+head for the sampled token (`_through_the_lean_head`) and reach the teacher's tokens from it with ``K + 1``
+rows of the head; with another head (a bias, a softcap, a wrapper), chunk by chunk with autograd, each
+chunk (``TRAIN_CHUNK_ELEMENTS`` logits) recomputed in backward. Log-probs are of ``logits / temperature``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.models.compile import compiled_layers
-from posttrain.models.logprobs import (CHUNK_ELEMENTS, KEEP_ELEMENTS, call_as_forward, forget_forward_record,
-                                       response_hidden_states, split_lm)
+from posttrain.models.lean_backward import low_dtype
+from posttrain.models.logprobs import (CHUNK_ELEMENTS, _head_logprobs, _is_plain_linear_head, call_as_forward,
+                                       forget_forward_record, response_hidden_states, split_lm)
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
 from posttrain.models.shared_prefix import prompt_key
 
@@ -66,9 +69,7 @@ def _one_micro_batch(model, input_ids, attention_mask, position_ids, responses, 
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits[:, -resp_len - 1:-1]
         take, valid = resp_len, attention_mask[:, -resp_len:].bool()
-        flat_logits = logits[valid]
-        head = softcap = None
-        hidden = flat_logits
+        hidden, head, softcap = logits[valid], None, None
     else:
         backbone, head, softcap = parts
         with compiled_layers(model):
@@ -79,7 +80,10 @@ def _one_micro_batch(model, input_ids, attention_mask, position_ids, responses, 
     labels = responses[:, :take][valid]
     flat_ids = ids[:, :take][valid] if ids is not None else None
     vocab = head.weight.shape[0] if head is not None else hidden.shape[-1]
-    out = _chunked(hidden, labels, flat_ids, head, softcap, temperature, k, calculate_entropy, entropy_grad, vocab)
+    if flat_ids is not None and torch.is_grad_enabled() and head is not None and _is_plain_linear_head(head, softcap):
+        out = _through_the_lean_head(hidden, labels, flat_ids, head, temperature, k, calculate_entropy, entropy_grad)
+    else:
+        out = _chunked(hidden, labels, flat_ids, head, softcap, temperature, k, calculate_entropy, entropy_grad, vocab)
     full_valid = torch.zeros(batch, resp_len, dtype=torch.bool, device=responses.device)
     full_valid[:, :take] = valid
     where = full_valid.nonzero(as_tuple=True)
@@ -95,10 +99,43 @@ def _one_micro_batch(model, input_ids, attention_mask, position_ids, responses, 
                         place(out[4], kk))
 
 
+def _through_the_lean_head(hidden, labels, ids, head, temperature, k, calculate_entropy, entropy_grad):
+    """The student's path with gradients: the sampled tokens' log-probs (and entropy) from the RL update's own
+    head (`posttrain.models.logprobs`: no ``[T, V]`` float32 tensor kept, its weight's gradient into ``.grad``),
+    and the log-probs at ``ids`` from ``log p_i = (z_i - z_y) / T + log p_y``: the softmax's normaliser is
+    ``z_y / T - log p_y``, so ``K + 1`` rows of the head per token give them, exactly, with their gradients.
+    The student's own top-k (a diagnostic) from one more head product per chunk, without gradients."""
+    lp, entropy = _head_logprobs(hidden, labels, head, temperature, None, calculate_entropy, entropy_grad)
+    weight = head.weight
+    dtype = low_dtype(hidden, weight) or weight.dtype  # the head product's dtype, as the lean path computes it
+    with torch.autocast(hidden.device.type, enabled=False):
+        h = hidden.to(dtype)
+        at = torch.einsum("th,tkh->tk", h, weight[ids.long()].to(dtype)).float()  # [T, K] logits at the ids
+        at_label = torch.einsum("th,th->t", h, weight[labels.long()].to(dtype)).float()  # [T]
+    at = (at - at_label[:, None]) / temperature + lp[:, None]
+    top_ids = top_values = None
+    if k is not None:
+        with torch.no_grad():
+            _, _, _, top_ids, top_values = _chunked(hidden.detach(), labels, None, head, None, temperature, k, False,
+                                                    False, weight.shape[0])
+    return lp, entropy if calculate_entropy else None, at, top_ids, top_values
+
+
+TRAIN_CHUNK_ELEMENTS = 1 << 22
+"""Logits per chunk with gradients (4M: 16 MiB in float32): each chunk is recomputed in backward, so the
+update holds no ``[t, V]`` softmax between forward and backward, and a chunk's float32 temporaries in
+backward (its logits, softmax and their gradients) stay near 64 MiB (SmolLM2: 85 rows)."""
+
+
 def _chunked(hidden, labels, ids, head, softcap, temperature, k, calculate_entropy, entropy_grad, vocab):
-    """Per chunk of rows: (log-prob [t], entropy [t], at ids [t, K], top ids [t, k], top log-probs [t, k])."""
-    rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
-    recompute = torch.is_grad_enabled() and hidden.shape[0] * vocab > KEEP_ELEMENTS
+    """Per chunk of rows: (log-prob [t], entropy [t], at ids [t, K], top ids [t, k], top log-probs [t, k]).
+
+    Without gradients (the teacher) chunks of ``CHUNK_ELEMENTS`` logits; with them (the student) chunks of
+    ``TRAIN_CHUNK_ELEMENTS``, recomputed in backward (checkpointing): one more ``lm_head`` product per chunk
+    for a few hundred MB less at the update's peak. ``KEEP_ELEMENTS`` is the bound of the other path."""
+    training = torch.is_grad_enabled()
+    rows = max(1, (TRAIN_CHUNK_ELEMENTS if training else CHUNK_ELEMENTS) // max(1, vocab))
+    recompute = training
     parts = []
     for start in range(0, max(1, hidden.shape[0]), rows):
         chunk = slice(start, start + rows)
