@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.models.compile import compiled_layers
+from posttrain.models.into_grad import _EmbeddingIntoGrad, grad_accumulator  # the embedding's row-wise backward
 from posttrain.models.lean_backward import low_dtype
 from posttrain.models.logprobs import (CHUNK_ELEMENTS, _head_logprobs, _is_plain_linear_head, call_as_forward,
                                        forget_forward_record, response_hidden_states, split_lm)
@@ -108,17 +109,25 @@ def _through_the_lean_head(hidden, labels, ids, head, temperature, k, calculate_
     lp, entropy = _head_logprobs(hidden, labels, head, temperature, None, calculate_entropy, entropy_grad)
     weight = head.weight
     dtype = low_dtype(hidden, weight) or weight.dtype  # the head product's dtype, as the lean path computes it
+    rows = _head_rows(torch.cat([ids, labels[:, None]], 1).long(), weight)  # [T, K + 1, H]: the teacher's, the label
     with torch.autocast(hidden.device.type, enabled=False):
-        h = hidden.to(dtype)
-        at = torch.einsum("th,tkh->tk", h, weight[ids.long()].to(dtype)).float()  # [T, K] logits at the ids
-        at_label = torch.einsum("th,th->t", h, weight[labels.long()].to(dtype)).float()  # [T]
-    at = (at - at_label[:, None]) / temperature + lp[:, None]
+        z = torch.einsum("th,tkh->tk", hidden.to(dtype), rows.to(dtype)).float()  # [T, K + 1] logits at those rows
+    at = (z[:, :-1] - z[:, -1:]) / temperature + lp[:, None]
     top_ids = top_values = None
     if k is not None:
         with torch.no_grad():
             _, _, _, top_ids, top_values = _chunked(hidden.detach(), labels, None, head, None, temperature, k, False,
                                                     False, weight.shape[0])
     return lp, entropy if calculate_entropy else None, at, top_ids, top_values
+
+
+def _head_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight[ids]``; inside the update's micro-step its backward adds the touched rows into ``weight.grad``
+    (`posttrain.models.into_grad`'s embedding lookup) rather than a dense vocabulary-sized gradient."""
+    accumulator = grad_accumulator(weight)
+    if accumulator is None:
+        return F.embedding(ids, weight)
+    return _EmbeddingIntoGrad.apply(ids, weight, None, accumulator)
 
 
 TRAIN_CHUNK_ELEMENTS = 1 << 22

@@ -96,6 +96,27 @@ def test_student_log_probs_at_the_teachers_tokens_equal_a_full_forward_with_grad
         torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
 
 
+def test_inside_the_update_the_heads_gradient_goes_into_grad_with_the_same_values(tok):
+    """In the update's micro-step (`grads_into_params`, loss.backward()) the head rows' gradient is added into
+    ``.grad`` row by row (no dense vocabulary-sized tensor): the same gradients as plain autograd."""
+    from posttrain.models.into_grad import embeddings_add_into_grad, grads_into_params
+
+    b = _batch(tok, seed=2)
+    ids = torch.randint(0, len(tok), (*b["responses"].shape, 4), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for into_grad in (False, True):
+        student = tiny_llama(tok, seed=1)
+        if into_grad:
+            embeddings_add_into_grad(student)
+        with grads_into_params() if into_grad else torch.enable_grad():
+            out = response_topk_logprobs(student, b["input_ids"], b["attention_mask"], b["position_ids"],
+                                         b["responses"], ids=ids, k=4)
+            (out.at_ids.sum() + out.log_probs.sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in student.named_parameters()})
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_a_teacher_worker_scores_like_its_model(tok):
     cfg = tiny_worker_configs(micro_batch_size=2)
     model = tiny_llama(tok, seed=4)
