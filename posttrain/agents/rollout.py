@@ -16,7 +16,7 @@ the sequence's first call, its response every token after it up to the last samp
 are its prompt row's, plus ``agent/reward`` (what the episode returned; 0 when it failed),
 ``agent/failed``, ``agent/episode`` and ``agent/sequence``. A failed episode's rows, and an episode that
 made no call (one row: its data prompt, no response), have no loss weight. ``meta_info["agent_metrics"]``
-holds the step's counts (:func:`agent_step_metrics`): ``agent/retokenized_tokens``, ``agent/splits/<reason>``,
+holds each episode's counts, which :func:`agent_step_metrics` sums: ``agent/retokenized_tokens``, ``agent/splits/<reason>``,
 ``agent/failures/<cause>`` and the rest.
 """
 
@@ -34,9 +34,11 @@ from posttrain.agents.sessions import SESSION_COUNTS, Episode, EpisodeSessions
 from posttrain.batch import Batch
 from posttrain.rollout.base import SamplingParams, with_uids
 
-__all__ = ["AgentRollout", "agent_scores", "agent_step_metrics", "METRICS_KEY"]
+__all__ = ["AgentRollout", "agent_scores", "agent_step_metrics", "gather_agent_batches", "is_agent_batch",
+           "old_log_probs_from", "METRICS_KEY"]
 
 METRICS_KEY = "agent_metrics"
+PAD_KEY = "agent_pad_token_id"  # the ranks' gather left-pads prompts with it
 
 
 class AgentRollout:
@@ -116,21 +118,14 @@ def build_batch(rows: Batch, episodes: list[Episode], outcomes: list[Outcome], r
                 with_log_probs: bool = True) -> Batch:
     """The rollout batch of the episodes' training sequences (module docstring)."""
     entries: list[tuple[int, int, Sequence, bool]] = []  # (episode, sequence, it, trained)
-    metrics: Counter = Counter()
+    counts: list[dict] = []  # per episode: what the step's metrics sum
     for i, (episode, outcome) in enumerate(zip(episodes, outcomes)):
         assembly = assemble(episode.calls, response_length)
         sequences = assembly.sequences
         if not sequences:  # no call answered: its data prompt, nothing to train on
             sequences = [Sequence(rows["input_ids"][i][rows["attention_mask"][i].bool()].tolist())]
         entries += [(i, j, s, outcome.failure is None) for j, s in enumerate(sequences)]
-        metrics["agent/retokenized_tokens"] += assembly.retokenized_tokens
-        metrics["agent/truncated_tokens"] += assembly.truncated_tokens
-        metrics.update({f"agent/splits/{r}": n for r, n in assembly.splits.items()})
-        metrics.update({f"agent/{k}": v for k, v in episode.counts.items() if not k.startswith("refused/")})
-        metrics.update({f"agent/refused_requests/{k[8:]}": v for k, v in episode.counts.items()
-                        if k.startswith("refused/")})
-        if outcome.failure is not None:
-            metrics[f"agent/failures/{outcome.failure}"] += 1
+        counts.append(_episode_counts(episode, outcome, assembly, len(sequences)))
     m, width = len(entries), max(len(s.prompt) for _, _, s, _ in entries)
     prompt_ids = torch.full((m, width), pad, dtype=torch.long)
     prompt_mask = torch.zeros((m, width), dtype=torch.long)
@@ -168,27 +163,90 @@ def build_batch(rows: Batch, episodes: list[Episode], outcomes: list[Outcome], r
         "agent/sequence": np.asarray([j for _, j, _, _ in entries], dtype=np.float64),
     })
     meta = dict(rows.meta_info)
-    meta[METRICS_KEY] = _step_metrics(metrics, episodes, outcomes, m)
+    meta[METRICS_KEY] = counts
+    meta[PAD_KEY] = int(pad)
     return Batch.from_dict(tensors, non_tensors, meta)
 
 
-def _step_metrics(counts: Counter, episodes: list[Episode], outcomes: list[Outcome], sequences: int) -> dict:
-    out = {"agent/episodes": float(len(episodes)), "agent/sequences": float(sequences),
-           "agent/failed": float(sum(o.failure is not None for o in outcomes)),
-           "agent/retokenized_tokens": 0.0, "agent/truncated_tokens": 0.0,
-           **{f"agent/splits/{r}": 0.0 for r in SPLIT_REASONS}, **{f"agent/failures/{c}": 0.0 for c in FAILURES},
-           **{f"agent/{k}": 0.0 for k in SESSION_COUNTS}}
-    out.update({k: float(v) for k, v in counts.items()})
-    done = [o.reward for o in outcomes if o.failure is None]
-    out["agent/reward_mean"] = float(np.mean(done)) if done else 0.0
-    out["agent/episode_s_mean"] = float(np.mean([o.seconds for o in outcomes])) if outcomes else 0.0
-    out["agent/calls_per_episode"] = out["agent/calls"] / max(1, len(episodes))
-    return out
+def _episode_counts(episode: Episode, outcome: Outcome, assembly: Any, sequences: int) -> dict:
+    c = Counter({"agent/episodes": 1, "agent/sequences": sequences, "agent/failed": int(outcome.failure is not None),
+                 "agent/retokenized_tokens": assembly.retokenized_tokens,
+                 "agent/truncated_tokens": assembly.truncated_tokens, "agent/episode_s_total": outcome.seconds})
+    c.update({f"agent/splits/{r}": n for r, n in assembly.splits.items()})
+    for key, value in episode.counts.items():
+        c[f"agent/refused_requests/{key[8:]}" if key.startswith("refused/") else f"agent/{key}"] += value
+    if outcome.failure is not None:
+        c[f"agent/failures/{outcome.failure}"] += 1
+    return dict(c)
 
 
 def agent_step_metrics(batch: Batch) -> dict[str, float]:
-    """The rollout's ``agent/*`` counts (taken off the batch: they are the step's, not a row's); {} otherwise."""
-    return batch.meta_info.pop(METRICS_KEY, None) or {}
+    """The step's ``agent/*`` counts, summed over its episodes (taken off the batch: they are the step's,
+    not a row's), with ``agent/calls_per_episode`` and ``agent/episode_s_mean``; {} for any other batch."""
+    batch.meta_info.pop(PAD_KEY, None)
+    per_episode = batch.meta_info.pop(METRICS_KEY, None)
+    if not per_episode:
+        return {}
+    out = Counter({"agent/retokenized_tokens": 0, "agent/truncated_tokens": 0,
+                   **{f"agent/splits/{r}": 0 for r in SPLIT_REASONS}, **{f"agent/failures/{c}": 0 for c in FAILURES},
+                   **{f"agent/{k}": 0 for k in SESSION_COUNTS}})
+    for counts in per_episode:
+        out.update(counts)
+    episodes = max(1, out["agent/episodes"])
+    out["agent/calls_per_episode"] = out["agent/calls"] / episodes
+    out["agent/episode_s_mean"] = out.pop("agent/episode_s_total") / episodes
+    return {k: float(v) for k, v in out.items()}
+
+
+def gather_agent_batches(outputs: list[Batch], prompts_per_rank: int, pad_prompts: int) -> Batch:
+    """The ranks' agent rollouts (rank ``r`` had prompts ``[r * prompts_per_rank, ...)``, the last
+    ``pad_prompts`` of them copies that pad the batch) as one: the padding prompts' episodes dropped,
+    episode indices made global, prompts left-padded to the widest, the counts summed."""
+    width = max(b["prompts"].shape[1] for b in outputs)
+    parts, counts, offset = [], [], 0
+    for r, out in enumerate(outputs):
+        per_episode = out.meta_info.pop(METRICS_KEY)
+        pad_token_id = out.meta_info.pop(PAD_KEY)
+        episodes = np.asarray(out.non_tensor_batch["agent/episode"], dtype=np.int64)
+        per_prompt = int(episodes.max()) + 1 if len(episodes) else 0
+        per_prompt //= max(1, prompts_per_rank)  # episodes per prompt (rollout.n)
+        real = prompts_per_rank - (pad_prompts if r == len(outputs) - 1 else 0)
+        keep = torch.as_tensor(np.nonzero(episodes < real * per_prompt)[0])
+        counts += per_episode[:real * per_prompt]
+        out = _left_padded(out.index_select(keep), width, pad_token_id)
+        out.non_tensor_batch["agent/episode"] = out.non_tensor_batch["agent/episode"] + offset
+        offset += real * per_prompt
+        parts.append(out)
+    merged = Batch.concat(parts)
+    merged.meta_info[METRICS_KEY] = counts
+    return merged
+
+
+def _left_padded(batch: Batch, width: int, pad_token_id: int) -> Batch:
+    """``batch`` with its prompts left-padded to ``width`` columns (input ids, masks and positions too)."""
+    extra = width - batch["prompts"].shape[1]
+    if extra <= 0:
+        return batch
+    rows = len(batch)
+    fill = {"prompts": pad_token_id, "input_ids": pad_token_id, "attention_mask": 0, "position_ids": 0}
+    for key, value in fill.items():
+        t = batch[key]
+        batch[key] = torch.cat([torch.full((rows, extra), value, dtype=t.dtype, device=t.device), t], dim=1)
+    return batch
+
+
+def is_agent_batch(batch: Any) -> bool:
+    return isinstance(batch, Batch) and "agent/episode" in batch.non_tensor_batch
+
+
+def old_log_probs_from(batch: Batch, configured: str) -> str:
+    """``configured`` (`posttrain.config.DerivedSizes.old_log_probs_from`), except that an agent batch with
+    more rows than episodes (a harness rewrote history: splits) no longer fits the one mini-batch whose own
+    forward would give the old log-probs: they are recomputed."""
+    if configured == "update" and is_agent_batch(batch):
+        if len(batch) > len(set(batch.non_tensor_batch["agent/episode"].tolist())):
+            return "recompute"
+    return configured
 
 
 def agent_scores(batch: Batch) -> tuple[torch.Tensor, dict] | None:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from posttrain.agents.rollout import gather_agent_batches, is_agent_batch
 from posttrain.batch import Batch
 from posttrain.distributed.split import (balance_batch, combine_metrics, gather_from_ranks, inverse_permutation,
                                             split_for_ranks, split_update)
@@ -99,6 +100,8 @@ class RankWorkerGroup:
         if call.split == "prompts":
             chunks, pad = split_for_ranks(batch, self.world_size)
             outs = self._ranks.call_each(name, chunks, **options)
+            if is_agent_batch(outs[0]):  # agent episodes: a prompt's rows vary (splits), prompt widths too
+                return gather_agent_batches(outs, len(chunks[0]), pad)
             samples = len(outs[0]) // len(chunks[0])  # responses per prompt (n)
             return gather_from_ranks(outs, pad * samples)
         if call.split == "update":

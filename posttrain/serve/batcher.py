@@ -204,8 +204,8 @@ class Batcher:
                 p.future.set_exception(error)
             return
         for p, choices in zip(live, results):
+            self._record(p, choices)  # first: a client that sends its next request at once finds this one recorded
             p.future.set_result(choices)
-            self._record(p, choices)
 
     def _record(self, p: _Pending, choices: list[list[Choice]]) -> None:
         if self.recorder is None:

@@ -61,7 +61,7 @@ async def by_mode(client, row):
     if mode == "hang":
         await asyncio.sleep(3600)
     if mode == "block":  # blocks its thread: the time-out still fires; its late call is refused
-        time.sleep(3)
+        time.sleep(6)
         await _ask(client, row["prompt"], seen, max_tokens=4)
     if mode == "nan":
         return float("nan")

@@ -26,10 +26,14 @@ def _agent_run(tmp_path, name, *extra):
                                   "data.max_response_length=128", "trainer.total_training_steps=2", *extra])
 
 
-@pytest.mark.parametrize("name, splits", [("append", False), ("rewrite", True)])
-def test_grpo_trains_an_agent_through_the_endpoint(tmp_path, name, splits):
+@pytest.mark.parametrize("name, splits, extra", [
+    ("append", False, []), ("rewrite", True, []),
+    # one mini-batch of the whole batch (old log-probs from the update's own forward), but the splits add
+    # rows: they are recomputed instead
+    ("rewrite", True, ["actor_rollout_ref.actor.ppo_mini_batch_size=4"])])
+def test_grpo_trains_an_agent_through_the_endpoint(tmp_path, name, splits, extra):
     with one_thread():
-        trainer = RLTrainer(_agent_run(tmp_path, name))
+        trainer = RLTrainer(_agent_run(tmp_path, name, *extra))
         history = trainer.fit()
         batch = trainer.last_batch
     assert len(history) == 2
