@@ -1,20 +1,15 @@
-"""``python -m posttrain.trainer.main_generation`` (verl's ``verl.trainer.main_generation``, which generates responses for a parquet
-file of prompts on rollout servers): posttrain has no module of that name. Running it prints what to use instead
-and exits 2, so that a verl launch script never reports success having generated nothing."""
+"""``python -m posttrain.trainer.main_generation`` (older verl's ``verl.trainer.main_generation``): as
+``main_generation_server``, posttrain has no module of that name; running it says what to use and exits 2."""
 
 from __future__ import annotations
 
 import sys
 
-INSTEAD = ("posttrain has no main_generation: to generate and score responses for a file of prompts use "
-           "`posttrain eval --model MODEL --data FILE --n N` (it writes the responses, mean@N, maj@N, pass@k and an eval "
-           "card); to serve a model to other programs use `posttrain serve MODEL` (an OpenAI-compatible server); to "
-           "score a file of responses generated elsewhere use `python -m posttrain.trainer.main_eval data.path=FILE`")
+from posttrain.trainer.main_generation_server import refuse
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(f"error: {INSTEAD}", file=sys.stderr)
-    return 2
+    return refuse("main_generation")
 
 
 if __name__ == "__main__":
