@@ -48,7 +48,7 @@ from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
 from posttrain.rollout.seeding import SEED_KEY, batch_seed
 from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
-from posttrain.trainer import distill, preflight, resume, setup
+from posttrain.trainer import distill, preflight, resume, reward_loop, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
 from posttrain.trainer.rollout_dump import RolloutDumps
@@ -141,8 +141,10 @@ class RLTrainer:
         extra_info=None)`, or a batch form `fn(batch) -> tensor[N]`."""
         from posttrain.rewards import BatchRewardFn, RewardManager
 
-        if isinstance(fn, (RewardManager, BatchRewardFn)):
+        if isinstance(fn, (RewardManager, BatchRewardFn, reward_loop.RewardLoop)):
             self._reward_fn = fn
+        elif "solution_str" in inspect.signature(fn).parameters and reward_loop.takes_function(self, fn):
+            self._reward_fn = reward_loop.with_function(self, fn)  # async, or the run's judge: the reward loop
         elif "solution_str" in inspect.signature(fn).parameters:
             self._reward_fn = RewardManager(self.tokenizer, compute_score=fn, reward_fn_key=self.config.data.reward_fn_key,
                                             on_error=self.config.reward.on_error, timeout_s=self.config.reward.timeout_s,
@@ -245,7 +247,7 @@ class RLTrainer:
             batch, extra, counts = sampling.collect(prompts, self._draw_prompts,
                                                     lambda p, first_uid: self._generate_and_score(p, timer, first_uid))
             metrics.update(counts)
-        metrics.update(_extra_metrics(extra))
+        metrics.update(_extra_metrics(extra) | reward_loop.step_metrics(self.reward_fn))  # + judge counters
         self._reward_extra = extra  # the reward's per-response values, for the rollouts on disk
         return batch
 
@@ -327,6 +329,7 @@ class RLTrainer:
         metrics, samples = run_validation(batches, lambda p: self.workers.generate_sequences(p, validate=True),
                                           lambda b: agent_scores(b) or self.reward_fn(b), n,
                                           self.config.data.reward_fn_key)
+        metrics.update({f"val-aux/{k}": v for k, v in reward_loop.step_metrics(self.reward_fn).items()})  # judge calls
         self.rollout_dumps.validation(self.global_step, samples)
         metrics["timing_s/testing"] = time.perf_counter() - start
         write_validation_card(self.config, metrics, step=self.global_step, tokenizer=self.tokenizer,
@@ -369,7 +372,7 @@ class RLTrainer:
             raise RewardError(f"step {self.global_step}: {err}") from err
 
     def _close_reward_fn(self, stopped: bool) -> None:
-        if isinstance(self._reward_fn, RewardManager):  # its scoring processes end with the run
+        if isinstance(self._reward_fn, (RewardManager, reward_loop.RewardLoop)):  # scorers and judge end with the run
             self._reward_fn.close(kill=stopped)
 
     # ------------------------------------------------------------------ checkpoints
