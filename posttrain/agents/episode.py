@@ -130,6 +130,9 @@ def check_agent_setup(config: Any) -> None:
     ep = rollout.agent.episode
     if not agent_enabled(config):
         return
+    if not config.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"{KEY}: agent episodes run in the colocated trainer (actor_rollout_ref.hybrid_engine=True); "
+                          "asynchronous rollouts on separate workers do not run them yet")
     if rollout.multi_turn.enable:
         raise ConfigError(f"{KEY} and actor_rollout_ref.rollout.multi_turn.enable: choose one (the episode is the "
                           "agent loop; its tools are its own)")

@@ -63,6 +63,8 @@ def test_grpo_trains_an_agent_through_the_endpoint(tmp_path, name, splits, extra
     ([f"{EPISODE}.path={HARNESSES}", "actor_rollout_ref.rollout.multi_turn.enable=True"], "choose one"),
     ([f"{EPISODE}.path={HARNESSES}", f"{EPISODE}.command=echo 1"], "not both"),
     ([f"{EPISODE}.path={HARNESSES}", f"{EPISODE}.timeout_s=0"], "timeout_s=0"),
+    ([f"{EPISODE}.path={HARNESSES}", "actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.rollout.nnodes=1",
+      "actor_rollout_ref.rollout.n_gpus_per_node=1"], "hybrid_engine=True"),
 ])
 def test_a_config_naming_no_episode_is_one_line_before_loading(tmp_path, monkeypatch, overrides, message):
     import posttrain.trainer.setup as setup
