@@ -105,7 +105,8 @@ def _through_the_lean_head(hidden, labels, ids, head, temperature, k, calculate_
     head (`posttrain.models.logprobs`: no ``[T, V]`` float32 tensor kept, its weight's gradient into ``.grad``),
     and the log-probs at ``ids`` from ``log p_i = (z_i - z_y) / T + log p_y``: the softmax's normaliser is
     ``z_y / T - log p_y``, so ``K + 1`` rows of the head per token give them, exactly, with their gradients.
-    The student's own top-k (a diagnostic) from one more head product per chunk, without gradients."""
+    The student's own top-k ids (a diagnostic) from one more head product, ``TRAIN_CHUNK_ELEMENTS`` logits at a
+    time, without gradients; its top-k log-probs are not computed (None)."""
     lp, entropy = _head_logprobs(hidden, labels, head, temperature, None, calculate_entropy, entropy_grad)
     weight = head.weight
     dtype = low_dtype(hidden, weight) or weight.dtype  # the head product's dtype, as the lean path computes it
@@ -113,12 +114,13 @@ def _through_the_lean_head(hidden, labels, ids, head, temperature, k, calculate_
     with torch.autocast(hidden.device.type, enabled=False):
         z = torch.einsum("th,tkh->tk", hidden.to(dtype), rows.to(dtype)).float()  # [T, K + 1] logits at those rows
     at = (z[:, :-1] - z[:, -1:]) / temperature + lp[:, None]
-    top_ids = top_values = None
-    if k is not None:
+    top_ids = None
+    if k is not None:  # the student's own top-k tokens (ids only: the log-softmax keeps the logits' order)
+        step = max(1, TRAIN_CHUNK_ELEMENTS // weight.shape[0])
         with torch.no_grad():
-            _, _, _, top_ids, top_values = _chunked(hidden.detach(), labels, None, head, None, temperature, k, False,
-                                                    False, weight.shape[0])
-    return lp, entropy if calculate_entropy else None, at, top_ids, top_values
+            top_ids = torch.cat([torch.topk(head(h), k, dim=-1).indices for h in hidden.detach().split(step)]) \
+                if hidden.shape[0] else labels.new_zeros((0, k))
+    return lp, entropy if calculate_entropy else None, at, top_ids, None
 
 
 def _head_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
