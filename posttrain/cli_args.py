@@ -14,7 +14,7 @@ import argparse
 import math
 from typing import Callable
 
-__all__ = ["NUMERIC_TYPES", "bytes_from_text", "finite_float", "int_at_least", "memory_size", "non_negative_int",
+__all__ = ["NUMERIC_TYPES", "bytes_from_text", "finite_float", "int_at_least", "memory_size", "non_negative_float", "non_negative_int", "port_number",
            "positive_float", "positive_int", "probability"]
 
 
@@ -76,6 +76,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a wait in milliseconds)."""
+    value = _number(text, "a finite number >= 0")
+    if value < 0:
+        raise _refuse(text, "a finite number >= 0")
+    return value
+
+
 def probability(text: str) -> float:
     """A share in (0, 1] (top-p)."""
     value = _number(text, "a number in (0, 1]")
@@ -113,4 +121,15 @@ def bytes_from_text(text: str) -> float:
 
 
 _GIB = 1024**3
-NUMERIC_TYPES.update((positive_float, probability, finite_float, memory_size))
+NUMERIC_TYPES.update((positive_float, non_negative_float, probability, finite_float, memory_size))
+
+
+def port_number(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    value = _whole_number(text, "a port number from 0 to 65535")
+    if not 0 <= value <= 65535:
+        raise _refuse(text, "a port number from 0 to 65535")
+    return value
+
+
+NUMERIC_TYPES.add(port_number)

@@ -177,6 +177,8 @@ def test_kernel_caches_stop_growing_once_bounded():
     control (a user's own setting of 1024, torch's default) grows by tens of MB, and the user's value is kept."""
     bounded = _cache_growth("bounded")
     control = _cache_growth("bounded", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    if control <= 5:  # seen on a Zen 3 (no avx512): these fp32 shapes add nothing to oneDNN's cache, bounded or not
+        pytest.skip(f"the control grew by {control} MB: this CPU's kernels keep no per-shape cache to bound")
     assert control > 4 * max(bounded, 5), (bounded, control)
 
 

@@ -85,7 +85,9 @@ def with_loss_scale_factor(info: dict[str, Any], config: Any) -> dict[str, Any]:
     """``agg_loss``'s normalisers plus the role's ``loss_scale_factor`` (verl 0.9.1 puts it into
     ``global_batch_info`` the same way) where one is set: seq-mean-token-sum-norm's divisor."""
     factor = getattr(config, "loss_scale_factor", None)
-    return info if factor is None else {**info, "loss_scale_factor": factor}
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        return info  # unset, or a section built without the loader (its default still the `${...}` it follows)
+    return {**info, "loss_scale_factor": factor}
 
 
 def compute_value_loss(

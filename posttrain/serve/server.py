@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from posttrain.cli_args import non_negative_float, port_number, positive_int
 from posttrain.errors import ConfigError
 from posttrain.serve.app import KeyCheck, RequestHook, build_app
 from posttrain.serve.batcher import Batcher, ServeRecord
@@ -187,17 +188,17 @@ def _parser() -> argparse.ArgumentParser:
         "concurrent requests. Any OpenAI client works: base_url=http://HOST:PORT/v1."))
     p.add_argument("model", help="a model folder, hub id, .gguf file, or smollm2-135m-instruct")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
+    p.add_argument("--port", type=port_number, default=8000, help="port (0: a free one, printed at start)")
     p.add_argument("--api-key", default=os.environ.get("POSTTRAIN_SERVE_API_KEY"),
                    help="key clients must send (Authorization: Bearer KEY); default $POSTTRAIN_SERVE_API_KEY, else none")
     p.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine (vllm where installed)")
     p.add_argument("--dtype", default="fp32", help="weights dtype: fp32 or bf16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model config's)")
-    p.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens of a request that gives none")
-    p.add_argument("--max-batch-rows", type=int, default=64, help="rows (prompts x n) decoded together at most")
-    p.add_argument("--batch-wait-ms", type=float, default=0.0,
+    p.add_argument("--max-model-len", type=positive_int, help="context length (default: the model config's)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=512, help="max_tokens of a request that gives none")
+    p.add_argument("--max-batch-rows", type=positive_int, default=64, help="rows (prompts x n) decoded together at most")
+    p.add_argument("--batch-wait-ms", type=non_negative_float, default=0.0,
                    help="how long a batch waits for more requests once the engine is free (default 0)")
     p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--trust-remote-code", action="store_true")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from posttrain.cli_args import port_number
+
 __all__ = ["main"]
 
 DEFAULT_PORT = 8765
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folders", nargs="*", metavar="RUN_FOLDER",
                         help="a run's folder (trainer.run_dir), a sample dump folder, or a folder of runs (a "
                              "`posttrain compare` folder); none: the runs under ./outputs")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port on {HOST} (default {DEFAULT_PORT}; "
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"port on {HOST} (default {DEFAULT_PORT}; "
                         "0: any free port)")
     parser.add_argument("--open", action="store_true", help="open the page in this machine's web browser")
     args = parser.parse_args(argv)

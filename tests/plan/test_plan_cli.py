@@ -30,7 +30,7 @@ def test_grpo_script_text(capsys, grpo_script, deepseek_dir):
 def test_json_matches_the_text(capsys, ppo_script, deepseek_dir):
     rc, out, _ = _run(capsys, "--script", str(ppo_script), "--model-config", str(deepseek_dir), "--json")
     data = json.loads(out)
-    assert rc == 0 and set(data) == {"source", "flow", "models", "memory", "errors", "warnings"}
+    assert rc == 0 and set(data) == {"source", "flow", "models", "memory", "reward", "errors", "warnings"}
     assert data["flow"]["critic"]["micro_batch"] == 32 and data["flow"]["total_steps"] == 105
     assert data["memory"]["level"] == "fits" and data["memory"]["roles"]["critic"]["gradient_checkpointing"] is True
     assert [m["role"] for m in data["models"] if m["loaded"]] == ["actor", "critic"]

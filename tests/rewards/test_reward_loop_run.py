@@ -173,8 +173,7 @@ def test_bad_input_is_one_line_before_the_first_step(tmp_path):
     (["reward.reward_model.enable=True", "reward.reward_model.model_path=m", "reward.custom_reward_function.path=/a.py",
       "reward_model.enable=True", "reward_model.micro_batch_size_per_gpu=2"],
      "reward_model.enable=True (a discriminative reward model on the workers) and reward.reward_model.enable=True"),
-    (["reward.reward_model.enable=True", "reward.reward_model.model_path=m"],
-     "reward.reward_model.enable=True without reward.custom_reward_function.path"),
+    # reward.reward_model.enable=True without a function is verl's DisRM: loaded as reward_model.* (test_verl_keys)
     (["+reward.max_rpm=0"], "reward.max_rpm=0.0 must be > 0"),
 ])
 def test_legacy_and_new_keys_that_disagree_are_one_error(tmp_path, overrides, message):
