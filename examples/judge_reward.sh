@@ -4,7 +4,8 @@
 # run itself with posttrain serve (reward.reward_model.*). Held-out accuracy is then measured by the rule.
 #
 #   1. the judge: the built-in SFT run's model (posttrain sft: ~89% on the held-out sums); skipped when $JUDGE exists
-#   2. its agreement with the rule on the policy's held-out answers (examples/judge_agreement.py)
+#   2. its agreement with the rule on the policy's held-out answers, beside the untrained model as a judge, each
+#      asked both ways (examples/judge_agreement.py: 256 answers; ~8 min on 2 busy cores)
 #   3. GRPO on the judge's score alone (the built-in run's other settings); validation reports the judge's score
 #   4. the trained model's held-out accuracy by the rule (posttrain eval; the untrained model's is beside it)
 #
@@ -19,7 +20,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 if [ ! -e "$JUDGE" ] && [ "$JUDGE" = "$OUT/sft/hf_model" ]; then
     time posttrain sft trainer.default_local_dir="$OUT/sft" trainer.experiment_name=judge_sft_smollm2
 fi
-time python "$HERE/judge_agreement.py" --judge "$JUDGE" --styles "$JUDGE_STYLE" --json "$OUT/agreement.json"
+time python "$HERE/judge_agreement.py" --judge "$JUDGE" --judge smollm2-135m-instruct --styles solve,verdict --n 2 \
+    --json "$OUT/agreement.json"
 time posttrain train reward.custom_reward_function.path="$HERE/judge_reward.py" \
     reward.reward_model.enable=True reward.reward_model.model_path="$JUDGE" \
     reward.reward_model.rollout.response_length=24 \
