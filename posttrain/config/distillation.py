@@ -171,9 +171,9 @@ def _entry(name: str, raw: Any, rollout: Any) -> TeacherModelConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{where} must be a mapping of key, model_path, num_replicas, inference, got {raw!r}")
     _known(where, raw, TeacherModelConfig, "a teacher entry")
-    inference = dict(raw.get("inference") or {})
     if not isinstance(raw.get("inference") or {}, dict):
         raise ValueError(f"{where}.inference must be a mapping of verl's rollout keys, got {raw['inference']!r}")
+    inference = dict(raw.get("inference") or {})
     _known(f"{where}.inference", inference, TeacherInferenceConfig, "a teacher's inference section")
     for key in _FOLLOWS_ROLLOUT:
         if inference.get(key) is None and rollout is not None:
