@@ -9,6 +9,9 @@
 #   bash examples/agent_calculator.sh                              # SmolLM2-135M-Instruct, 2 CPU cores
 #   SFT_STEPS=4 GRPO_STEPS=10 N_EVAL=64 bash examples/agent_calculator.sh
 #
+# Measured (SmolLM2-135M-Instruct fp32, 64 held-out rows, greedy; AMD EPYC, 2 shared cores, load 4-9):
+#   cold start 90.6% accuracy (100% tool calls); GRPO 10 steps on the multi-turn loop 100%, through the
+#   openai agent 100%, agent/retokenized_tokens 0 at every step.
 # key=value arguments after the script's name override both GRPO runs' keys. Each stage's wall time and
 # the load average go to $OUT/timings.txt, the evaluations to $OUT/tool_use.jsonl, each run's metrics
 # (agent/retokenized_tokens among them) to its folder's metrics.jsonl.
