@@ -83,6 +83,7 @@ RL_RANGES: dict[str, Range] = {
     "reward.reward_model.nnodes": Range(0.0),  # verl's default 0: no pool of its own
     "reward.reward_model.rollout.top_k": Range(1.0, off=-1, off_means="off"),
     "distillation.nnodes": Range(0.0),  # verl's default 0: no teacher pool of its own
+    "distillation.n_gpus_per_node": Range(0.0),  # 0 with nnodes 0: the teacher shares the trainer's devices
     "distillation.distillation_loss.log_prob_min_clamp": Range(None, 0.0),  # a log-prob: <= 0
 }
 """Ranges by full dotted key of the RL tree (`posttrain.config.schema.PostTrainConfig`)."""
