@@ -71,11 +71,6 @@ def _is_free_dict(hint: Any) -> bool:
     return typing.get_origin(hint) is dict or hint is dict
 
 
-def _check_key(key: str, where: str, allow_new: bool, tree: Tree = RL_TREE) -> None:
-    """Raise ConfigError unless `key` is a schema key or an entry under a free-form dict key."""
-    _route(key, where, allow_new, tree)
-
-
 def _route(key: str, where: str, allow_new: bool, tree: Tree = RL_TREE) -> tuple[str, verl_keys.VerlRule | None]:
     """Where a key goes: (the schema key to set, None), or (verl's key, the rule that gives it no effect here).
     A verl 0.9 alias is rewritten to posttrain's key first. Raises ConfigError for an unknown key."""
@@ -143,7 +138,7 @@ def _takes_text(key: str, tree: Tree) -> bool:
     literally."""
     keys = tree.keys()
     if key not in keys:
-        return True  # under a free-form dict key (checked by _check_key)
+        return True  # under a free-form dict key (checked by _route)
     if keys[key].is_section:
         return False
     hint = tree.leaf_type(key)
@@ -303,30 +298,16 @@ def to_dataclass(cfg: DictConfig) -> Any:
 
 
 def to_rl_config(cfg: DictConfig) -> PostTrainConfig:
-    """The typed RL tree of a merged config, with verl 0.9's trainer mode applied
-    (`posttrain.config.async_training.apply_trainer_mode`)."""
+    """The typed RL tree of a merged config, with verl 0.9's spellings that need the whole tree mapped: the trainer
+    mode (`posttrain.config.async_training.apply_trainer_mode`) and the reward loop's served scorer
+    (`posttrain.config.reward_tree.disrm_from_reward_loop`)."""
     from posttrain.config.async_training import apply_trainer_mode
+    from posttrain.config.reward_tree import disrm_from_reward_loop
 
     config = to_dataclass(cfg)
     apply_trainer_mode(config)
-    disrm_from_reward_loop(config)
+    disrm_from_reward_loop(config)  # verl 0.9's served scorer without a function: posttrain's DisRM
     return config
-
-
-def disrm_from_reward_loop(config: PostTrainConfig) -> None:
-    """verl 0.9's ``reward.reward_model.enable=True`` with no reward function is a discriminative reward model
-    (verl scores with its sequence-classification head): posttrain runs that on its workers, the legacy
-    ``reward_model.*`` path, so the loop's keys become those (in place; `posttrain config` shows the result)."""
-    loop = config.reward.reward_model
-    has_function = config.reward.custom_reward_function.path or config.custom_reward_function.path
-    if not loop.enable or has_function or config.reward_model.enable or not loop.model_path:
-        return
-    rm = config.reward_model
-    rm.enable, rm.model.path, loop.enable = True, loop.model_path, False
-    if rm.micro_batch_size_per_gpu is None and rm.micro_batch_size is None and not rm.use_dynamic_bsz:
-        # verl's served scorer batches by tokens: the same here, a pass holding the server's longest request
-        rm.use_dynamic_bsz = True
-        rm.forward_max_token_len_per_gpu = loop.rollout.prompt_length + loop.rollout.response_length
 
 
 def to_yaml(config: PostTrainConfig) -> str:

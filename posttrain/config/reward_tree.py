@@ -140,3 +140,19 @@ def reward_tree_problems(config: Any) -> Iterable[str]:
             yield f"reward.{key}={value!r} must be > 0 (null: no limit)"
     if r.reward_manager.source not in ("register", "importlib"):
         yield f"reward.reward_manager.source={r.reward_manager.source!r} is not one of: register, importlib"
+
+
+def disrm_from_reward_loop(config: Any) -> None:
+    """verl 0.9's ``reward.reward_model.enable=True`` with no reward function is a discriminative reward model
+    (verl scores with its sequence-classification head): posttrain runs that on its workers, the legacy
+    ``reward_model.*`` path, so the loop's keys become those (in place; `posttrain config` shows the result)."""
+    loop = config.reward.reward_model
+    has_function = config.reward.custom_reward_function.path or config.custom_reward_function.path
+    if not loop.enable or has_function or config.reward_model.enable or not loop.model_path:
+        return
+    rm = config.reward_model
+    rm.enable, rm.model.path, loop.enable = True, loop.model_path, False
+    if rm.micro_batch_size_per_gpu is None and rm.micro_batch_size is None and not rm.use_dynamic_bsz:
+        # verl's served scorer batches by tokens: the same here, a pass holding the server's longest request
+        rm.use_dynamic_bsz = True
+        rm.forward_max_token_len_per_gpu = loop.rollout.prompt_length + loop.rollout.response_length
