@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from posttrain.host.disk import DiskWriteError, naming, save_torch, writing
+from posttrain.host.disk import DiskWriteError, naming, readable_as_umask_says, save_torch, writing
 from posttrain.errors import PosttrainError
 
 __all__ = [
@@ -536,6 +536,7 @@ def _file_hash(path: Path) -> str:
 
 def _seal(folder: Path, step: int, roles: list[str]) -> None:
     """fsync every file and folder, then write the COMPLETE manifest (sizes and sha256, fsynced) last."""
+    readable_as_umask_says(folder)  # the roles' safetensors come out of mkstemp as 0600
     files, hashes = {}, {}
     for dirpath, _, names in os.walk(folder):
         for name in names:

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 from posttrain.errors import PosttrainError
 
-__all__ = ["DiskWriteError", "folder_problem", "naming", "os_error_of", "save_torch", "write_failure_message",
-           "writing"]
+__all__ = ["DiskWriteError", "current_umask", "folder_problem", "naming", "os_error_of", "readable_as_umask_says",
+           "save_torch", "write_failure_message", "writing"]
 
 MEANINGS = {
     errno.ENOSPC: ("the disk is full", "free space there"),
@@ -116,6 +116,34 @@ def save_torch(obj: Any, path: str | os.PathLike) -> None:
 
     with naming(path), open(path, "wb") as f:
         torch.save(obj, f)
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``): setting
+    it to read it back would, for that moment, give files other threads create the wrong mode."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def readable_as_umask_says(folder: str | os.PathLike) -> None:
+    """Give every file under ``folder`` the mode a plain ``open()`` would have (``0o666 & ~umask``).
+
+    Libraries that write atomically create their file with ``mkstemp`` and rename it (safetensors 0.8 does,
+    so ``save_pretrained`` does): mode 0600 whatever the umask, a model the user's group cannot read."""
+    mode = 0o666 & ~current_umask()
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode)
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:

@@ -36,7 +36,7 @@ from posttrain.checkpoint import (
     verify_checkpoint,
 )
 from posttrain.checkpoint.layout import open_tensors
-from posttrain.host.disk import os_error_of, write_failure_message
+from posttrain.host.disk import os_error_of, readable_as_umask_says, write_failure_message
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.checkpoint.role import DCP_DIR, read_full_weights
 
@@ -186,6 +186,7 @@ def _write_atomically(out: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         write(tmp)
+        readable_as_umask_says(tmp)  # save_pretrained's safetensors come out of mkstemp as 0600
         for dirpath, _, names in os.walk(tmp):  # the files of lora_adapter/ too
             for name in names:
                 with open(os.path.join(dirpath, name), "rb") as f:

@@ -217,3 +217,25 @@ def test_the_export_reads_one_tensor_at_a_time(tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in target.state_dict().items())
     mapped_whole_file = growth(lambda: target.load_state_dict(load_file(path)))  # the control
     assert read_one_at_a_time < 0.25 < 0.8 < mapped_whole_file, (read_one_at_a_time, mapped_whole_file)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_checkpoint_and_export_files_follow_the_umask(tmp_path, umask, mode):
+    """safetensors writes through mkstemp (mode 0600 whatever the umask): a checkpoint's and an export's
+    files get what a plain open() would give, 0666 & ~umask, so others the umask allows can read the model."""
+    import os
+    import stat
+
+    tok = build_tiny_tokenizer()
+    model = _tiny_model(len(tok))
+    before = os.umask(umask)
+    try:
+        CheckpointManager(tmp_path / "ckpt").save(1, {"actor": RoleState(model=model.state_dict(),
+                                                                         hf_config=model.config, tokenizer=tok)}, {})
+        export_actor(tmp_path / "ckpt", tmp_path / "hf")
+    finally:
+        os.umask(before)
+    for folder in (tmp_path / "ckpt" / "global_step_1" / "actor", tmp_path / "hf"):
+        assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == mode, folder
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.rglob("*") if p.is_file()}
+        assert set(modes.values()) == {mode}, modes
