@@ -14,9 +14,10 @@ from posttrain.config import BUILTIN_CONFIG
 def _config_cmd(argv: list[str]) -> int:
     from posttrain.config import ConfigError, derive_sizes, describe_sizes, load_config, to_yaml
     from posttrain.config.reference import keys_table, markdown_reference
+    from posttrain.cli_args import yaml_config_file
 
     parser = argparse.ArgumentParser(prog="posttrain config", description="Print the resolved config as YAML.")
-    parser.add_argument("--config", help="YAML file layered over the defaults")
+    parser.add_argument("--config", type=yaml_config_file, help="YAML file layered over the defaults")
     parser.add_argument("--builtin", action="store_true", help="start from the built-in default run instead of verl's defaults")
     parser.add_argument("--builtin-yaml", action="store_true",
                         help="print the built-in run's own YAML (posttrain/config/builtin.yaml), to start a config of your "

@@ -5,17 +5,25 @@ A count or size is checked where it is read, so ``--n -3`` is refused with argpa
 Python slice (``rows[:-3]`` drops three rows without a word). Every numeric flag of every
 sub-command uses one of these types; ``tests/test_cli_args.py`` walks the parsers to keep it so.
 
-This module imports nothing from posttrain, so any command's parser may use it.
+A flag naming a file or folder to read (``--config``, ``--input``, ...) uses `file_to_read`,
+`folder_to_read` or `file_or_folder_to_read`, one to write `folder_to_write` or `file_to_write`, so a folder
+given where a file is expected (or the reverse) is named as such, with what was expected, before any
+work (``argument --config: runs/ is a folder, not a YAML config file``).
+
+This module imports nothing from posttrain (the sandbox's parser uses it too, and the sandbox imports only
+`posttrain.errors`), so any command's parser may use it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Callable
 
-__all__ = ["NUMERIC_TYPES", "bytes_from_text", "finite_float", "int_at_least", "memory_size", "non_negative_float", "non_negative_int", "port_number",
-           "positive_float", "positive_int", "probability"]
+__all__ = ["NUMERIC_TYPES", "PATH_TYPES", "bytes_from_text", "file_or_folder_to_read", "file_to_read", "file_to_write",
+           "finite_float", "folder_to_read", "folder_to_write", "int_at_least", "memory_size", "non_negative_float",
+           "non_negative_int", "port_number", "positive_float", "positive_int", "probability", "yaml_config_file"]
 
 
 def _refuse(text: str, valid: str) -> argparse.ArgumentTypeError:
@@ -133,3 +141,94 @@ def port_number(text: str) -> int:
 
 
 NUMERIC_TYPES.add(port_number)
+
+
+PATH_TYPES: set[Callable[[str], str]] = set()
+"""Every path type made here (what the parser walk in the tests accepts for a path flag)."""
+
+
+def _path_type(parse: Callable[[str], str], name: str) -> Callable[[str], str]:
+    parse.__name__ = name
+    PATH_TYPES.add(parse)
+    return parse
+
+
+def file_to_read(expected: str) -> Callable[[str], str]:
+    """The type of a flag naming a file to read; ``expected`` says what it holds ("a YAML config file").
+    A folder or a missing path is refused saying which it is. Anything else that exists is taken
+    (a pipe: ``--config <(...)``)."""
+    def parse(text: str) -> str:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder, not {expected}")
+        if not path.exists():
+            raise argparse.ArgumentTypeError(f"{text} does not exist (expected {expected})")
+        return text
+
+    return _path_type(parse, "file_to_read")
+
+
+def folder_to_read(expected: str) -> Callable[[str], str]:
+    """The type of a flag naming an existing folder; ``expected`` says what it holds."""
+    def parse(text: str) -> str:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            return text
+        if path.exists():
+            raise argparse.ArgumentTypeError(f"{text} is a file, not {expected}")
+        raise argparse.ArgumentTypeError(f"{text} does not exist (expected {expected})")
+
+    return _path_type(parse, "folder_to_read")
+
+
+def file_or_folder_to_read(expected: str) -> Callable[[str], str]:
+    """The type of a flag that reads a file or a folder (``expected`` names both); only a missing path is
+    refused here, what the folder must hold is checked where it is read."""
+    def parse(text: str) -> str:
+        if not Path(text).expanduser().exists():
+            raise argparse.ArgumentTypeError(f"{text} does not exist (expected {expected})")
+        return text
+
+    return _path_type(parse, "file_or_folder_to_read")
+
+
+def _file_in_the_way(path: Path) -> str | None:
+    """Why ``path`` cannot be (or become) a folder: it, or a folder above it, is a file (as
+    `posttrain.host.disk.folder_problem` says it; not imported, see the module's docstring)."""
+    for part in (path, *path.parents):
+        if part.is_dir():
+            return None
+        if part.exists() or part.is_symlink():
+            above = "" if part == path else f" (a folder above {path})"
+            return f"{part}{above} is a file, so it cannot hold files"
+    return None
+
+
+def _folder_to_write(text: str) -> str:
+    """A folder to write into: an existing folder or a path that can become one (not a file)."""
+    blocked = _file_in_the_way(Path(text).expanduser())
+    if blocked:
+        raise argparse.ArgumentTypeError(f"{blocked}; give a folder (new or existing) to write into")
+    return text
+
+
+folder_to_write = _path_type(_folder_to_write, "folder_to_write")
+
+
+def file_to_write(expected: str) -> Callable[[str], str]:
+    """The type of a flag naming a file to write (or to read when it exists and make when it does not);
+    a folder, or a path under a file, is refused."""
+    def parse(text: str) -> str:
+        path = Path(text).expanduser()
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder, not {expected}")
+        blocked = _file_in_the_way(path.parent)
+        if blocked:
+            raise argparse.ArgumentTypeError(f"{text}: {blocked}")
+        return text
+
+    return _path_type(parse, "file_to_write")
+
+
+yaml_config_file = file_to_read("a YAML config file")
+"""``--config`` of every command that reads a YAML file of config keys."""

@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 
 from posttrain import cli
-from posttrain.cli_args import (NUMERIC_TYPES, finite_float, int_at_least, memory_size, non_negative_int, positive_int,
-                                probability)
+from posttrain.cli_args import (NUMERIC_TYPES, PATH_TYPES, finite_float, int_at_least, memory_size, non_negative_int,
+                                positive_int, probability)
 
 ROUTES = [[name] for name in cli.COMMANDS] + [["plan", "sft"], ["plan", "dpo"]]  # plan's own SFT / DPO parsers
 
@@ -49,7 +49,7 @@ def _flags(parser: argparse.ArgumentParser):
 
 PARSERS = {" ".join(route): _parser_of(route) for route in ROUTES}
 FLAGS = [(parser.prog, flag, parser, action) for top in PARSERS.values() for parser, flag, action in _flags(top)]
-NUMERIC = [f for f in FLAGS if f[3].type is not None]
+NUMERIC = [f for f in FLAGS if f[3].type is not None and f[3].type not in PATH_TYPES]
 
 
 def test_the_walk_finds_the_flags_of_every_command():
@@ -69,8 +69,9 @@ def test_numeric_flags_use_the_checked_types(prog, flag, parser, action):
     if action.type is None:
         assert not numeric_default, f"{prog} {flag}: a numeric default without type= reads any text"
         return
-    assert action.type in NUMERIC_TYPES, (f"{prog} {flag}: type={action.type!r}; use posttrain.cli_args "
-                                          "(positive_int, non_negative_int, positive_float, probability, ...)")
+    assert action.type in NUMERIC_TYPES | PATH_TYPES, (
+        f"{prog} {flag}: type={action.type!r}; use posttrain.cli_args (positive_int, non_negative_int, positive_float, "
+        "probability, ..., file_to_read, folder_to_write, ...)")
 
 
 @pytest.mark.parametrize("prog,flag,parser,action", NUMERIC, ids=[f"{p}:{f}" for p, f, _, _ in NUMERIC])
@@ -125,3 +126,65 @@ def test_the_python_api_refuses_negative_counts_too():
         generate_problems(8, 8, digits=0)
     with pytest.raises(ConfigError, match=r"limit=-3: the number of prompts to evaluate must be >= 1"):
         evaluate("/no/such/model", limit=-3)
+
+
+# Flags that name a path to read or write and take it as it is (issue 59: `train --config <a folder>` said the
+# folder "does not exist"). Model paths (--model, --tokenizer, serve's MODEL: folders, .gguf files, hub ids) and
+# eval's --data (which also takes key=value items) are checked where they are read, naming the flag.
+PATH_DESTS = {"config", "script", "model_config", "input", "output", "chat_template", "token_file", "tool_config",
+              "reward_path"}
+CHECKED_LATER = {("posttrain prep gsm8k", "--output"), ("posttrain prep math", "--output"),
+                 ("posttrain prep arithmetic", "--output"), ("posttrain prep arithmetic-sft", "--output"),
+                 ("posttrain prep tool-arithmetic", "--output"), ("posttrain prep pairs", "--output"),
+                 ("posttrain export", "--output"), ("posttrain compare", "--out")}
+"""Output paths `posttrain.data.prep` checks before any work (`_check_output`), and the commands other issues own."""
+PATHS = [f for f in FLAGS if f[3].dest in PATH_DESTS and (f[0], f[1]) not in CHECKED_LATER]
+
+
+def test_the_walk_finds_the_path_flags():
+    found = {(prog, flag) for prog, flag, _, _ in PATHS}
+    assert found >= {("posttrain train", "--config"), ("posttrain config", "--config"), ("posttrain sft", "--config"),
+                     ("posttrain dpo", "--config"), ("posttrain plan", "--script"), ("posttrain plan", "--model-config"),
+                     ("posttrain plan sft", "--config"), ("posttrain prep gsm8k", "--input"),
+                     ("posttrain prep pairs", "--input"), ("posttrain eval", "--output"),
+                     ("posttrain serve", "--chat-template"), ("posttrain sandbox serve", "--token-file")}, sorted(found)
+
+
+@pytest.mark.parametrize("prog,flag,parser,action", PATHS, ids=[f"{p}:{f}" for p, f, _, _ in PATHS])
+def test_path_flags_say_what_they_found(prog, flag, parser, action, tmp_path, capsys):
+    assert action.type in PATH_TYPES, f"{prog} {flag}: use posttrain.cli_args' file_to_read, folder_to_write, ..."
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("x\n")
+    wrong, found = {  # the wrong kind of path for each type, and what its refusal says
+        "file_to_read": (tmp_path, f"{tmp_path} is a folder, not "),
+        "file_to_write": (tmp_path, f"{tmp_path} is a folder, not "),
+        "folder_to_read": (a_file, f"{a_file} is a file, not "),
+        "folder_to_write": (a_file / "sub", f"{a_file} (a folder above {a_file / 'sub'}) is a file"),
+        "file_or_folder_to_read": (tmp_path / "missing", f"{tmp_path / 'missing'} does not exist (expected "),
+    }[action.type.__name__]
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args([flag, str(wrong)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert f"error: argument {flag}: {found}" in err, err
+
+
+def test_the_reported_folder_given_as_a_config_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", "--config", str(tmp_path)])
+    assert stop.value.code == 2
+    assert f"argument --config: {tmp_path} is a folder, not a YAML config file" in capsys.readouterr().err
+    # the Python API and positional sources say it too
+    from posttrain.config import ConfigError, load_config
+    from posttrain.config.scripts import read_source
+
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder, not a YAML file"):
+        load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"{tmp_path} is a folder; give a launch script"):
+        read_source(str(tmp_path))
+    # a file where a folder is expected
+    a_file = tmp_path / "train.jsonl"
+    a_file.write_text("{}\n")
+    with pytest.raises(SystemExit):
+        cli.main(["prep", "gsm8k", "--input", str(a_file), "--output", str(tmp_path / "out")])
+    assert f"argument --input: {a_file} is a file, not a folder with train.jsonl and test.jsonl" in capsys.readouterr().err

@@ -116,7 +116,7 @@ def test_bad_inputs_name_file_and_line(tmp_path, capsys):
     assert f"{bad}:3 'actor_rollout_ref.rollout.nn=5': unknown config key" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no `python -m ... main_ppo key=value` command found"):
         read_source(str(_write(tmp_path / "empty.sh", "#!/bin/bash\necho hello\n")))
-    with pytest.raises(ConfigError, match="not a file, `defaults`, or a list of key=value overrides"):
+    with pytest.raises(ConfigError, match="no_such_file.sh does not exist; give a launch script, a YAML file"):
         read_source("no_such_file.sh")
 
 

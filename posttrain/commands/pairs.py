@@ -238,12 +238,13 @@ def _pair_row(nt: dict, k: int, chosen: Sample, rejected: Sample) -> dict[str, A
 
 def add_pairs_parser(sub) -> None:
     """Add the ``pairs`` sub-command to ``posttrain prep``'s sub-parsers."""
-    from posttrain.cli_args import (finite_float, int_at_least, non_negative_int, positive_float, positive_int,
-                                    probability)
+    from posttrain.cli_args import (file_to_read, finite_float, int_at_least, non_negative_int, positive_float,
+                                    positive_int, probability)
 
     p = sub.add_parser("pairs", help="preference pairs from a model's own samples, scored by the rule reward",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", required=True, help="prompt parquet/jsonl in verl's RL schema (e.g. from prep gsm8k)")
+    p.add_argument("--input", type=file_to_read("a prompt file (.parquet or .jsonl)"), required=True,
+                   help="prompt parquet/jsonl in verl's RL schema (e.g. from prep gsm8k)")
     p.add_argument("--model", required=True,
                    help="HF folder, .gguf file, smollm2-135m-instruct, hub id, or a checkpoint (global_step_N)")
     p.add_argument("--output", required=True, help="pairs file to write (.parquet or .jsonl)")
@@ -259,7 +260,8 @@ def add_pairs_parser(sub) -> None:
     p.add_argument("--pairs-per-prompt", type=positive_int, default=1)
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     p.add_argument("--max-prompt-length", type=positive_int, default=1024, help="longer prompts are an error")
-    p.add_argument("--reward-path", default=None, help="custom reward function file (default: built-in scorers)")
+    p.add_argument("--reward-path", type=file_to_read("a Python file of reward functions"), default=None,
+                   help="custom reward function file (default: built-in scorers)")
     p.add_argument("--reward-name", default="compute_score", help="function name in --reward-path")
     p.add_argument("--param-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="compute precision of generation (auto: the faster on this machine)")

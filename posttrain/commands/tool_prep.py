@@ -13,7 +13,7 @@ import asyncio
 import os
 from typing import Any, Sequence
 
-from posttrain.cli_args import non_negative_int, positive_int
+from posttrain.cli_args import file_to_read, non_negative_int, positive_int
 from posttrain.data import tool_arithmetic
 from posttrain.data.schema import DataError
 
@@ -94,7 +94,8 @@ def add_tool_arithmetic_parser(sub) -> None:
     a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--tools", default="calculator,code_interpreter",
                    help="the built-in tools offered (comma-separated); ignored with --tool-config")
-    a.add_argument("--tool-config", default=None, help="a tool config YAML whose tools are offered and run")
+    a.add_argument("--tool-config", type=file_to_read("a tool config YAML file"), default=None,
+                   help="a tool config YAML whose tools are offered and run")
     a.add_argument("--trace-tool", default="mixed", choices=tool_arithmetic.TRACE_TOOLS,
                    help="the tool the traces call (mixed: each offered tool in turn)")
     a.add_argument("--tool-role", default="user", choices=tool_arithmetic.TOOL_ROLES,

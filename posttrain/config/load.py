@@ -216,8 +216,9 @@ def _flatten(node: Any, tree: Tree = RL_TREE, prefix: str = "") -> Iterable[tupl
 
 def _apply_yaml(cfg: DictConfig, path: str | Path, tree: Tree = RL_TREE) -> None:
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir() or not path.exists():
+        found = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {found}; give a YAML file of config keys")
     text = read_utf8(path, ConfigError)
     try:
         raw = OmegaConf.to_container(OmegaConf.load(io.StringIO(text)), resolve=False) or {}

@@ -96,8 +96,9 @@ def parse_launch_script(text: str, source: str = "<script>") -> list[ScriptOverr
 
 def read_launch_script(path: str | Path) -> list[ScriptOverride]:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"launch script {path} does not exist")
+    if path.is_dir() or not path.exists():
+        raise ConfigError(f"launch script {path} {'is a folder' if path.is_dir() else 'does not exist'}; give the "
+                          "shell script that runs `python -m ... main_ppo key=value ...`")
     return parse_launch_script(read_utf8(path, ConfigError), str(path))
 
 
@@ -151,7 +152,9 @@ def read_source(spec: str) -> ConfigSource:
         return ConfigSource(spec, "defaults")
     if "=" in spec:
         return ConfigSource(spec, "overrides", overrides=tuple(parse_override_list(spec)))
-    raise ConfigError(f"{spec} is not a file, `defaults`, or a list of key=value overrides")
+    found = "is a folder" if path.is_dir() else "does not exist" if not path.exists() else "is not a file"
+    raise ConfigError(f"{spec} {found}; give a launch script, a YAML file, a file of key=value lines, inline "
+                      "key=value overrides, or `defaults`")
 
 
 def load_source(source: ConfigSource, extra: Iterable[str] = (), *, validate: bool = True) -> PostTrainConfig:

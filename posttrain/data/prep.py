@@ -18,7 +18,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from posttrain.cli_args import non_negative_int, positive_int
+from posttrain.cli_args import file_or_folder_to_read, folder_to_read, non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.schema import DataError, read_rows, write_rows
 from posttrain.host.disk import folder_problem
@@ -180,12 +180,14 @@ def build_parser(*more: Callable[[Any], None]) -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="dataset", required=True)
 
     g = sub.add_parser("gsm8k", help="GSM8K (openai/gsm8k) -> train.parquet, test.parquet")
-    g.add_argument("--input", help="directory with train.jsonl and test.jsonl (default: download with `datasets`)")
+    g.add_argument("--input", type=folder_to_read("a folder with train.jsonl and test.jsonl"),
+                   help="directory with train.jsonl and test.jsonl (default: download with `datasets`)")
     g.add_argument("--output", required=True, help="output directory")
     g.set_defaults(func=_prep_gsm8k, output_kind="folder")
 
     m = sub.add_parser("math", help="MATH-style problems with \\boxed{} solutions -> parquet")
-    m.add_argument("--input", required=True, help="a .jsonl/.json/.parquet file, or a directory with train/test files")
+    m.add_argument("--input", type=file_or_folder_to_read("a .jsonl/.json/.parquet file or a folder of them"),
+                   required=True, help="a .jsonl/.json/.parquet file, or a directory with train/test files")
     m.add_argument("--output", help="output directory (default: beside the input)")
     m.add_argument("--split", help="split name for a single input file (default: its file name, e.g. 'train')")
     m.set_defaults(func=_prep_math, output_kind="folder")

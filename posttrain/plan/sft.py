@@ -12,6 +12,8 @@ import math
 import sys
 from typing import Any
 
+from posttrain.cli_args import yaml_config_file
+
 __all__ = ["describe", "main"]
 
 
@@ -75,7 +77,8 @@ def main(argv: list[str]) -> int:
 
     stage, rest = argv[0], argv[1:]
     parser = argparse.ArgumentParser(prog=f"posttrain plan {stage}", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config layered over verl's defaults (without it: the built-in run)")
+    parser.add_argument("--config", type=yaml_config_file,
+                        help="YAML config layered over verl's defaults (without it: the built-in run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(rest)
     loader = load_sft_config if stage == "sft" else load_dpo_config

@@ -236,7 +236,7 @@ class _Server(ThreadingHTTPServer):
 def build_parser() -> argparse.ArgumentParser:
     # cli_args is a leaf of argument types (stdlib only): the one import here from outside errors, for the
     # command line alone, so every numeric flag refuses nonsense the way the other commands' flags do
-    from posttrain.cli_args import non_negative_int, positive_float, positive_int
+    from posttrain.cli_args import file_to_write, non_negative_int, positive_float, positive_int
 
     defaults = Limits()
     parser = argparse.ArgumentParser(prog="posttrain sandbox", description="posttrain's sandbox for model code.")
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--allow-remote", action="store_true",
                               help="serve on an address other machines reach (anyone with the token runs code)")
     serve_parser.add_argument("--port", type=non_negative_int, default=8080, help="0: any free port (printed)")
-    serve_parser.add_argument("--token-file", default=None,
+    serve_parser.add_argument("--token-file", type=file_to_write("a file holding the token"), default=None,
                               help=f"file holding the token callers send (made, mode 600, if missing); default: "
                                    f"${TOKEN_ENV}, else a new token, printed")
     serve_parser.add_argument("--read-timeout-s", type=positive_float, default=READ_TIMEOUT_S,

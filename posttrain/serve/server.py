@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from posttrain.cli_args import non_negative_float, port_number, positive_int
+from posttrain.cli_args import file_to_read, non_negative_float, port_number, positive_int
 from posttrain.errors import ConfigError
 from posttrain.serve.app import KeyCheck, RequestHook, build_app
 from posttrain.serve.batcher import Batcher, ServeRecord
@@ -200,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-rows", type=positive_int, default=64, help="rows (prompts x n) decoded together at most")
     p.add_argument("--batch-wait-ms", type=non_negative_float, default=0.0,
                    help="how long a batch waits for more requests once the engine is free (default 0)")
-    p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
+    p.add_argument("--chat-template", type=file_to_read("a Jinja chat template file"),
+                   help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--trust-remote-code", action="store_true")
     return p
 

@@ -356,7 +356,7 @@ def format_result(res: dict[str, Any], show: int = 0) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from posttrain.cli_args import non_negative_int, positive_float, positive_int, probability
+    from posttrain.cli_args import folder_to_write, non_negative_int, positive_float, positive_int, probability
 
     parser = argparse.ArgumentParser(
         prog="posttrain eval", description="A model or checkpoint on a dataset: verl's mean/best/maj@N and the "
@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="prompts per generation batch (default: all)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path when the model folder has none")
-    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), metavar="DIR",
+    parser.add_argument("--output", type=folder_to_write, default=str(DEFAULT_OUTPUT), metavar="DIR",
                         help=f"folder for the eval card, <UTC time>_<model>.json (default: {DEFAULT_OUTPUT})")
     parser.add_argument("--show", type=non_negative_int, default=0, metavar="K",
                         help="also print the first K responses")

@@ -18,6 +18,7 @@ import argparse
 import sys
 from typing import Any
 
+from posttrain.cli_args import yaml_config_file
 from posttrain.config.sft_load import BUILTIN_DPO, BUILTIN_SFT
 from posttrain.trainer.sft_launch import heldout_accuracy, run_sft as _run
 
@@ -32,7 +33,8 @@ def _parser(prog: str, description: str, builtin: Any) -> argparse.ArgumentParse
     starts = STARTS.format(builtin=f"posttrain/config/{builtin.name}") if builtin else \
         "starts from verl's sft_trainer.yaml defaults, then --config FILE, then the key=value overrides"
     parser = argparse.ArgumentParser(prog=prog, description=f"{description} {starts}.")
-    parser.add_argument("--config", help="YAML config layered over verl's defaults (replaces the built-in run)")
+    parser.add_argument("--config", type=yaml_config_file,
+                        help="YAML config layered over verl's defaults (replaces the built-in run)")
     if builtin is not None:
         parser.add_argument("--heldout-eval", action=argparse.BooleanOptionalAction, default=None,
                             help="greedy held-out accuracy on the built-in arithmetic task before and after "

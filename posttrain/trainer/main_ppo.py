@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from posttrain.cli_args import yaml_config_file
 from posttrain.config import BUILTIN_CONFIG, ConfigError, load_config
 
 
@@ -52,7 +53,8 @@ def train_cli(argv: list[str], builtin: bool, prog: str = "python -m posttrain.t
                                         "SmolLM2-135M-Instruct, one process on CPU); --config FILE starts from verl's "
                                         "defaults instead, as `python -m posttrain.trainer.main_ppo` does." if builtin
                                         else "Starts from verl's defaults, then --config FILE, then the overrides."))
-    parser.add_argument("--config", help="YAML config layered over verl's defaults (replaces the built-in run)")
+    parser.add_argument("--config", type=yaml_config_file,
+                        help="YAML config layered over verl's defaults (replaces the built-in run)")
     parser.add_argument("--cfg", choices=("job", "all"), default=None,
                         help="print the resolved config after its checks and exit without training (Hydra's flag)")
     parser.add_argument("--config-path", dest="hydra_path", help=argparse.SUPPRESS)

@@ -9,6 +9,8 @@ import gc
 import sys
 from typing import Any
 
+from posttrain.cli_args import yaml_config_file
+
 __all__ = ["engine_sft_cli", "heldout_accuracy", "run_sft"]
 
 
@@ -86,7 +88,7 @@ def engine_sft_cli(argv: list[str], trainer_cls: Any, prog: str = "python -m pos
     parser = argparse.ArgumentParser(prog=prog, description="Supervised fine-tuning with verl 0.9's engine SFT keys "
                                      "(sft_trainer_engine.yaml: model.*, engine.*, optim.*, data.messages_key, ...): "
                                      "verl's defaults, then --config FILE, then the key=value overrides.")
-    parser.add_argument("--config", help="YAML config layered over verl's engine SFT defaults")
+    parser.add_argument("--config", type=yaml_config_file, help="YAML config layered over verl's engine SFT defaults")
     parser.add_argument("--cfg", choices=("job", "all"), default=None,
                         help="print the resolved config after its checks and exit without training (Hydra's flag)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (engine=fsdp style group choices too)")
