@@ -20,7 +20,7 @@ from posttrain.config import BUILTIN_CONFIG
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.scripts import ConfigSource, ScriptOverride, load_source, read_launch_script, read_source
-from posttrain.plan.checks import plan_problems
+from posttrain.plan.checks import model_path_problems, plan_problems
 from posttrain.plan.flow import Flow, build_flow, uses_models
 from posttrain.plan.memory import MemoryEstimate, estimate_memory, parse_bytes
 from posttrain.plan.reward import reward_plan
@@ -146,8 +146,9 @@ def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[Mode
         memory = estimate_memory(config, flow, dims, budget, mean_tokens, _critic_dims(config, dims), cpu=cpu)
     reward = reward_plan(config)
     more_errors += [reward["problem"]] if "problem" in reward else []
-    return Plan(source, flow, uses_models(config), memory, skipped, errors + more_errors, warnings + more_warnings,
-                reward)
+    models = uses_models(config)
+    more_errors += model_path_problems(config, models)
+    return Plan(source, flow, models, memory, skipped, errors + more_errors, warnings + more_warnings, reward)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from posttrain.config.derived import uses_reference
 from posttrain.config.schema import PostTrainConfig
@@ -33,3 +33,20 @@ def plan_problems(config: PostTrainConfig, flow: Flow, dims: Optional[ModelDims]
         errors.append(f"data.train_batch_size={flow.prompts_per_step} is larger than the {flow.dataset_size} training "
                       "prompts: an epoch has no full batch (the last partial batch is dropped)")
     return errors, warnings
+
+
+def model_path_problems(config: PostTrainConfig, models: list[dict[str, Any]]) -> list[str]:
+    """Each model the run loads (``models``: `posttrain.plan.flow.uses_models`) whose path names nothing here
+    (`posttrain train` refuses these before loading anything), so a missing folder is an error of the plan,
+    not only a shape it could not read."""
+    from posttrain.trainer.preflight import check_model_paths, model_path_problem
+
+    problems = check_model_paths(config)  # the actor, data.tokenizer, the critic, a judge the run serves
+    more = [("reward_model.model.path", config.reward_model.model.path)] if config.reward_model.enable else []
+    more += [(f"the {m['role']}'s model_path (distillation.teacher_models)", m["model"]) for m in models
+             if m["role"].startswith("teacher") and m["model"] is not None]
+    for key, path in more:
+        problem = model_path_problem(path)
+        if problem is not None:
+            problems.append(f"{key}={path}: {problem}")
+    return problems

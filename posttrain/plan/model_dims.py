@@ -14,7 +14,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from posttrain.errors import ConfigError
 from posttrain.models.model_path import SMOLLM2_ALIAS, ResolvedModel, gguf_cache_folder, gguf_hf_config, smollm2_gguf
+
+MAX_DIMENSION = 2**24
+"""The largest width, depth, head or vocabulary count read (16,777,216; published models stay under 2**18):
+a larger one is a typo (``1e308``) whose products overflow the estimate."""
+MAX_POSITIONS = 2**32
+"""The largest ``max_position_embeddings`` read (context lengths reach 2**24 today)."""
 
 
 @dataclass(frozen=True)
@@ -102,11 +109,14 @@ def complete(dims: ModelDims) -> ModelDims:
 
 def dims_from_hf_config(cfg: dict, source: str) -> ModelDims:
     """ModelDims from a Hugging Face `config.json` dict (Llama, Qwen, Mistral, DeepSeek, GPT-2 names)."""
-    if "text_config" in cfg:  # multimodal wrappers keep the language model here
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the language model here
         cfg = {**cfg, **cfg["text_config"]}
 
     def pick(*names):
-        return next((cfg[n] for n in names if cfg.get(n) is not None), None)
+        name = next((n for n in names if cfg.get(n) is not None), None)
+        if name is None:
+            return None
+        return checked_dimension(name, cfg[name], source, MAX_POSITIONS if "position" in name else MAX_DIMENSION)
 
     dims = ModelDims(
         params=None,
@@ -124,13 +134,41 @@ def dims_from_hf_config(cfg: dict, source: str) -> ModelDims:
     return complete(dims)
 
 
+def checked_dimension(name: str, value: object, where: str, limit: int = MAX_DIMENSION) -> int:
+    """``value`` as a model dimension: a whole number from 1 to ``limit``; a `ConfigError` naming ``where``
+    (the file; "" for a flag) and ``name`` (the key or the flag) otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= limit:
+        return value
+    raise ConfigError(f"{where + ': ' if where else ''}{name}={value!r} is not a model dimension: it must be a whole number from 1 to "
+                      f"{limit:,}")
+
+
 def read_model_config(path: str | Path) -> ModelDims:
     """From a model folder holding config.json, or a config.json file itself."""
     path = Path(path).expanduser()
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist")
-    return dims_from_hf_config(json.loads(file.read_text()), str(file))
+    return dims_from_hf_config(_read_json_config(file), str(file))
+
+
+def _read_json_config(file: Path) -> dict:
+    """A Hugging Face config.json's settings; a `ConfigError` naming the file when it is not a JSON object
+    in text (a weights file given by mistake)."""
+    expected = "give a model folder or its config.json"
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError(f"{file}: cannot read it ({err.strerror or err}); {expected}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file} is not a JSON/YAML text config (it holds binary data); {expected}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{file}:{err.lineno}: not a JSON config ({err.msg}); {expected}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{file} holds a JSON {type(cfg).__name__}, not the object of a model's settings; {expected}")
+    return cfg
 
 
 def find_model_config(model_path: str) -> Optional[Path]:
@@ -178,7 +216,11 @@ def read_gguf_dims(model_path: str) -> Optional[ModelDims]:
 def dims_from_args(params: Optional[float], hidden=None, layers=None, heads=None, kv_heads=None, vocab=None,
                    intermediate=None) -> ModelDims:
     """ModelDims from `--params/--hidden/--layers/...`; the given parameter count wins over the shape's."""
-    return complete(ModelDims(params, hidden, layers, heads, kv_heads, None, vocab, intermediate, source="command line"))
+    given = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "vocab": vocab,
+             "intermediate": intermediate}
+    sizes = {k: None if v is None else checked_dimension(f"--{k.replace('_', '-')}", v, "")
+             for k, v in given.items()}
+    return complete(ModelDims(params, head_dim=None, source="command line", **sizes))
 
 
 def value_model_dims(dims: ModelDims) -> ModelDims:

@@ -151,3 +151,45 @@ def test_a_cpu_run_is_planned_in_cpu_terms(capsys, grpo_script, deepseek_dir):
     assert plan("cpu", "--gpu-memory", "40GiB")[1]["unit"] == "GPU"
     if not bf16:  # fp32 compute doubles the rollout weights' bytes against the GPU's bf16
         assert cpu["roles"]["rollout"]["weights"] == 2 * gpu["roles"]["rollout"]["weights"]
+
+
+def test_a_model_folder_that_does_not_exist_is_a_problem(capsys, tmp_path):
+    """Issue 59: a missing model folder was planned with 0 problems (only its shape unknown) and exit 0."""
+    missing = tmp_path / "no_such_model"
+    rc, out, _ = _run(capsys, f"actor_rollout_ref.model.path={missing}", "--json")
+    errors = json.loads(out)["errors"]
+    assert rc == 1 and f"actor_rollout_ref.model.path={missing}: {missing} does not exist" in errors[0], errors
+    # the critic's too, when a critic is used; a hub id is no problem (it is read from the hub at train time)
+    rc, out, _ = _run(capsys, "algorithm.adv_estimator=gae", f"critic.model.path={missing}", "--json")
+    assert rc == 1 and any(e.startswith(f"critic.model.path={missing}: ") for e in json.loads(out)["errors"])
+    rc, out, _ = _run(capsys, "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct", "--json")
+    assert not any("model.path" in e for e in json.loads(out)["errors"])
+
+
+def test_a_model_config_that_is_not_text_is_named(capsys, tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x80\x04\x95\xff\xfe" * 40)
+    rc, _, err = _run(capsys, "--model-config", str(weights))
+    assert rc == 2
+    assert err.strip() == (f"error: {weights} is not a JSON/YAML text config (it holds binary data); give a model "
+                           "folder or its config.json")
+    broken = tmp_path / "config.json"
+    broken.write_text('{"hidden_size": 576,\n "num_hidden_layers": }\n')
+    rc, _, err = _run(capsys, "--model-config", str(broken))
+    assert rc == 2 and err.startswith(f"error: {broken}:2: not a JSON config (")
+
+
+def test_an_absurd_model_dimension_names_the_key_and_the_range(capsys, tmp_path):
+    """`hidden_size: 1e308` was an OverflowError traceback; any dimension that is not a whole number in range is
+    refused naming its key."""
+    for key, value in [("hidden_size", "1e308"), ("hidden_size", "576.5"), ("num_hidden_layers", "-3"),
+                       ("vocab_size", "true"), ("intermediate_size", str(2**40)), ("num_attention_heads", '"9"')]:
+        config = tmp_path / "config.json"
+        config.write_text('{"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, '
+                          f'"vocab_size": 49152, "intermediate_size": 1536, "{key}": {value}}}')
+        rc, _, err = _run(capsys, "--model-config", str(config))
+        assert rc == 2 and "Traceback" not in err
+        assert err.startswith(f"error: {config}: {key}=") and err.rstrip().endswith(
+            "is not a model dimension: it must be a whole number from 1 to 16,777,216"), err
+    rc, _, err = _run(capsys, "--hidden", str(10**400), "--layers", "3")
+    assert rc == 2 and "error: --hidden=1000" in err and "must be a whole number from 1 to 16,777,216" in err
