@@ -92,8 +92,8 @@ from posttrain.distributed.weight_sync import (  # noqa: E402
     receive_into,
     trainer_weights,
 )
-from posttrain.models.lean_backward import keep_less_for_backward  # noqa: E402
-from posttrain.models.into_grad import embeddings_add_into_grad, grads_into_params  # noqa: E402
+from posttrain.models.lean.backward import keep_less_for_backward  # noqa: E402
+from posttrain.models.lean.into_grad import embeddings_add_into_grad, grads_into_params  # noqa: E402
 from posttrain.models.logprobs import response_logprobs  # noqa: E402
 from posttrain.rollout import SamplingParams  # noqa: E402
 from posttrain.workers import ActorWorker  # noqa: E402

@@ -19,10 +19,10 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   forwards (`posttrain.models.compile`; on any device);
 - a frozen role that computes in bf16: its weights kept in bf16 (`store_frozen_in_bf16`), half an fp32
   copy's memory for the same products (autocast would round them to bf16 at every matmul anyway);
-- a trained role that computes in bf16: its layers keep less for backward (`posttrain.models.lean_backward`:
+- a trained role that computes in bf16: its layers keep less for backward (`posttrain.models.lean.backward`:
   the fp32 weights rather than a bf16 cast of each, the norms' inputs rather than their outputs);
 - a trained role's input embedding: in the update, its gradient's rows summed into ``.grad`` rather than a
-  zero-filled vocabulary-sized tensor per micro-batch (`posttrain.models.into_grad`);
+  zero-filled vocabulary-sized tensor per micro-batch (`posttrain.models.lean.into_grad`);
 - ``optim.optimizer: auto``: the memory plan's choice (`posttrain.host.memory_plan`: 8-bit AdamW moments
   on a CPU), said in one console line once the roles are built (`announce_plan`).
 """
@@ -43,8 +43,8 @@ from posttrain.host.memory_plan import MemoryPlan
 from posttrain.host.paging import offload_directory, one_pass, page_module, page_out_after_each_layer, paged_weights
 from posttrain.host.process_tree import start_run_peak
 from posttrain.models.compile import decoder_layers, enable_layer_compile
-from posttrain.models.into_grad import embeddings_add_into_grad
-from posttrain.models.lean_backward import keep_less_for_backward
+from posttrain.models.lean.into_grad import embeddings_add_into_grad
+from posttrain.models.lean.backward import keep_less_for_backward
 from posttrain.optim.build import build_optimizer, optimizer_kind, trainable_parameters
 from posttrain.optim.paged import PagedAdamW
 from posttrain.workers.prepare import OnDevice
@@ -97,6 +97,7 @@ class InProcess(OnDevice):
         super().__init__(device)
         self.plan = MemoryPlan(self.device)
         self._host_memory: dict[int, str] = {}  # the actor optimizer's id -> its host_memory mode (memory_plan)
+        self._actor_optimizer: tuple[torch.optim.Optimizer, Any, bool] | None = None  # (it, fsdp_config, paged)
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
@@ -124,20 +125,31 @@ class InProcess(OnDevice):
         paged_codes = getattr(optimizer, "_paged", None) is not None
         self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, paged_codes,
                                  getattr(optimizer, "kernel", "C"))
-        if role == "actor_rollout_ref.actor":  # the phases of MEMORY_FIRST_PHASES are the actor's
-            requested = _setting(fsdp_config, "host_memory", "auto")
-            mode = "memory" if directory is not None else self.plan.host_memory(requested)  # paged moments: memory-first
-            if mode in ("speed", "memory") and self.device.type == "cpu":
-                keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
-            elif mode == "balanced" and self.device.type == "cpu":
-                map_large_blocks()  # blocks of 8 MiB and up mapped and unmapped, not left as holes in the heap
-                # the micro-batches' activations are free by the step: their pages go back before the step's
-                # own (the moments mapped in, their dequantised copies) come on top of them
-                optimizer.register_step_pre_hook(_release_before_step)
-            self._host_memory[id(optimizer)] = mode
-            if directory is None:  # the paged case is said by note_optimizer
-                self.plan.note_host_memory(mode, requested)
+        if role == "actor_rollout_ref.actor":  # its host memory mode is set once every role is built (settle)
+            self._actor_optimizer = (optimizer, fsdp_config, directory is not None)
         return optimizer
+
+    @staticmethod
+    def one_pass(module: nn.Module) -> contextlib.AbstractContextManager:
+        """A frozen module's paged weights (``param_offload`` / ``host_paging``) in memory for the block only."""
+        return one_pass(paged_weights(module))
+
+    def set_host_memory(self, optimizer: torch.optim.Optimizer, fsdp_config: Any, paged: bool) -> None:
+        """``actor_rollout_ref.actor.fsdp_config.host_memory`` for the actor's phases (`resident`), chosen by the
+        memory plan: the whole process's allocator policy, so set once, after every role is built. Paged moments
+        run the phases memory-first."""
+        requested = _setting(fsdp_config, "host_memory", "auto")
+        mode = "memory" if paged else self.plan.host_memory(requested)
+        if mode in ("speed", "memory") and self.device.type == "cpu":
+            keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
+        elif mode == "balanced" and self.device.type == "cpu":
+            map_large_blocks()  # blocks of 8 MiB and up mapped and unmapped, not left as holes in the heap
+            # the micro-batches' activations are free by the step: their pages go back before the step's
+            # own (the moments mapped in, their dequantised copies) come on top of them
+            optimizer.register_step_pre_hook(_release_before_step)
+        self._host_memory[id(optimizer)] = mode
+        if not paged:  # the paged case is said by note_optimizer
+            self.plan.note_host_memory(mode, requested)
 
     def _page_or_keep(self, page: Any, fsdp_config: Any, what: str, asked: bool = False) -> Any:
         """``page()`` (it puts a role's state in a file), or None where ``host_paging=auto`` could not reserve the
@@ -163,9 +175,12 @@ class InProcess(OnDevice):
         """The memory plan's one console line (after every role is built)."""
         print(self.plan.line(), flush=True)
 
-    def announce_roles(self, roles: Any, ref_in_actor: bool) -> None:
-        """The memory plan's line once every role is built (`posttrain.workers.build.Roles`): what the reference
-        and each distillation teacher keep, and where."""
+    def settle(self, roles: Any, ref_in_actor: bool) -> None:
+        """Once every role is built (`posttrain.workers.build.Roles`): the process's host memory mode for the
+        actor's phases (`set_host_memory`), then the memory plan's line, with what the reference and each
+        distillation teacher keep, and where."""
+        if self._actor_optimizer is not None:
+            self.set_host_memory(*self._actor_optimizer)
         if roles.ref is not None:
             paged = paged_weights(getattr(roles.ref, "module", None)) is not None
             self.plan.note_reference("adapters-off" if ref_in_actor else "copy",

@@ -66,6 +66,10 @@ class RankPlacement:
 
         return build_optimizer(trainable_parameters(module), optim_config)
 
+    @staticmethod
+    def one_pass(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # a sharded module's offload moves per phase (RankWorker._resident)
+
 
 @bind_calls
 class RankWorker:

@@ -1,4 +1,5 @@
-"""Split a batch into micro-batches by rows or by a token budget (verl's dynamic batch size).
+"""Split a batch into mini-batches (`mini_batch_indices`) and those into micro-batches by rows or by a token
+budget (verl's dynamic batch size): the one home of batch splitting, for the updates and the scoring passes.
 
 Under FSDP every forward and backward is a collective (all-gathers, reduce-scatters), so every
 rank must run the same number of micro-batches; the splits here depend on each rank's own rows
@@ -13,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 from posttrain.checkpoint.ranks import is_sharded  # re-exported: a sharded forward is a collective
+from posttrain.models.shared_prefix import prompt_key
 
 __all__ = ["split_rows", "split_by_tokens", "micro_batch_indices", "split_for_padding", "forward_micro_batches",
-           "shared_prefix_by_tokens", "MicroBatch", "equal_micro_batch_count", "is_sharded", "zero_loss_weight"]
+           "shared_prefix_by_tokens", "MicroBatch", "equal_micro_batch_count", "is_sharded", "zero_loss_weight",
+           "mini_batch_indices", "micro_batches", "select_rows"]
 
 MIN_PIECE_TOKENS = 1024
 """``split_for_padding`` keeps at least this many valid tokens per piece (smaller matmuls lose speed)."""
@@ -245,3 +248,28 @@ def zero_loss_weight(micro_batch: Mapping[str, torch.Tensor]) -> dict[str, torch
     out = dict(micro_batch)
     out["response_mask"] = torch.zeros_like(micro_batch["response_mask"])
     return out
+
+
+def select_rows(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, device: torch.device) -> dict:
+    """``{key: tensor[idx]}`` moved to ``device``."""
+    return {k: v[idx.to(v.device)].to(device) for k, v in tensors.items()}
+
+
+def mini_batch_indices(num_rows: int, mini_batch_size: int, shuffle: bool, generator: torch.Generator):
+    """Row-index groups of ``mini_batch_size`` (a random permutation first when ``shuffle``)."""
+    if mini_batch_size is None or mini_batch_size <= 0:
+        raise ValueError(f"ppo_mini_batch_size must be a positive int (responses per rank), got {mini_batch_size!r}")
+    order = torch.randperm(num_rows, generator=generator) if shuffle else torch.arange(num_rows)
+    return list(order.split(mini_batch_size))
+
+
+def micro_batches(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, micro_batch_size, use_dynamic_bsz,
+                  max_token_len, shared_prefix: bool = False) -> list[torch.Tensor]:
+    """Row indices (into the full batch) of each micro-batch of the mini-batch ``idx``: rows of similar
+    length together (less padding computed; the accumulated gradient does not depend on the split),
+    or with ``shared_prefix`` rows of one prompt together (`forward_micro_batches`)."""
+    rows = idx.to(tensors["attention_mask"].device)
+    mask = tensors["attention_mask"][rows]
+    prompts = prompt_key(tensors["input_ids"][rows], mask, tensors["responses"].shape[1]) if shared_prefix else None
+    groups = forward_micro_batches(mask, micro_batch_size, use_dynamic_bsz, max_token_len, prompts)
+    return [idx[g] for g in groups]

@@ -25,10 +25,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.models.compile import compiled_layers
-from posttrain.models.into_grad import _EmbeddingIntoGrad, grad_accumulator  # the embedding's row-wise backward
-from posttrain.models.lean_backward import low_dtype
-from posttrain.models.logprobs import (CHUNK_ELEMENTS, _head_logprobs, _is_plain_linear_head, call_as_forward,
-                                       forget_forward_record, response_hidden_states, split_lm)
+from posttrain.models.lean.backward import low_dtype
+from posttrain.models.lean.head import CHUNK_ELEMENTS, head_logprobs, is_plain_linear_head
+from posttrain.models.lean.into_grad import _EmbeddingIntoGrad, grad_accumulator  # the embedding's row-wise backward
+from posttrain.models.logprobs import call_as_forward, forget_forward_record, response_hidden_states, split_lm
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches, is_sharded
 from posttrain.models.shared_prefix import prompt_key
 
@@ -81,7 +81,7 @@ def _one_micro_batch(model, input_ids, attention_mask, position_ids, responses, 
     labels = responses[:, :take][valid]
     flat_ids = ids[:, :take][valid] if ids is not None else None
     vocab = head.weight.shape[0] if head is not None else hidden.shape[-1]
-    if flat_ids is not None and torch.is_grad_enabled() and head is not None and _is_plain_linear_head(head, softcap):
+    if flat_ids is not None and torch.is_grad_enabled() and head is not None and is_plain_linear_head(head, softcap):
         out = _through_the_lean_head(hidden, labels, flat_ids, head, temperature, k, calculate_entropy, entropy_grad)
     else:
         out = _chunked(hidden, labels, flat_ids, head, softcap, temperature, k, calculate_entropy, entropy_grad, vocab)
@@ -107,7 +107,7 @@ def _through_the_lean_head(hidden, labels, ids, head, temperature, k, calculate_
     ``z_y / T - log p_y``, so ``K + 1`` rows of the head per token give them, exactly, with their gradients.
     The student's own top-k ids (a diagnostic) from one more head product, ``TRAIN_CHUNK_ELEMENTS`` logits at a
     time, without gradients; its top-k log-probs are not computed (None)."""
-    lp, entropy = _head_logprobs(hidden, labels, head, temperature, None, calculate_entropy, entropy_grad)
+    lp, entropy = head_logprobs(hidden, labels, head, temperature, None, calculate_entropy, entropy_grad)
     weight = head.weight
     dtype = low_dtype(hidden, weight) or weight.dtype  # the head product's dtype, as the lean path computes it
     rows = _head_rows(torch.cat([ids, labels[:, None]], 1).long(), weight)  # [T, K + 1, H]: the teacher's, the label
@@ -125,7 +125,7 @@ def _through_the_lean_head(hidden, labels, ids, head, temperature, k, calculate_
 
 def _head_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``weight[ids]``; inside the update's micro-step its backward adds the touched rows into ``weight.grad``
-    (`posttrain.models.into_grad`'s embedding lookup) rather than a dense vocabulary-sized gradient."""
+    (`posttrain.models.lean.into_grad`'s embedding lookup) rather than a dense vocabulary-sized gradient."""
     accumulator = grad_accumulator(weight)
     if accumulator is None:
         return F.embedding(ids, weight)

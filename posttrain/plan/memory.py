@@ -171,7 +171,7 @@ def logits_bytes(dims: ModelDims, response_tokens: float, training: bool, comput
     them for backward in the compute dtype, whose backward then works in slices of a chunk (a larger one keeps
     none and recomputes each chunk in the compute dtype: under the float32 chunk of its forward). Assumes a
     plain linear head; a softcapped or adapter-wrapped one keeps float32 softmaxes (twice ``compute_bytes``)."""
-    from posttrain.models.logprobs import CHUNK_ELEMENTS, KEEP_ELEMENTS
+    from posttrain.models.lean.head import CHUNK_ELEMENTS, KEEP_ELEMENTS
 
     elements = response_tokens * dims.vocab
     chunk = min(elements, CHUNK_ELEMENTS) * 4

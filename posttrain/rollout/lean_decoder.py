@@ -58,7 +58,7 @@ from transformers.models.llama.modeling_llama import rotate_half  # mistral's an
 from posttrain.host.allocator import mapped_allocations
 from posttrain.host.cache import cache_root, machine_key, read_answers, write_answer
 from posttrain.models.attention import single_query_probs
-from posttrain.models.lean_backward import RecastLinear
+from posttrain.models.lean.backward import RecastLinear
 
 __all__ = [
     "LEAN_MODEL_TYPES", "LeanDecoder", "fp32_matmul_backend", "lean_decoder_for", "mkl_packing_available",

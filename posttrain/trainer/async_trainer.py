@@ -80,7 +80,7 @@ class AsyncRLTrainer(RLTrainer):
         except BaseException:
             self.pool.shutdown()
             raise
-        self.threads.enabled = False  # this process's share is fixed: the pool's workers hold the rest
+        self.host.fix_threads()  # this process's share is fixed: the pool's workers hold the rest
         print(_describe_pool(self.pool, device, trainer_cpus), flush=True)
         print(self.budget.describe(), flush=True)
         source = "recompute" if config.async_training.compute_prox_log_prob else "rollout"

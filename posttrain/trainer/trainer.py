@@ -34,12 +34,12 @@ from posttrain.agents.episode import check_agent_setup
 from posttrain.agents.rollout import agent_scores, agent_step_metrics, old_log_probs_from
 from posttrain.algorithms import (EstimatorsWith, apply_rollout_correction, get_adv_estimator_fn, get_kl_controller,
                                   kl_penalty, masked_mean)
-from posttrain.host.allocator import release_freed_memory
 from posttrain.batch import Batch
 from posttrain.config import (ConfigError, PostTrainConfig, derive_sizes, describe_sizes, uses_critic,
                               validate_config, worker_config)
 from posttrain.config.roles import rl_role_specs
 from posttrain.checkpoint import CheckpointManager, capture_rng, restore_rng
+from posttrain.distributed.host_phases import HostPhases
 from posttrain.host.resident import PhasePeaks
 from posttrain.rewards.manager import (ERRORS_KEY, RewardError, RewardInterrupted, RewardManager, numeric_columns,
                                        place_on_last_token)
@@ -47,7 +47,6 @@ from posttrain.rewards.rm_combine import combine_rm_scores, validation_skip_reas
 from posttrain.rollout.multi_turn import multi_turn_columns, multi_turn_rewards
 from posttrain.rollout.multi_turn_checks import check_multi_turn_setup
 from posttrain.rollout.seeding import SEED_KEY, batch_seed
-from posttrain.host.threads import FreeCoreThreads, wait_policy_choice
 from posttrain.trainer import distill, preflight, resume, reward_loop, setup
 from posttrain.trainer.dynamic_sampling import DynamicSampling, EpochsExhausted
 from posttrain.trainer.metrics import StageTimer, compute_data_metrics, mean_entropy, rollout_actor_diff, throughput
@@ -113,7 +112,9 @@ class RLTrainer:
         preflight.check_lora_config(config, actor_module, critic_module)  # LoRA module names, before any weights load
         self.workers = setup.build_workers(config, rl_role_specs(wcfg), self.device, config.trainer.seed, actor_module,
                                            critic_module, tokenizer)
-        release_freed_memory()  # loading's transient copies (the dequantised GGUF) back to the kernel
+        # the machine's levers at phase boundaries (threads, freed memory): the placement's, not the trainer's
+        self.host = HostPhases(adjust_threads=self.sizes.world_size == 1)
+        self.host.after_loading()  # loading's transient copies (the dequantised GGUF) back to the kernel
         # trainer.rollout_data_dir / validation_data_dir: each step's samples on disk (posttrain view reads them)
         self.rollout_dumps = RolloutDumps.from_config(config, tokenizer, self.workers.writes)
         algo = config.algorithm
@@ -126,9 +127,6 @@ class RLTrainer:
         """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
         self._nonfinite_streak = 0
         self.memory = PhasePeaks()  # this process's peak resident memory, per phase (posttrain.host.resident)
-        # spinning OpenMP threads on cores other processes use wait for descheduled peers: fewer threads
-        # then (posttrain.host.threads); Ray ranks keep the thread count they were given
-        self.threads = FreeCoreThreads(enabled=wait_policy_choice()[0] and self.sizes.world_size == 1)
 
     # ------------------------------------------------------------------ reward function (Python API)
     @property
@@ -175,7 +173,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch) -> dict[str, float]:
-        cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory, self.threads.adjust), {}
+        cfg, w, timer, metrics = self.config, self.workers, StageTimer(self.memory, self.host.before_stage), {}
         correction = cfg.algorithm.rollout_correction
         entropy = None  # per token where the old log-probs are recomputed (written with the step's samples)
         with timer("step"):
@@ -319,7 +317,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         start = time.perf_counter()
-        self.threads.adjust()
+        self.host.before_stage()
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         batches = [b for b in _iterate_once(self.data.val_loader)]
         skipped = validation_skip_reason(self.config.reward_model.enable, batches)  # verl: rule-scored rows only
@@ -334,7 +332,7 @@ class RLTrainer:
         metrics["timing_s/testing"] = time.perf_counter() - start
         write_validation_card(self.config, metrics, step=self.global_step, tokenizer=self.tokenizer,
                               workers=self.workers, prompts=sum(len(b) for b in batches))  # the conventions beside the numbers
-        release_freed_memory()  # the held-out decoding's buffers: no training phase reuses their sizes
+        self.host.after_validation()
         return metrics
 
     # ------------------------------------------------------------------ the run (posttrain.trainer.run)
@@ -343,7 +341,7 @@ class RLTrainer:
         Signals, resume, validation and saving: `posttrain.trainer.run.RunLoop.fit`."""
         cfg = self.config.trainer
         print(describe_sizes(self.sizes), flush=True)
-        print(f"threads: {torch.get_num_threads()}, {wait_policy_choice()[1]} (posttrain.host.threads)", flush=True)
+        print(self.host.describe(), flush=True)
         return RunLoop(self, validate_first=cfg.val_before_train or cfg.val_only, validate_only=cfg.val_only,
                        check=self._check_health, on_exit=self._close_reward_fn).fit()
 

@@ -25,7 +25,7 @@ from posttrain.checkpoint.ranks import process_rank
 from posttrain.checkpoint.role import load_role_into, save_role
 from posttrain.models import autocast_context, compute_response_logprobs, default_device, load_tokenizer, parse_dtype
 from posttrain.models import response_logprobs
-from posttrain.models.into_grad import grads_into_params
+from posttrain.models.lean.into_grad import grads_into_params
 from posttrain.models.lora import LoraAdapter, merged_for_generation
 from posttrain.models.topk_logprobs import response_topk_logprobs
 from posttrain.rollout import SamplingParams, get_rollout_engine

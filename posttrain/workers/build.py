@@ -71,16 +71,16 @@ def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any
         roles.rm = _reward_model(specs.rm, place, actor, specs.actor.model.path)
     if specs.teachers is not None:  # frozen, scoring the sampled tokens (on-policy distillation)
         roles.teachers = _teachers(specs.teachers, place, actor)
-    _announce_plan(place, roles, ref_in_actor)
+    _settle(place, roles, ref_in_actor)
     return roles
 
 
-def _announce_plan(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
-    """The placement's memory plan in one console line, where it has one (the one-process placement says what
-    each role keeps where: `posttrain.distributed.placement.InProcess.announce_roles`)."""
-    announce = getattr(place, "announce_roles", None)
-    if announce is not None:
-        announce(roles, ref_in_actor)
+def _settle(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
+    """The placement's last word once every role is built, where it has one (the one-process placement sets the
+    process's host memory mode and says what each role keeps where: `posttrain.distributed.placement.InProcess.settle`)."""
+    settle = getattr(place, "settle", None)
+    if settle is not None:
+        settle(roles, ref_in_actor)
 
 
 def _actor(spec: RoleSpec, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:
@@ -116,7 +116,7 @@ def _teachers(spec: Any, place: Placement, actor: ActorWorker) -> Teachers:
                         fsdp_section="actor_rollout_ref.ref", actor_dtype=actor.param_dtype, forward_only=True)
         workers[key] = TeacherWorker(ready.module, spec.section, topk=spec.topk, device=place.device,
                                      param_dtype=ready.param_dtype, remove_padding=spec.remove_padding)
-    return Teachers(workers, spec.teacher_key)
+    return Teachers(workers, spec.teacher_key, one_pass=place.one_pass)
 
 
 def _reward_model(spec: RoleSpec, place: Placement, actor: ActorWorker, actor_path: str) -> RewardModelWorker:

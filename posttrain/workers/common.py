@@ -1,5 +1,4 @@
-"""Pieces the actor and critic updates share: mini-batches, global loss normalisers, the
-optimizer step with non-finite protection, metric accumulation, precision from config.
+"""Pieces the actor and critic updates share: global loss normalisers, the optimizer step with non-finite protection, metric accumulation, precision from config.
 
 Gradient accumulation (verl issue #5625). A mini-batch is split into micro-batches that are
 forwarded and back-propagated one at a time. Each micro-batch loss is aggregated with the
@@ -8,57 +7,27 @@ forwarded and back-propagated one at a time. Each micro-batch loss is aggregated
 the whole mini-batch and the accumulated gradient equals the one-big-batch gradient for every
 ``loss_agg_mode`` and any micro-batch split (rows or tokens). Under ``torch.distributed`` the
 counts are summed over ranks and the loss is multiplied by the world size, because DDP/FSDP
-average gradients across ranks.
+average gradients across ranks. How a batch splits into mini- and micro-batches: `posttrain.models.microbatch`.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping
 
 import torch
 
 from posttrain.algorithms.batch_info import ConfigWithBatchInfo, global_batch_info
 from posttrain.batch import response_mask_of
-from posttrain.models.microbatch import forward_micro_batches
-from posttrain.models.shared_prefix import prompt_key
 
 __all__ = [
     "ConfigWithBatchInfo",
     "MetricMeter",
     "global_batch_info",
-    "mini_batch_indices",
     "optimizer_step",
     "response_mask_of",
-    "select_rows",
     "step_scheduler",
 ]
-
-
-def select_rows(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, device: torch.device) -> dict:
-    """``{key: tensor[idx]}`` moved to ``device``."""
-    return {k: v[idx.to(v.device)].to(device) for k, v in tensors.items()}
-
-
-def mini_batch_indices(num_rows: int, mini_batch_size: int, shuffle: bool, generator: torch.Generator):
-    """Row-index groups of ``mini_batch_size`` (a random permutation first when ``shuffle``)."""
-    if mini_batch_size is None or mini_batch_size <= 0:
-        raise ValueError(f"ppo_mini_batch_size must be a positive int (responses per rank), got {mini_batch_size!r}")
-    order = torch.randperm(num_rows, generator=generator) if shuffle else torch.arange(num_rows)
-    return list(order.split(mini_batch_size))
-
-
-def micro_batches(tensors: Mapping[str, torch.Tensor], idx: torch.Tensor, micro_batch_size, use_dynamic_bsz,
-                  max_token_len, shared_prefix: bool = False) -> list[torch.Tensor]:
-    """Row indices (into the full batch) of each micro-batch of the mini-batch ``idx``: rows of similar
-    length together (less padding computed; the accumulated gradient does not depend on the split),
-    or with ``shared_prefix`` rows of one prompt together (`forward_micro_batches`)."""
-    rows = idx.to(tensors["attention_mask"].device)
-    mask = tensors["attention_mask"][rows]
-    prompts = prompt_key(tensors["input_ids"][rows], mask, tensors["responses"].shape[1]) if shared_prefix else None
-    groups = forward_micro_batches(mask, micro_batch_size, use_dynamic_bsz, max_token_len, prompts)
-    return [idx[g] for g in groups]
 
 
 def optimizer_step(params, optimizer: torch.optim.Optimizer, grad_clip: float | None,

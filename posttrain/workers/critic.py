@@ -23,7 +23,8 @@ from posttrain.models.compile import compiled_layers
 from posttrain.models.lora import LoraAdapter
 from posttrain.models.microbatch import equal_micro_batch_count, forward_micro_batches
 from posttrain.models.shared_prefix import prompt_key
-from posttrain.workers.common import MetricMeter, response_mask_of, select_rows
+from posttrain.models.microbatch import select_rows
+from posttrain.workers.common import MetricMeter, response_mask_of
 from posttrain.optim.build import build_lr_scheduler
 from posttrain.workers.prepare import OnDevice, Placement, prepare
 from posttrain.workers.update import run_update

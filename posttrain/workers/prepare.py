@@ -17,6 +17,7 @@ by default `OnDevice`: the device alone, no levers.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -60,6 +61,10 @@ class Placement(Protocol):
         """AdamW over ``module``'s trainable parameters (a LoRA base stays out: no state, no weight
         decay), from ``optim_config``; ``section``: where ``fsdp_config`` sits, for errors."""
 
+    def one_pass(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """One pass of a frozen ``module`` placed by this placement: whatever it keeps out of memory between
+        passes (weights paged to a file) is back for the block and out again after it."""
+
 
 class OnDevice:
     """The device alone: nothing to shard or agree on, no machine levers; plain AdamW. What a worker
@@ -86,6 +91,10 @@ class OnDevice:
     @staticmethod
     def optimizer(module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
         return build_optimizer(trainable_parameters(module), optim_config)
+
+    @staticmethod
+    def one_pass(module: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # nothing is paged here
 
 
 @dataclass

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from posttrain.batch import Batch
-from posttrain.host.paging import one_pass, paged_weights
 from posttrain.models import autocast_context, compute_response_logprobs
 from posttrain.models.microbatch import is_sharded
 from posttrain.models.topk_logprobs import compute_response_topk
@@ -92,13 +91,17 @@ class Teachers:
     that scores a batch with them.
 
     The worker group's residency reads ``module``: the teacher's own when there is one (paged in and out
-    around the call, like the reference); with several, each teacher's pass pages its own weights here.
+    around the call, like the reference); with several, each teacher's pass runs inside ``one_pass(module)``,
+    the placement's (`posttrain.workers.prepare.Placement.one_pass`: a teacher paged to a file is in memory
+    for its own pass only).
     """
 
-    def __init__(self, teachers: dict[str, TeacherWorker], teacher_key: str):
+    def __init__(self, teachers: dict[str, TeacherWorker], teacher_key: str,
+                 one_pass: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None):
         if not teachers:
             raise ValueError("Teachers needs at least one teacher")
         self.teachers, self.teacher_key = dict(teachers), teacher_key
+        self.one_pass = one_pass or (lambda module: contextlib.nullcontext())
 
     @property
     def module(self) -> nn.Module | None:
@@ -125,8 +128,7 @@ class Teachers:
         for key, teacher in self.teachers.items():  # every teacher, in one order on every rank
             idx = rows[key]
             part = {name: value[idx.to(value.device)] for name, value in tensors.items()}
-            paged = paged_weights(teacher.module) if len(self.teachers) > 1 else None
-            with one_pass(paged) if paged is not None else contextlib.nullcontext():
+            with self.one_pass(teacher.module) if len(self.teachers) > 1 else contextlib.nullcontext():
                 lp, ids, lps = teacher.score(part)
             log_probs[idx] = lp.cpu()
             if k:

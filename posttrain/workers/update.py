@@ -19,9 +19,9 @@ from typing import Any, Callable
 import torch
 
 from posttrain.algorithms.objectives import StepMetricNames, UpdateLoop
-from posttrain.models.microbatch import equal_micro_batch_count, zero_loss_weight
-from posttrain.workers.common import (MetricMeter, micro_batches, mini_batch_indices, optimizer_step, select_rows,
-                                      step_scheduler)
+from posttrain.models.microbatch import (equal_micro_batch_count, micro_batches, mini_batch_indices, select_rows,
+                                        zero_loss_weight)
+from posttrain.workers.common import MetricMeter, optimizer_step, step_scheduler
 
 __all__ = ["run_update"]
 

@@ -1,4 +1,4 @@
-"""Weight gradients summed into ``.grad`` inside `grads_into_params` (posttrain.models.into_grad): the LM head's
+"""Weight gradients summed into ``.grad`` inside `grads_into_params` (posttrain.models.lean.into_grad): the LM head's
 and the input embedding's. Each against autograd's own path (the reference, and the negative control for the
 tensors it makes)."""
 
@@ -14,8 +14,8 @@ from torch import nn
 from helpers.tiny_models import tiny_llama
 from helpers.tokenizer import build_tiny_tokenizer
 from posttrain.models import response_logprobs
-from posttrain.models.into_grad import IntoGradEmbedding, embeddings_add_into_grad, grads_into_params
-from posttrain.models.lean_backward import keep_less_for_backward
+from posttrain.models.lean.into_grad import IntoGradEmbedding, embeddings_add_into_grad, grads_into_params
+from posttrain.models.lean.backward import keep_less_for_backward
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from helpers.saved import kept_for_backward
 from helpers.tokenizer import build_tiny_tokenizer
 from helpers.tiny_models import tiny_llama
 from posttrain.distributed.placement import InProcess
-from posttrain.models.lean_backward import RecastLinear, keep_less_for_backward
+from posttrain.models.lean.backward import RecastLinear, keep_less_for_backward
 
 
 def _loss_grads_and_kept_bytes(model: nn.Module, ids: torch.Tensor, autocast: bool = True):

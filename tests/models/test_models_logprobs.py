@@ -16,8 +16,8 @@ from posttrain.models import (
     measure_matmul_flops,
     response_logprobs,
 )
-from posttrain.models import logprobs as logprobs_mod
-from posttrain.models.lean_backward import RecastLinear, keep_less_for_backward
+from posttrain.models.lean import head as head_mod
+from posttrain.models.lean.backward import RecastLinear, keep_less_for_backward
 from helpers.tiny_models import tiny_llama
 
 R = 6
@@ -55,7 +55,7 @@ def naive(model, d, temperature):
 @pytest.mark.parametrize("micro,dynamic,packed", [(4, False, False), (1, False, False), (3, False, False),
                                                   (None, True, False), (4, False, True), (3, False, True)])
 def test_matches_full_logits_reference(tok, data, monkeypatch, micro, dynamic, packed):
-    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 3 * len(tok))  # 3 tokens per lm_head chunk
+    monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", 3 * len(tok))  # 3 tokens per lm_head chunk
     model = tiny_llama(tok).eval()
     lp, ent = compute_response_logprobs(model, data, micro, 0.7, True, use_dynamic_bsz=dynamic, max_token_len=24,
                                         remove_padding=packed)
@@ -70,7 +70,7 @@ def test_matches_full_logits_reference(tok, data, monkeypatch, micro, dynamic, p
 def test_sum_pi_squared_from_the_same_pass(tok, data, monkeypatch, micro, dynamic, packed):
     """``calculate_sum_pi_squared`` (the old-log-prob pass for optimal_token_baseline): a third tensor, each
     valid token's sum over the vocabulary of softmax(logits / T)^2, 0 elsewhere; log-probs and entropy unchanged."""
-    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 3 * len(tok))
+    monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", 3 * len(tok))
     model = tiny_llama(tok).eval()
     lp, ent, sum_pi2 = compute_response_logprobs(model, data, micro, 0.7, True, use_dynamic_bsz=dynamic,
                                                  max_token_len=24, remove_padding=packed,
@@ -105,8 +105,8 @@ def test_lm_head_sees_only_valid_response_tokens(tok, data):
 def test_gradients_match_reference_with_checkpointing(tok, data, monkeypatch, packed, chunk_rows, keep_rows):
     """Many lm_head chunks (4 rows each), checkpointed (nothing kept) or each keeping its tensor for
     backward; or one chunk (1000 rows)."""
-    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", chunk_rows * len(tok))
-    monkeypatch.setattr(logprobs_mod, "KEEP_ELEMENTS", keep_rows * len(tok))
+    monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", chunk_rows * len(tok))
+    monkeypatch.setattr(head_mod, "KEEP_ELEMENTS", keep_rows * len(tok))
     model, ref = tiny_llama(tok).train(), tiny_llama(tok).train()
     enable_activation_checkpointing(model)
     weights = torch.randn(4, R, generator=torch.Generator().manual_seed(1))
@@ -178,18 +178,18 @@ def _head_case(vocab=1000, hidden_size=64, rows=70, seed=0, head_cls=RecastLinea
 @contextlib.contextmanager
 def _todays_path(today: bool):
     """With ``today``, every head takes the chunked path, as all did before the one node (non-plain heads still do)."""
-    plain = logprobs_mod._is_plain_linear_head
-    logprobs_mod._is_plain_linear_head = (lambda *_: False) if today else plain
+    plain = head_mod.is_plain_linear_head
+    head_mod.is_plain_linear_head = (lambda *_: False) if today else plain
     try:
         yield
     finally:
-        logprobs_mod._is_plain_linear_head = plain
+        head_mod.is_plain_linear_head = plain
 
 
 def _stats(hidden, head, labels, temperature=0.7, entropy=True, entropy_grad=True, bf16=True, today=False):
     """(log-prob, entropy) from step 4 as the grad-enabled update runs it (``today``: `_todays_path`)."""
     with _todays_path(today), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return logprobs_mod._head_logprobs(hidden, labels, head, temperature, None, entropy, entropy_grad)
+        return head_mod.head_logprobs(hidden, labels, head, temperature, None, entropy, entropy_grad)
 
 
 def _objective(logp, ent, with_entropy=True):
@@ -215,8 +215,8 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """16 rows per chunk, 256 vocabulary columns per backward slice (the last one partial for a 1000 vocabulary)."""
-    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 16 * 1000)
-    monkeypatch.setattr(logprobs_mod, "VOCAB_SLICE", 256)
+    monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", 16 * 1000)
+    monkeypatch.setattr(head_mod, "VOCAB_SLICE", 256)
 
 
 @pytest.mark.parametrize("bf16", [True, False])
@@ -239,7 +239,7 @@ def test_one_node_gradients_match_float64(small_chunks, monkeypatch, bf16, keep,
     """Gradients of hidden and weight, from kept bf16/float32 logits or recomputed ones, against float64
     autograd: float32 to float32 rounding; bf16 no further from float64 than today's path (which rounds the
     same logits, the logit gradient and the weight gradient to bf16 as well)."""
-    monkeypatch.setattr(logprobs_mod, "KEEP_ELEMENTS", (1 << 30) if keep else 0)
+    monkeypatch.setattr(head_mod, "KEEP_ELEMENTS", (1 << 30) if keep else 0)
     hidden, head, labels = _head_case()
     errors = {}
     for today in (False, True):
@@ -297,10 +297,10 @@ def test_one_node_keeps_bf16_logits_not_float32_softmax(entropy, share):
 def test_tied_head_gets_the_same_gradient_as_todays_path(tok, data, monkeypatch, bf16):
     """The head's weight is the input embedding: autograd sums the node's weight gradient with the embedding's.
     4 rows per chunk, vocabulary slices of 32 columns (the last one partial)."""
-    monkeypatch.setattr(logprobs_mod, "CHUNK_ELEMENTS", 4 * len(tok))
-    monkeypatch.setattr(logprobs_mod, "VOCAB_SLICE", 32)
-    calls, one_node = [], logprobs_mod._LinearHeadLogProbs.apply
-    monkeypatch.setattr(logprobs_mod._LinearHeadLogProbs, "apply", lambda *args: calls.append(1) or one_node(*args))
+    monkeypatch.setattr(head_mod, "CHUNK_ELEMENTS", 4 * len(tok))
+    monkeypatch.setattr(head_mod, "VOCAB_SLICE", 32)
+    calls, one_node = [], head_mod._LinearHeadLogProbs.apply
+    monkeypatch.setattr(head_mod._LinearHeadLogProbs, "apply", lambda *args: calls.append(1) or one_node(*args))
     grads = {}
     for today in (False, True):
         model = tiny_llama(tok, tie_word_embeddings=True).train()
@@ -332,7 +332,7 @@ def test_heads_that_are_more_than_a_product_keep_todays_path():
     import peft
 
     hidden, head, labels = _head_case()
-    plain = logprobs_mod._is_plain_linear_head
+    plain = head_mod.is_plain_linear_head
     assert plain(head, None) and plain(torch.nn.Linear(4, 4, bias=False), None)
     assert not plain(head, 30.0) and not plain(torch.nn.Linear(4, 4), None)
     holder = torch.nn.Sequential()

@@ -279,7 +279,7 @@ def test_declines_what_it_does_not_reproduce(tok):
 def test_a_trained_bf16_actor_with_recast_linears_is_decoded_lean(tok):
     """The one-process placement turns a trained bf16 role's linears into RecastLinear (the same function):
     its rollout keeps the lean decoder (an exact-type check had sent it to the model's forward, 1.5x slower)."""
-    from posttrain.models.lean_backward import RecastLinear, keep_less_for_backward
+    from posttrain.models.lean.backward import RecastLinear, keep_less_for_backward
 
     prompts = tiny_prompt_batch(tok, PROMPTS[:2])
     model = _model("llama", tok).eval()

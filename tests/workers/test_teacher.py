@@ -99,7 +99,7 @@ def test_student_log_probs_at_the_teachers_tokens_equal_a_full_forward_with_grad
 def test_inside_the_update_the_heads_gradient_goes_into_grad_with_the_same_values(tok):
     """In the update's micro-step (`grads_into_params`, loss.backward()) the head rows' gradient is added into
     ``.grad`` row by row (no dense vocabulary-sized tensor): the same gradients as plain autograd."""
-    from posttrain.models.into_grad import embeddings_add_into_grad, grads_into_params
+    from posttrain.models.lean.into_grad import embeddings_add_into_grad, grads_into_params
 
     b = _batch(tok, seed=2)
     ids = torch.randint(0, len(tok), (*b["responses"].shape, 4), generator=torch.Generator().manual_seed(3))

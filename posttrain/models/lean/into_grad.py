@@ -4,7 +4,7 @@ Through autograd, a node's gradient for a weight is a tensor of its own, which t
 ``AccumulateGrad`` then adds to ``weight.grad``. For the two vocabulary-sized weights of a causal LM
 that tensor is 113 MB (SmolLM2's 49152 x 576 in float32), made on every micro-batch of an update:
 
-- the LM head's (`posttrain.models.logprobs._LinearHeadLogProbs`), which autograd holds from the head's
+- the LM head's (`posttrain.models.lean.head._LinearHeadLogProbs`), which autograd holds from the head's
   backward to the end of backward when the head is tied to the input embedding (it waits for the
   embedding's gradient, to add the two);
 - the input embedding's, a zero-filled ``[V, H]`` tensor into which the few rows the micro-batch's
