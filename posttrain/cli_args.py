@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["NUMERIC_TYPES", "PATH_TYPES", "bytes_from_text", "file_or_folder_to_read", "file_to_read", "file_to_write",
-           "finite_float", "folder_to_read", "folder_to_write", "int_at_least", "memory_size", "non_negative_float",
+           "finite_float", "folder_to_read", "folder_to_write", "int_at_least", "int_from_to", "memory_size", "non_negative_float",
            "non_negative_int", "port_number", "positive_float", "positive_int", "probability", "yaml_config_file"]
 
 
@@ -63,6 +63,21 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     parse.__name__ = f"int_at_least_{minimum}"
+    NUMERIC_TYPES.add(parse)
+    return parse
+
+
+def int_from_to(minimum: int, maximum: int) -> Callable[[str], int]:
+    """The type of a whole-number flag valid from ``minimum`` to ``maximum`` (an operand width)."""
+    valid = f"a whole number from {minimum} to {maximum}"
+
+    def parse(text: str) -> int:
+        value = _whole_number(text, valid)
+        if not minimum <= value <= maximum:
+            raise _refuse(text, valid)
+        return value
+
+    parse.__name__ = f"int_from_{minimum}_to_{maximum}"
     NUMERIC_TYPES.add(parse)
     return parse
 

@@ -13,8 +13,8 @@ import asyncio
 import os
 from typing import Any, Sequence
 
-from posttrain.cli_args import file_to_read, non_negative_int, positive_int
-from posttrain.data import tool_arithmetic
+from posttrain.cli_args import file_to_read, int_from_to, non_negative_int, positive_int
+from posttrain.data import arithmetic, tool_arithmetic
 from posttrain.data.schema import DataError
 
 __all__ = ["add_tool_arithmetic_parser", "builtin_tools", "tool_runner"]
@@ -66,6 +66,9 @@ def tool_runner(tools: Sequence[Any]):
 
 
 def _prep_tool_arithmetic(args) -> int:
+    refused = arithmetic.too_few_questions(args.n_train, args.n_test, args.digits, tool_arithmetic.OPS)
+    if refused:
+        raise DataError(refused)
     if args.tool_config:
         from posttrain.tools.registry import load_tools_config
 
@@ -90,7 +93,7 @@ def add_tool_arithmetic_parser(sub) -> None:
     a.add_argument("--output", required=True, help="output directory")
     a.add_argument("--n-train", type=positive_int, default=512)
     a.add_argument("--n-test", type=positive_int, default=64)
-    a.add_argument("--digits", type=positive_int, default=3, help="operand width")
+    a.add_argument("--digits", type=int_from_to(1, arithmetic.MAX_DIGITS), default=3, help="operand width")
     a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--tools", default="calculator,code_interpreter",
                    help="the built-in tools offered (comma-separated); ignored with --tool-config")

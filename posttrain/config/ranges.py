@@ -76,6 +76,7 @@ LEAF_RANGES: dict[str, Range] = {
     "rollout_is_threshold": Range(0.0, low_open=True),
     "train_max_samples": Range(1.0, off=-1, off_means="all"),
     "val_max_samples": Range(1.0, off=-1, off_means="all"),
+    "digits": Range(1.0, 18.0),  # the built-in task's operand width: posttrain.data.arithmetic.MAX_DIGITS
 }
 """Ranges by a key's last part, in every tree."""
 

@@ -30,7 +30,10 @@ __all__ = [
     "DEFAULT_PROMPT_STYLE",
     "Problem",
     "INSTRUCTION",
+    "MAX_DIGITS",
     "demo_problem",
+    "question_count",
+    "too_few_questions",
     "make_messages",
     "generate_problems",
     "make_rows",
@@ -58,6 +61,11 @@ PROMPT_STYLES: dict[str, str] = {
 DEFAULT_PROMPT_STYLE = "fewshot_instruct"
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+MAX_DIGITS = 18
+"""The widest operand: a random.choice over 10**18 numbers is the largest Python's range() draws from
+(19 digits overflow it), far beyond what a model learns to add (`posttrain.config.ranges` holds the same bound
+for data.arithmetic.digits)."""
 
 
 class Problem(tuple):
@@ -88,8 +96,8 @@ def demo_problem(digits: int) -> Problem:
 
 
 def _operand_range(digits: int) -> range:
-    if digits < 1:
-        raise ValueError(f"digits must be >= 1, got {digits}")
+    if not 1 <= digits <= MAX_DIGITS:
+        raise ValueError(f"digits must be a whole number from 1 to {MAX_DIGITS}, got {digits}")
     return range(1 if digits == 1 else 10 ** (digits - 1), 10**digits)
 
 
@@ -108,9 +116,23 @@ def _all_problems(digits: int, ops: Sequence[str]) -> list[Problem]:
     return sorted(out)
 
 
-def _space_size(digits: int, ops: Sequence[str]) -> int:
+def question_count(digits: int, ops: Sequence[str]) -> int:
+    """How many distinct questions ``digits``-digit operands and ``ops`` make (the few-shot demo excluded)."""
     k = len(_operand_range(digits))
+    ops = _check_ops(ops)
     return sum(k * (k + 1) // 2 if op == "-" else k * k for op in ops) - ("+" in ops)  # minus the demo
+
+
+
+def too_few_questions(n_train: int, n_test: int, digits: int, ops: Sequence[str]) -> str | None:
+    """Why a prepared file cannot hold ``n_train`` + ``n_test`` distinct questions (a file of repeated rows
+    teaches nothing another epoch would not), in `posttrain prep`'s flags; None when it can."""
+    space = question_count(digits, ops)
+    if n_train + n_test <= space:
+        return None
+    return (f"--n-train {n_train} + --n-test {n_test} asks for {n_train + n_test:,} distinct questions, but "
+            f"{digits}-digit operands with '{''.join(_check_ops(ops))}' make only {space:,} (test questions never "
+            f"appear in train): ask for at most {space:,} in all, or more --digits")
 
 
 def generate_problems(
@@ -122,7 +144,7 @@ def generate_problems(
             raise ValueError(f"{name}={value!r} must be a whole number >= {least}")
     ops = _check_ops(ops)
     rng = random.Random(f"posttrain-arithmetic-{digits}-{''.join(ops)}-{seed}")
-    space = _space_size(digits, ops)
+    space = question_count(digits, ops)
     if n_test > space:
         raise ValueError(f"n_test={n_test} exceeds the {space} distinct {digits}-digit {ops} questions")
     if space <= 200_000:

@@ -18,7 +18,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from posttrain.cli_args import file_or_folder_to_read, folder_to_read, non_negative_int, positive_int
+from posttrain.cli_args import file_or_folder_to_read, folder_to_read, int_from_to, non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.schema import DataError, read_rows, write_rows
 from posttrain.host.disk import folder_problem
@@ -140,6 +140,9 @@ def _prep_math(args) -> int:
 
 
 def _prep_arithmetic(args) -> int:
+    refused = arithmetic.too_few_questions(args.n_train, args.n_test, args.digits, tuple(args.ops))
+    if refused:
+        raise DataError(refused)
     train, test = arithmetic.write_arithmetic_parquet(
         os.path.expanduser(args.output),
         n_train=args.n_train,
@@ -196,7 +199,7 @@ def build_parser(*more: Callable[[Any], None]) -> argparse.ArgumentParser:
     a.add_argument("--output", required=True, help="output directory")
     a.add_argument("--n-train", type=positive_int, default=128)
     a.add_argument("--n-test", type=positive_int, default=64)
-    a.add_argument("--digits", type=positive_int, default=1, help="operand width")
+    a.add_argument("--digits", type=int_from_to(1, arithmetic.MAX_DIGITS), default=1, help="operand width")
     a.add_argument("--ops", default="+-*", help="operators to use, e.g. '+' or '+-*'")
     a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from posttrain.cli_args import non_negative_int, positive_int
+from posttrain.cli_args import int_from_to, non_negative_int, positive_int
 from posttrain.data import arithmetic
-from posttrain.data.schema import write_rows
+from posttrain.data.schema import DataError, write_rows
 
 __all__ = ["add_parsers", "arithmetic_sft_rows", "default_arithmetic_sft_files", "worked_answer"]
 
@@ -70,6 +70,9 @@ def default_arithmetic_sft_files(digits: int = 2, n_train: int = 1024, n_test: i
 
 
 def _prep_arithmetic_sft(args) -> int:
+    refused = arithmetic.too_few_questions(args.n_train, args.n_test, args.digits, tuple(args.ops))
+    if refused:
+        raise DataError(refused)
     train, test = write_arithmetic_sft(os.path.expanduser(args.output), args.n_train, args.n_test, args.digits,
                                        tuple(args.ops), args.seed, args.prompt_style)
     print(f"wrote {args.n_train} rows to {train} and {args.n_test} rows to {test}; train on them with\n"
@@ -83,7 +86,7 @@ def add_parsers(sub) -> None:
     a.add_argument("--output", required=True, help="output directory")
     a.add_argument("--n-train", type=positive_int, default=1024)
     a.add_argument("--n-test", type=positive_int, default=128)
-    a.add_argument("--digits", type=positive_int, default=2, help="operand width")
+    a.add_argument("--digits", type=int_from_to(1, arithmetic.MAX_DIGITS), default=2, help="operand width")
     a.add_argument("--ops", default="+", help="operators to use, e.g. '+' or '+-*'")
     a.add_argument("--seed", type=non_negative_int, default=0)
     a.add_argument("--prompt-style", default=arithmetic.DEFAULT_PROMPT_STYLE, choices=list(arithmetic.PROMPT_STYLES))

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from posttrain.data import arithmetic
 from posttrain.data.schema import DataError, write_rows
 
-__all__ = ["TOOL_EXAMPLES", "TRACE_TOOLS", "TOOL_ROLES", "SFT_KEYS", "system_prompt", "call_arguments",
+__all__ = ["OPS", "TOOL_EXAMPLES", "TRACE_TOOLS", "TOOL_ROLES", "SFT_KEYS", "system_prompt", "call_arguments",
            "call_text", "tool_message", "make_rows", "write_tool_arithmetic"]
 
 RunTool = Callable[[str, dict], str]
@@ -40,6 +40,8 @@ TOOL_EXAMPLES: dict[str, dict] = {
     "calculator": {"expression": "12 * 34"},
     "code_interpreter": {"code": "print(12 * 34)"},
 }
+OPS = ("*",)
+"""The task's one operator: products are what a small model cannot work out in its head."""
 TRACE_TOOLS = ("calculator", "code_interpreter", "mixed")  # mixed: the two in turn, row by row
 TOOL_ROLES = ("user", "tool")
 SFT_KEYS = ["data.multiturn.enable=true", "data.multiturn.messages_key=messages", "data.multiturn.tools_key=tools"]
@@ -125,7 +127,7 @@ def write_tool_arithmetic(out_dir: str, tools: Sequence[str], schemas: Sequence[
                           n_train: int = 512, n_test: int = 64, digits: int = 3, seed: int = 0,
                           trace_tool: str = "mixed", tool_role: str = "user") -> tuple[str, str]:
     """``train.parquet`` and ``test.parquet`` of multiplications in ``out_dir``; their paths."""
-    train, test = arithmetic.generate_problems(n_train, n_test, digits, ("*",), seed)
+    train, test = arithmetic.generate_problems(n_train, n_test, digits, OPS, seed)
     paths = (os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet"))
     for problems, split, path in ((train, "train", paths[0]), (test, "test", paths[1])):
         write_rows(make_rows(problems, split, tools, schemas, run_tool, trace_tool, tool_role), path)

@@ -107,3 +107,17 @@ def test_the_built_in_data_goes_to_posttrain_cache_dir(tmp_path, monkeypatch):
     assert list(home.iterdir()) == []
     monkeypatch.delenv("POSTTRAIN_CACHE_DIR")
     assert default_dataset_files(n_train=8, n_test=4)[0].startswith(str(home / ".cache" / "posttrain" / "arithmetic"))
+
+
+def test_the_widest_operand_is_one_bound_for_the_generator_and_the_config():
+    from posttrain.config import ConfigError, load_config
+    from posttrain.config.ranges import LEAF_RANGES
+    from posttrain.data.arithmetic import MAX_DIGITS, generate_problems
+
+    assert LEAF_RANGES["digits"].high == MAX_DIGITS == 18
+    train, test = generate_problems(2, 1, digits=MAX_DIGITS)
+    assert len(str(train[0][0])) == MAX_DIGITS
+    with pytest.raises(ValueError, match="digits must be a whole number from 1 to 18, got 19"):
+        generate_problems(2, 1, digits=19)  # range(10**18, 10**19) is too long for random.choice
+    with pytest.raises(ConfigError, match=r"data.arithmetic.digits=5000 must be in \[1, 18\]"):
+        load_config(overrides=["data.arithmetic.digits=5000"])

@@ -88,7 +88,7 @@ def test_output_of_the_wrong_kind_is_one_error_before_any_work(tmp_path, capsys)
     assert main(["arithmetic", "--output", str(a_file / "sub")]) == 2
     assert f"{a_file} (a folder above {a_file / 'sub'}) is a file" in capsys.readouterr().err
     # pairs writes one file: a folder there is refused before the model loads
-    argv = ["pairs", "--input", "x.parquet", "--model", "no_model", "--output", str(tmp_path)]
+    argv = ["pairs", "--input", str(a_file), "--model", "no_model", "--output", str(tmp_path)]
     assert main(argv) == 2
     assert f"--output {tmp_path} is a folder; prep pairs writes one file" in capsys.readouterr().err
     assert a_file.read_text() == "x"  # nothing was written over it
@@ -116,3 +116,35 @@ def test_a_full_disk_while_writing_rows_names_the_file_and_leaves_none(tmp_path,
                     "Detail: [errno 28] No space left on device (ENOSPC: the disk is full); free space there, or choose "
                     "an output folder on another disk"), last
     assert list(out.iterdir()) == []  # no half-written file that looks complete
+
+
+# ---------------------------------------------------------------------- issue 59: counts and widths checked up front
+@pytest.mark.parametrize("dataset", ["arithmetic", "arithmetic-sft", "tool-arithmetic"])
+def test_an_operand_width_out_of_range_is_refused_naming_the_flag(dataset, tmp_path, capsys):
+    """`--digits 5000` was an OverflowError traceback (range() cannot hold 10**5000 numbers)."""
+    with pytest.raises(SystemExit) as stop:
+        main([dataset, "--output", str(tmp_path / "out"), "--digits", "5000"])
+    assert stop.value.code == 2
+    assert "argument --digits: 5000 is not valid: must be a whole number from 1 to 18" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dataset,flags,space", [
+    ("arithmetic", [], 206),  # 1-digit '+-*': 81 + 45 + 81 questions, less the few-shot demo 3 + 4
+    ("arithmetic-sft", ["--digits", "1", "--ops", "+"], 80),
+    ("tool-arithmetic", ["--digits", "1", "--tools", "calculator"], 81),
+])
+def test_more_distinct_questions_than_exist_are_refused_before_writing(dataset, flags, space, tmp_path, capsys):
+    """`--n-train 100000000` on 1-digit questions ran on, writing the same 142 train questions over and over."""
+    out = tmp_path / "out"
+    assert main([dataset, "--output", str(out), *flags, "--n-train", "100000000", "--n-test", "10"]) == 2
+    err = capsys.readouterr().err
+    assert ("error: --n-train 100000000 + --n-test 10 asks for 100,000,010 distinct questions, but 1-digit operands "
+            "with '") in err, err
+    assert f"make only {space} (test questions never appear in train): ask for at most {space} in all" in err, err
+    assert not out.exists()
+    # the largest request that fits is written, every question once
+    assert main([dataset, "--output", str(out), *flags, "--n-train", str(space - 10), "--n-test", "10"]) == 0
+    train = read_rows(str(out / "train.parquet"))
+    questions = [r["extra_info"].get("question") or json.dumps(r["prompt"]) for r in train]
+    assert len(train) == space - 10 == len(set(questions))
