@@ -280,9 +280,9 @@ class MultiTurnConfig:
     format: str = "hermes"
     """Tool-call format in the model's text: hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)."""
     tool_timeout_s: float = 30.0
-    """(posttrain) Seconds one tool call may take; past it the model reads an error message instead."""
+    """(posttrain) Seconds one tool call may take (> 0); past it the model reads an error message instead."""
     interaction_timeout_s: float = 30.0
-    """(posttrain; verl has none) Seconds one call of an interaction's method may take; past it the call is abandoned and counted (multi_turn/interaction_timeouts)."""
+    """(posttrain; verl has none) Seconds one call of an interaction's method may take (> 0); past it the call is abandoned and counted (multi_turn/interaction_timeouts)."""
     add_tool_rewards: bool = False
     """(posttrain) Add each trajectory's tool rewards (calc_reward) and interaction score to the reward function's score."""
     max_consecutive_invalid_tool_calls: Optional[int] = None
@@ -310,7 +310,7 @@ class AgentEpisodeConfig:
     model_name: str = "policy"
     """(posttrain) The model name episodes send (any other is refused with 404 and counted)."""
     timeout_s: float = 300.0
-    """(posttrain) Seconds an episode may run; one past it is abandoned and counted as failed."""
+    """(posttrain) Seconds an episode may run (> 0); one past it is abandoned and counted as failed."""
     max_concurrent: int = 64
     """(posttrain) Episodes running at once (their calls are decoded together in batches)."""
 
@@ -461,7 +461,7 @@ class ActorRolloutRefConfig:
     hybrid_engine: bool = True
     """Actor and rollout share one set of weights on the same devices; False: a separate rollout pool generates while the trainer updates (async_training.*)."""
     nccl_timeout: int = 600
-    """Collective timeout in seconds."""
+    """Collective timeout in seconds (> 0)."""
     model: ActorModelConfig = field(default_factory=ActorModelConfig)
     """The policy model."""
     actor: ActorConfig = field(default_factory=ActorConfig)

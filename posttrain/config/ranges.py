@@ -6,6 +6,9 @@ check written as ``value < low`` lets NaN and inf through, so each bound here is
 "inside", never as "not outside". A key added to a schema later is covered without being listed:
 its range comes from its name (counts >= 1, fractions in [0, 1], everything else >= 0; a negative
 default such as verl's -1 is also accepted as "off"/"automatic"), and it is finite whatever it is.
+Every time-out (a key whose last part holds "timeout") is > 0 seconds: 0 would mean "no time at all" to
+one key and "no limit" to another, so it means neither; a time-out that may be switched off is
+Optional and null switches it off.
 Keys whose range differs from what their name says are declared in `LEAF_RANGES` (by the last part
 of the key) or per tree (`RL_RANGES`, `SFT_RANGES`: full dotted keys).
 """
@@ -18,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-__all__ = ["LEAF_RANGES", "RL_RANGES", "SFT_RANGES", "Range", "numeric_keys", "numeric_problems", "range_of"]
+__all__ = ["LEAF_RANGES", "RL_RANGES", "SFT_RANGES", "TIMEOUT", "Range", "numeric_keys", "numeric_problems", "range_of"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class Range:
     high_open: bool = False
     off: float | None = None
     off_means: str = "automatic"
+    note: str = ""
+    """What the number is, appended to the rule ("seconds; ...")."""
 
     def holds(self, value: float) -> bool:
         if self.off is not None and value == self.off:
@@ -53,7 +58,8 @@ class Range:
             rule = f"{'<' if self.high_open else '<='} {high}"
         else:
             rule = "any finite number"
-        return rule + (f" (or {_num(self.off)}: {self.off_means})" if self.off is not None else "")
+        rule += f" (or {_num(self.off)}: {self.off_means})" if self.off is not None else ""
+        return rule + (f" ({self.note})" if self.note else "")
 
 
 def _num(x: float | None) -> str:
@@ -61,6 +67,7 @@ def _num(x: float | None) -> str:
 
 
 COUNT = Range(1.0)
+TIMEOUT = Range(0.0, low_open=True, note="seconds; 0 would time out at once")
 FRACTION = Range(0.0, 1.0)
 ANY = Range(None)
 
@@ -82,6 +89,7 @@ LEAF_RANGES: dict[str, Range] = {
 
 RL_RANGES: dict[str, Range] = {
     "reward.reward_model.nnodes": Range(0.0),  # verl's default 0: no pool of its own
+    "reward.timeout_s": Range(0.0, low_open=True, note="seconds; null: no limit"),
     "reward.reward_model.rollout.top_k": Range(1.0, off=-1, off_means="off"),
     "distillation.nnodes": Range(0.0),  # verl's default 0: no teacher pool of its own
     "distillation.n_gpus_per_node": Range(0.0),  # 0 with nnodes 0: the teacher shares the trainer's devices
@@ -116,6 +124,8 @@ def range_of(key: str, default: Any, declared: Mapping[str, Range] = RL_RANGES) 
         return declared[key]
     if leaf in LEAF_RANGES:
         return LEAF_RANGES[leaf]
+    if "timeout" in leaf:
+        return TIMEOUT
     counted = leaf in _COUNT_NAMES or any(word in leaf for word in _COUNT_WORDS)
     off = default if _is_number(default) and default < 0 else None
     return Range(1.0 if counted else 0.0, off=off, off_means="off" if "freq" in leaf else "automatic")

@@ -175,7 +175,7 @@ class RewardConfig:
     on_error: str = "raise"
     """(posttrain) An exception, a time-out or a nan/inf score in a scorer: raise (naming the row) or zero (score 0, counted in reward/errors)."""
     timeout_s: Optional[float] = 60.0
-    """(posttrain) Seconds the scorer may take on one row; then the row is handled per reward.on_error (null: no limit). Also each judge request's limit, retries included; verl's reward.timeout is the same key."""
+    """(posttrain) Seconds the scorer may take on one row (> 0; null: no limit); then the row is handled per reward.on_error. Also each judge request's limit, retries included; verl's reward.timeout is the same key."""
     max_concurrent: Optional[int] = None
     """Rows the limit reward manager scores at once (verl reads +reward.max_concurrent; null: 1, verl's default); also the judge client's requests in flight (null: 64 to the run's own GenRM server, 8 to a URL)."""
     max_rpm: Optional[float] = None

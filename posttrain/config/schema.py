@@ -324,7 +324,7 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: Optional[int] = None
     """Keep only the newest N critic checkpoints (null: all)."""
     ray_wait_register_center_timeout: int = 300
-    """Seconds to wait for Ray workers to register."""
+    """Seconds to wait for Ray workers to register (> 0)."""
     device: str = "auto"
     """cuda, cpu or auto (cuda when present). verl's default is cuda."""
     use_legacy_worker_impl: str = "auto"

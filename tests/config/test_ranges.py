@@ -114,3 +114,27 @@ def test_range_text_and_holds():
     r = Range(0.0, low_open=True)
     assert [r.holds(v) for v in (1e-9, 0.0, math.inf, math.nan, -1.0)] == [True, False, False, False, False]
     assert Range(None).holds(-5.0) and not Range(None).holds(-math.inf)
+
+
+def _timeout_keys():
+    from posttrain.config.docs import all_keys
+
+    return sorted(key for key in all_keys() if "timeout" in key.rsplit(".", 1)[-1])
+
+
+def test_every_timeout_key_means_the_same_by_zero():
+    """Issue 59: reward.timeout_s=0 meant "no limit" and multi_turn.tool_timeout_s=0 "time out at once". Every
+    time-out is now > 0 seconds (null, where a key allows it, is "no limit"), and its docstring says so."""
+    from posttrain.config.docs import all_keys
+
+    keys = _timeout_keys()
+    assert {"reward.timeout_s", "actor_rollout_ref.rollout.multi_turn.tool_timeout_s", "actor_rollout_ref.nccl_timeout",
+            "actor_rollout_ref.rollout.multi_turn.interaction_timeout_s",
+            "actor_rollout_ref.rollout.agent.episode.timeout_s", "trainer.ray_wait_register_center_timeout"} <= set(keys)
+    for key in keys:
+        expected = "(seconds; null: no limit)" if key == "reward.timeout_s" else "(seconds; 0 would time out at once)"
+        zero = 0.0 if "float" in str(_hint(PostTrainConfig, key)) else 0
+        assert _rl_errors([f"{key}=0"]) == [f"{key}={zero!r} must be > 0 {expected}"], key
+        assert not _naming(_rl_errors([f"{key}=1"]), key)
+        assert "> 0" in all_keys()[key].doc, key
+    assert not _naming(_rl_errors(["reward.timeout_s=null"]), "reward.timeout_s")
