@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,12 +41,17 @@ def _require(module: str, backend: str):
 class ConsoleBackend:
     """One readable line per step, with the headline metrics first, plus elapsed time and ETA."""
 
+    # Each shown where the run logs it, so a line carries what matters for its kind of run.
     # rollout_actor_probs_diff_mean: mean |p_rollout - p_actor| of the sampled tokens, the engine/trainer
-    # mismatch (a bf16 vLLM engine shows it; a growing value means the rollout is drifting off-policy)
+    # mismatch (a bf16 vLLM engine shows it; a growing value means the rollout is drifting off-policy).
+    # tool_call_rate: multi-turn runs with tools, the share of responses that called one. samples_per_s and
+    # the idle ratios: the async run (a rollout pool beside the trainer). tree_peak_gb: the run's one memory
+    # figure, its process tree's peak so far (rollout workers, Ray ranks and reward workers counted).
     HEADLINE = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss",
-                "response_length/mean", "training/rollout_actor_probs_diff_mean", "train/loss", "val/loss", "loss",
-                "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies", "timing_s/step", "perf/throughput",
-                "memory/peak_resident_gb")
+                "response_length/mean", "multi_turn/tool_call_rate/mean", "training/rollout_actor_probs_diff_mean",
+                "train/loss", "val/loss", "loss", "rewards/margins", "rewards/accuracies", "eval_rewards/accuracies",
+                "timing_s/step", "perf/throughput", "perf/samples_per_s", "trainer/idle_ratio", "rollouter/idle_ratio",
+                "memory/tree_peak_gb")
 
     def __init__(self, total_steps: int | None):
         self.total, self.start = total_steps, time.monotonic()
@@ -52,7 +59,8 @@ class ConsoleBackend:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         shown = [k for k in self.HEADLINE if k in metrics] + sorted(k for k in metrics if k.startswith("val-core/"))
-        parts = [f"{column_name(k)}={_fmt(metrics[k])}" for k in shown]
+        names = column_names(shown)
+        parts = [f"{names[k]}={_fmt(metrics[k])}" for k in shown]
         print(f"step {step}{self._progress(step)} | " + " ".join(parts), flush=True)
 
     def _progress(self, step: int) -> str:
@@ -69,6 +77,28 @@ class ConsoleBackend:
 
     def finish(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """Where a run stands, as its console line says it (`parse_progress`)."""
+
+    step: int
+    total: int
+    elapsed: str
+    eta: str
+
+
+_PROGRESS = re.compile(r"^step (\d+)/(\d+) \[[#.]*\] (\S+) elapsed, ETA (\S+) \|")
+
+
+def parse_progress(line: str) -> StepProgress | None:
+    """A `ConsoleBackend` step line read back (what `posttrain compare` shows of a run writing to its log);
+    None for any other line (a step-0 validation line has no total)."""
+    found = _PROGRESS.match(line)
+    if found is None:
+        return None
+    return StepProgress(int(found[1]), int(found[2]), found[3], found[4])
 
 
 class FileBackend:
@@ -180,6 +210,14 @@ def column_name(key: str) -> str:
     that would leave a bare statistic (``response_length/mean`` stays whole) or it is a validation metric."""
     short = key.split("/", 1)[-1]
     return key if key.startswith("val") or short in BARE_STATISTICS else short
+
+
+def column_names(keys: list[str]) -> dict[str, str]:
+    """`column_name` of each key, except where two keys would share a name (``trainer/idle_ratio`` and
+    ``rollouter/idle_ratio``): those keep their full keys, so no column is ambiguous."""
+    short = {k: column_name(k) for k in keys}
+    taken = [short[k] for k in keys]
+    return {k: k if taken.count(short[k]) > 1 else short[k] for k in keys}
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -87,6 +87,34 @@ def test_metrics_reader_keeps_a_resumed_steps_last_record(tmp_path):
     assert read_metrics(path) == {1: {"step": 1, "a": 1}, 2: {"step": 2, "a": 3, "v": 5, "m": 7}}
 
 
+def test_progress_lines_from_a_runs_log_and_metrics(tmp_path):
+    from posttrain.commands.compare_progress import RunProgress
+
+    log, metrics = tmp_path / "train.log", tmp_path / "metrics.jsonl"
+    log.write_text("step 1/9 [##..] 0:00:01 elapsed, ETA 0:00:08 | an earlier attempt's line\n")
+    metrics.write_text(json.dumps({"step": 0, ACC: 0.25}) + "\n")
+    lines = []
+    progress = RunProgress("[1/2] A seed 1", tmp_path, None, emit=lines.append)
+    progress.poll()
+    assert lines == []  # nothing trained yet (step 0 is the validation before training)
+    with log.open("a") as f:
+        f.write("step 1/3 [######..............] 0:00:10 elapsed, ETA 0:00:20 | score/mean=0.5\n"
+                "step 2/3 [#############.......] 0:00:21 elapsed, ETA 0:00:10 | score/mean=0.75 val-core/x=0.5\n"
+                "step 3/3 [####################] 0:00:3")  # a line still being written
+    with metrics.open("a") as f:
+        for row in ({"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.75, ACC: 0.5}):
+            f.write(json.dumps(row) + "\n")
+    progress.poll()  # two steps since the last read: a line each, the metric as of that step
+    assert lines == [f"[1/2] A seed 1: step 1/3, 0:00:10 elapsed, ETA 0:00:20 | score 0.5 | {ACC} 0.25 (step 0)",
+                     f"[1/2] A seed 1: step 2/3, 0:00:21 elapsed, ETA 0:00:10 | score 0.75 | {ACC} 0.5 (step 2)"]
+    progress.poll()
+    assert len(lines) == 2  # nothing new: no line
+    with_metric = RunProgress("[2/2] B seed 1", tmp_path, "val-aux/y/mean@1", emit=lines.append)
+    with_metric._shown = 1
+    with_metric.poll()
+    assert lines[-1] == "[2/2] B seed 1: step 2 | score 0.75 | val-aux/y/mean@1: not logged yet"
+
+
 # ---- tiny runs end to end ----
 
 def _run_module(argv: list[str], log: str) -> None:
@@ -164,6 +192,12 @@ def test_two_tiny_configs_end_to_end_then_resumed(tmp_path, forkserver, capsys):
     assert "resumed from" in (out / "rloo" / "seed1" / "train.log").read_text()  # from its checkpoint, not step 0
     text = capsys.readouterr().out
     assert "[1/4] grpo seed 1: done (finished earlier)" in text
+    # each run shows its steps as it trains: step i/N from its console line, the compared metric's latest value
+    assert f"[3/4] grpo seed 2: step 1/2, " in text and f"[3/4] grpo seed 2: step 2/2, " in text
+    last = [ln for ln in text.splitlines() if ln.startswith("[4/4] rloo seed 2: step 2/2")]
+    rows = read_metrics(out / "rloo" / "seed2" / "metrics.jsonl")
+    assert len(last) == 1 and f"| {ACC} {rows[2][ACC]:.3g} (step 2)" in last[0], text
+    assert "[1/4] grpo seed 1: step" not in text  # a run finished earlier shows no steps again
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metric"] == ACC
     for name in ("grpo", "rloo"):
@@ -184,7 +218,7 @@ def test_two_tiny_configs_end_to_end_then_resumed(tmp_path, forkserver, capsys):
 def test_identical_configs_are_within_noise(tmp_path, forkserver, capsys):
     # negative control: the same config twice, same seeds; whatever the runs' spread, a difference of 0
     out = tmp_path / "cmp"
-    assert compare_cmd.main(["builtin", "builtin", "--seeds", "2", "--out", str(out), *_common(tmp_path),
+    assert compare_cmd.main(["builtin", "builtin", "--seeds", "2", "--out", str(out), "--allow-same", *_common(tmp_path),
                              "algorithm.adv_estimator=grpo"], launch=ForkLauncher(forkserver)) == 0
     text = capsys.readouterr().out
     assert "0 keys differ" in text
@@ -230,6 +264,62 @@ def test_different_models_are_refused_unless_allowed(tmp_path, capsys):
     assert "no finished runs to report yet" in capsys.readouterr().out
 
 
+def _bad(args: list[str], capsys) -> str:
+    """The CLI's one error line for `posttrain compare ARGS` (exit 2, nothing run)."""
+    capsys.readouterr()
+    assert cli(["compare", *args]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in captured.err, captured.err
+    assert "keys differ" not in captured.out  # refused before the diff, so before any run
+    return err[0]
+
+
+def test_the_same_config_twice_is_refused_unless_allowed(tmp_path, capsys):
+    common = [*_common(tmp_path), "--out", str(tmp_path / "cmp")]
+    # the same resolved config, spelt differently: builtin's estimator is grpo; a seed and a name do not count
+    line = _bad(["builtin", "algorithm.adv_estimator=grpo trainer.seed=7 trainer.experiment_name=x", *common], capsys)
+    assert "are the same config" in line and "--allow-same" in line
+    assert compare_cmd.main(["builtin", "builtin", "--allow-same", "--report-only", *common], launch=_never) == 0
+    # negative control: one key that changes training is enough
+    assert compare_cmd.main(["builtin", "actor_rollout_ref.rollout.temperature=0.9", "--report-only", *common],
+                            launch=_never) == 0
+
+
+def test_a_metric_that_is_not_a_validation_metric_is_refused_before_any_run(tmp_path, capsys):
+    line = _bad(["algorithm.adv_estimator=grpo", "algorithm.adv_estimator=rloo", "--metric", "no/such/metric",
+                 "--out", str(tmp_path / "cmp"), *_common(tmp_path)], capsys)
+    assert line.startswith("error: --metric no/such/metric: compare reads a held-out validation metric")
+
+
+def test_an_unlogged_metric_stops_after_the_first_run_naming_the_logged_ones(tmp_path, forkserver, capsys):
+    out = tmp_path / "cmp"
+    args = ["algorithm.adv_estimator=grpo", "algorithm.adv_estimator=rloo", "--metric", "val-core/no/such/mean@1",
+            "--out", str(out), *_common(tmp_path)]
+    launch = ForkLauncher(forkserver)
+    from posttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--metric val-core/no/such/mean@1: A seed 1 did not log it; its validation "
+                                          rf"metrics: .*{ACC}.*; the other runs were not started"):
+        compare_cmd.main(args, launch=launch)
+    assert launch.ran == [("A", 1)]
+    # the next call finds it at once from the finished run, before starting B
+    with pytest.raises(ConfigError, match="did not log it"):
+        compare_cmd.main(args, launch=_never)
+
+
+def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
+    taken = tmp_path / "report.txt"
+    taken.write_text("not a folder\n")
+    args = ["algorithm.adv_estimator=grpo", "algorithm.adv_estimator=rloo", *_common(tmp_path)]
+    line = _bad([*args, "--out", str(taken)], capsys)
+    assert line == f"error: --out {taken}: {taken} is a file, so it cannot hold files; give a folder (created when missing)"
+    below = _bad([*args, "--out", str(taken / "cmp")], capsys)  # a folder below a file
+    assert f"{taken} (a folder above {taken / 'cmp'}) is a file" in below
+    # negative control: a folder that does not exist yet is fine
+    assert compare_cmd.main([*args, "--out", str(tmp_path / "new" / "cmp"), "--report-only"], launch=_never) == 0
+
+
 def test_seeds_below_one_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         cli(["compare", "builtin", "builtin", "--seeds", "0"])
@@ -242,6 +332,7 @@ def test_override_sets_land_on_the_builtin_run_and_at_file(tmp_path):
     listed.write_text("# PPO\nalgorithm.adv_estimator=gae\nactor_rollout_ref.rollout.n=1\n")
     side = compare_cmd.build_side("B", f"@{listed}", ["data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
     assert side.config.algorithm.adv_estimator == "gae" and side.config.data.train_batch_size == 32
-    assert side.config.trainer.experiment_name == "arithmetic_grpo_smollm2"  # the built-in run's, not verl's default
+    # the built-in run's variant name (its own folders), not verl's default
+    assert side.config.trainer.experiment_name == "arithmetic_gae_smollm2"
     assert side.argv[:2] == ("posttrain.cli", "train") and "algorithm.adv_estimator=gae" in side.argv
     assert compare_cmd.samples_per_step(side.config) == 32

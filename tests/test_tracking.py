@@ -64,6 +64,34 @@ def test_every_console_column_names_its_subject(tmp_path, capsys):
     assert column_name("response_length/mean").split("/")[-1] == "mean"  # the statistic is still said
 
 
+def test_console_shows_what_matters_per_run_kind(tmp_path, capsys):
+    base = {"critic/score/mean": 0.5, "memory/peak_resident_gb": 2.5, "memory/tree_peak_gb": 5.9}
+    tool = {**base, "multi_turn/tool_call_rate/mean": 0.75, "multi_turn/tool_calls/mean": 1.25}
+    async_run = {**base, "perf/samples_per_s": 1.5, "trainer/idle_ratio": 0.03, "rollouter/idle_ratio": 0.58}
+    tracking = Tracking(["console"], tmp_path, "proj", "exp", total_steps=3)
+    for step, metrics in enumerate((base, tool, async_run), start=1):
+        tracking.log(metrics, step)
+    plain, with_tools, pooled = capsys.readouterr().out.splitlines()
+    # the run's one memory figure, its process tree's peak; the process's own peak is not a second one
+    assert "tree_peak_gb=5.9" in plain and "peak_resident_gb" not in plain
+    assert "tool_call_rate" not in plain and "idle_ratio" not in plain and "samples_per_s" not in plain
+    assert "tool_call_rate/mean=0.75" in with_tools
+    # two idle ratios: each keeps its full key, so neither column is ambiguous
+    assert "samples_per_s=1.5 trainer/idle_ratio=0.03 rollouter/idle_ratio=0.58" in pooled
+
+
+def test_a_console_step_line_reads_back_as_progress(tmp_path, capsys):
+    from posttrain.tracking import StepProgress, parse_progress
+
+    tracking = Tracking(["console"], tmp_path, "proj", "exp", total_steps=15)
+    tracking.log({"val-core/acc@1": 0.25}, 0)
+    tracking.log({"critic/score/mean": 0.5}, 3)
+    zero, three = capsys.readouterr().out.splitlines()
+    assert parse_progress(zero) is None  # step 0 (the validation before training) has no total
+    assert parse_progress(three) == StepProgress(3, 15, "0:00:00", "0:00:00")
+    assert parse_progress("stepping 3/15 [#] 0:00:01 elapsed, ETA 0:00:02 | x=1") is None
+
+
 def test_console_shows_the_rollout_actor_probability_gap(tmp_path, capsys):
     from posttrain.batch import Batch
     from posttrain.trainer.metrics import rollout_actor_diff

@@ -22,16 +22,25 @@ from pathlib import Path
 
 from posttrain.cli_args import positive_int, probability
 from posttrain.commands import compare_report as report
+from posttrain.commands.compare_progress import RunProgress
 from posttrain.commands.compare_runs import Launcher, RunOutcome, RunSpec, run_keys, run_one, subprocess_launcher
 from posttrain.config import BUILTIN_CONFIG
 from posttrain.config.schema import PostTrainConfig
 from posttrain.config.scripts import ConfigSource, load_source, parse_override_list, read_source
 from posttrain.errors import ConfigError
+from posttrain.host.disk import folder_problem
 
 # What makes two runs train the same model on the same task; anything else may differ.
 TASK_KEYS = ("actor_rollout_ref.model.path", "data.train_files", "data.val_files")
 BUILTIN_TASK_KEYS = ("data.arithmetic.digits", "data.arithmetic.ops", "data.arithmetic.n_train",
                      "data.arithmetic.n_test", "data.arithmetic.seed", "data.arithmetic.prompt_style")
+# Keys that only name, place or log a run, or that compare sets on every run itself (`run_keys`): two
+# configs differing only in these train the same model the same way.
+RUN_ONLY_KEYS = frozenset(("trainer.seed", "data.seed", "trainer.run_dir", "trainer.default_local_dir",
+                           "trainer.resume_mode", "trainer.start_over", "trainer.logger", "trainer.project_name",
+                           "trainer.experiment_name", "trainer.save_freq", "trainer.max_actor_ckpt_to_keep",
+                           "trainer.max_critic_ckpt_to_keep"))
+VALIDATION_PREFIXES = ("val-core/", "val-aux/")
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,45 @@ def task_differences(a: Side, b: Side) -> list[str]:
     return [f"{k}: {_get(a.config, k)!r} vs {_get(b.config, k)!r}" for k in keys if _get(a.config, k) != _get(b.config, k)]
 
 
+def training_differences(a: Side, b: Side) -> list[str]:
+    """The keys (outside `RUN_ONLY_KEYS`) whose resolved values differ between A and B."""
+    from posttrain.diff import diff_keys
+
+    return [d.key for d in diff_keys(a.config, b.config, {}, {}) if d.key not in RUN_ONLY_KEYS]
+
+
+def check_inputs(a: Side, b: Side, args: argparse.Namespace, folder: Path) -> None:
+    """The bad inputs found before any run starts: one error each (`ConfigError`)."""
+    different = task_differences(a, b)
+    if different and not args.allow_different:
+        raise ConfigError(f"A and B train different models or datasets ({'; '.join(different)}); "
+                          "pass --allow-different to compare them anyway")
+    if not args.allow_same and not training_differences(a, b):
+        raise ConfigError(f"A ({args.a}) and B ({args.b}) are the same config: after the common overrides no key "
+                          "that changes training differs (run names, seeds, folders, loggers and save cadence do not "
+                          "count), so the runs would repeat each other; give two different configs, or pass --allow-same for an "
+                          "A/A control (the spread across seeds alone)")
+    if args.metric is not None and not args.metric.startswith(VALIDATION_PREFIXES):
+        raise ConfigError(f"--metric {args.metric}: compare reads a held-out validation metric, named "
+                          "val-core/<data source>/<field>/<statistic> or val-aux/... (e.g. "
+                          "val-core/posttrain/arithmetic/acc/mean@1); leave --metric out for the strict accuracy")
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise ConfigError(f"--out {folder}: {problem}; give a folder (created when missing)")
+
+
+def check_metric_logged(metric: str | None, outcome: RunOutcome) -> None:
+    """--metric against what a finished run logged: named at the first finished run, before the next starts."""
+    if metric is None:
+        return
+    rows = report.read_metrics(outcome.spec.folder / "metrics.jsonl")
+    logged = sorted({k for row in rows.values() for k in row if k.startswith(VALIDATION_PREFIXES)})
+    if metric not in logged:
+        raise ConfigError(f"--metric {metric}: {outcome.spec.side} seed {outcome.spec.seed} did not log it; its "
+                          f"validation metrics: {', '.join(logged) or 'none'}; the other runs were not started: "
+                          "run again with one of those")
+
+
 def samples_per_step(config: PostTrainConfig) -> int:
     """Responses trained on per step."""
     return int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
@@ -147,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--names", help="names of A and B in the report, comma-separated (default A,B)")
     p.add_argument("--out", help="compare folder (default outputs/compare/<A>-vs-<B>-<hash of the commands>)")
     p.add_argument("--allow-different", action="store_true", help="compare configs that train different models or datasets")
+    p.add_argument("--allow-same", action="store_true",
+                   help="compare a config with itself (an A/A control: the spread across seeds alone)")
     p.add_argument("--target", type=probability,
                    help="held-out accuracy (0-1] to report samples and time to (default: the highest both reach)")
     p.add_argument("--metric", help="validation metric to compare (default val-core/<source>/acc/mean@N)")
@@ -170,13 +220,11 @@ def main(argv: list[str] | None = None, launch: Launcher = subprocess_launcher) 
     common = [item.text for item in parse_override_list(" ".join(_quote(o) for o in args.overrides))]
     names = _names(args.names)
     a, b = build_side(names[0], args.a, common), build_side(names[1], args.b, common)
-    different = task_differences(a, b)
-    if different and not args.allow_different:
-        raise ConfigError(f"A and B train different models or datasets ({'; '.join(different)}); "
-                          "pass --allow-different to compare them anyway")
-    _print_diff(a, b, common)
     folder = Path(args.out) if args.out else default_folder(a, b)
-    outcomes = [] if args.report_only else run_all(plan_runs([a, b], args.seeds, folder), launch, args.keep_checkpoints)
+    check_inputs(a, b, args, folder)
+    _print_diff(a, b, common)
+    outcomes = [] if args.report_only else run_all(plan_runs([a, b], args.seeds, folder), launch,
+                                                   args.keep_checkpoints, args.metric)
     stopped = [o for o in outcomes if o.status == "stopped"]
     text = write_report([a, b], args.seeds, folder, args.target, args.metric)
     print(text)
@@ -203,18 +251,24 @@ def _print_diff(a: Side, b: Side, common: list[str]) -> None:
     print(render(diff_configs(a.source, b.source, extra=common)), end="\n\n", flush=True)
 
 
-def run_all(runs: list[RunSpec], launch: Launcher, keep_checkpoints: bool) -> list[RunOutcome]:
-    """Every run in order; a failed run is reported and the others go on; a stopped one (Ctrl-C, SIGTERM) ends the call."""
+def run_all(runs: list[RunSpec], launch: Launcher, keep_checkpoints: bool, metric: str | None = None) -> list[RunOutcome]:
+    """Every run in order, each showing its steps as it trains (`RunProgress`); a failed run is reported and
+    the others go on; a stopped one (Ctrl-C, SIGTERM) ends the call; a --metric the first finished run did
+    not log ends it too (`check_metric_logged`)."""
     outcomes = []
     for i, spec in enumerate(runs, start=1):
-        print(f"[{i}/{len(runs)}] {spec.side} seed {spec.seed}: {spec.folder}", flush=True)
-        outcome = run_one(spec, launch, keep_checkpoints)
+        prefix = f"[{i}/{len(runs)}] {spec.side} seed {spec.seed}"
+        print(f"{prefix}: {spec.folder}", flush=True)
+        with RunProgress(prefix, spec.folder, metric):
+            outcome = run_one(spec, launch, keep_checkpoints)
         note = {"done": f"done ({outcome.reason or f'{outcome.wall_s:.0f} s'})", "failed": f"FAILED: {outcome.reason}",
                 "stopped": "stopped by a signal (its checkpoint resumes it)"}[outcome.status]
-        print(f"[{i}/{len(runs)}] {spec.side} seed {spec.seed}: {note}", flush=True)
+        print(f"{prefix}: {note}", flush=True)
         outcomes.append(outcome)
         if outcome.status == "stopped":
             break
+        if outcome.status == "done":
+            check_metric_logged(metric, outcome)
     return outcomes
 
 

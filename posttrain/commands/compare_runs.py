@@ -51,13 +51,16 @@ class RunOutcome:
 
 def run_keys(folder: Path, seed: int, trainer_cfg, save_freq: int) -> list[str]:
     """The keys compare sets on every run: its seed (model sampling and prompt order alike, so A and B
-    see the same data in the same order), its folders, the `file` logger, and a save cadence that lets
-    an interrupted run resume (only the newest checkpoint kept)."""
+    see the same data in the same order), its folders, the `file` logger (the report's numbers) and the
+    `console` one first (its step lines in train.log are what compare shows of a run in progress:
+    `compare_progress`), and a save cadence that lets an interrupted run resume (only the newest
+    checkpoint kept)."""
     keys = [f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.run_dir={folder}",
             f"trainer.default_local_dir={folder / 'checkpoints'}", "trainer.resume_mode=auto", "trainer.start_over=False"]
     loggers = list(trainer_cfg.logger)
-    if "file" not in loggers:
-        keys.append("trainer.logger=[" + ",".join(loggers + ["file"]) + "]")
+    wanted = (["console"] if "console" not in loggers else []) + loggers + (["file"] if "file" not in loggers else [])
+    if wanted != loggers:
+        keys.append("trainer.logger=[" + ",".join(wanted) + "]")
     if trainer_cfg.save_freq <= 0:
         keys.append(f"trainer.save_freq={save_freq}")
     if trainer_cfg.max_actor_ckpt_to_keep is None:

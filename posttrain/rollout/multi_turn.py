@@ -78,6 +78,8 @@ METRIC_COLUMNS = ("multi_turn/turns", "multi_turn/assistant_turns", "multi_turn/
                   "multi_turn/void_turns", "multi_turn/void_filtered", "multi_turn/tool_finish_errors",
                   "multi_turn/interaction_errors", "multi_turn/interaction_timeouts")
 REWARD_COLUMNS = ("multi_turn/tool_reward", "multi_turn/interaction_score")
+TOOL_CALL_RATE = "multi_turn/tool_call_rate"
+"""Where tools are offered: 1 per response that called one; the step's mean is the tool-call rate."""
 _SENTINEL = "\u2063posttrain-turn-end\u2063"
 # Interaction and end-of-trajectory calls running at once (each is a thread with its own event loop, three
 # file descriptors): enough for any batch to proceed, few enough that a large one cannot exhaust the fds.
@@ -463,7 +465,7 @@ class MultiTurnRollout:
         if sampling.calculate_log_probs:
             tensors["rollout_log_probs"] = log_probs.to(dev) * response_mask.to(dev)
         non_tensors = dict(rows.non_tensor_batch)
-        non_tensors.update(_columns(trajs, bool(self.config.filter_void_turns)))
+        non_tensors.update(_columns(trajs, bool(self.config.filter_void_turns), offers_tools=bool(self.tools)))
         return Batch.from_dict(tensors, non_tensors, dict(rows.meta_info))
 
 
@@ -508,7 +510,9 @@ def _count_tool_metrics(t: _Trajectory, metrics: dict) -> bool:
     return invalid
 
 
-def _columns(trajs: list[_Trajectory], filter_void: bool) -> dict[str, np.ndarray]:
+def _columns(trajs: list[_Trajectory], filter_void: bool, offers_tools: bool) -> dict[str, np.ndarray]:
+    """The per-row ``multi_turn/*`` columns (their means are the step's metrics); with tools offered,
+    ``tool_call_rate``: 1 where the trajectory called a tool, so its mean is the share of responses that did."""
     values = {
         "multi_turn/turns": [t.assistant_turns + t.user_turns for t in trajs],
         "multi_turn/assistant_turns": [t.assistant_turns for t in trajs],
@@ -529,6 +533,8 @@ def _columns(trajs: list[_Trajectory], filter_void: bool) -> dict[str, np.ndarra
         "multi_turn/tool_reward": [t.tool_reward for t in trajs],
         "multi_turn/interaction_score": [t.interaction_score for t in trajs],
     }
+    if offers_tools:
+        values[TOOL_CALL_RATE] = [t.tool_calls > 0 for t in trajs]
     return {k: np.asarray(v, dtype=np.float64) for k, v in values.items()}
 
 

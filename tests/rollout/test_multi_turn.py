@@ -156,6 +156,19 @@ def test_rows_at_different_turns_generate_together(tok):
     assert out.non_tensor_batch["multi_turn/tool_calls"].tolist() == [1, 0]
 
 
+def test_the_tool_call_rate_column_is_there_only_where_tools_are_offered(tok):
+    # with a tool: 1 for the row that called it, 0 for the other; the step's mean is the rate (0.5)
+    out, _ = _rollout(tok, {"A:": [CALL, "done A"], "B:": ["done B"]}, [CalculatorTool()])
+    assert out.non_tensor_batch["multi_turn/tool_call_rate"].tolist() == [1.0, 0.0]
+    from posttrain.trainer.trainer import _extra_metrics
+    from posttrain.rollout.multi_turn import multi_turn_columns
+
+    assert _extra_metrics(multi_turn_columns(out))["multi_turn/tool_call_rate/mean"] == 0.5
+    # no tool offered (a multi-turn run with an interaction only): no rate, rather than a rate of 0
+    without, _ = _rollout(tok, {"A:": ["done A"]}, [])
+    assert "multi_turn/tool_call_rate" not in without.non_tensor_batch
+
+
 def _failing_tool(name: str, message: str) -> BaseTool:
     """A tool whose every call raises ``RuntimeError(message)``."""
 
