@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -78,8 +79,14 @@ def test_drops_counts_and_tis_weights_hand_case(tmp_path):
     trainer._push, trainer._refill = (lambda: {}), (lambda finished: None)
     trainer.global_step = 1
 
+    began = time.perf_counter()
     metrics = trainer.step()
+    wall = time.perf_counter() - began
     rows = len(results[0])  # responses per unit (2 prompts x n=2)
+    # the step's line shows samples/s: the responses trained on over the step's wall time, which holds the
+    # timed training step and lies within the call's own wall time
+    samples = sync.config.data.train_batch_size * sync.config.actor_rollout_ref.rollout.n
+    assert samples == 2 * rows and metrics["timing_s/step"] <= samples / metrics["perf/samples_per_s"] <= wall
     assert metrics["fully_async/count/stale_samples_processed"] == rows  # unit A, lag 1
     assert metrics["fully_async/count/stale_samples_dropped"] == rows  # unit B at version 0, lag 2
     assert len(trainer.pool.submitted) == 1 and trainer.pool.submitted[0] is unit_b  # B generated again

@@ -165,10 +165,13 @@ class AsyncRLTrainer(RLTrainer):
         if self.global_step % self.budget.sync_every == 0:
             metrics.update(self._push())
             self._refill(self.global_step)
-        wait = metrics.get("timing_s/wait_rollout", 0.0)
+        wait, seconds = metrics.get("timing_s/wait_rollout", 0.0), max(time.perf_counter() - start, 1e-9)
         metrics.update({f"fully_async/count/{k}": float(v) for k, v in self._counts.items()})
         metrics.update(self.pool.metrics())
-        metrics.update({"trainer/idle_ratio": wait / max(time.perf_counter() - start, 1e-9),
+        # samples_per_s: responses trained on over the step's wall time (waiting for the pool and the push
+        # included), the figure benchmarks/bench_async.py sets against the colocated run
+        samples = self.config.data.train_batch_size * self.config.actor_rollout_ref.rollout.n
+        metrics.update({"trainer/idle_ratio": wait / seconds, "perf/samples_per_s": samples / seconds,
                         "weight_sync/version": float(self.weight_version)})
         return metrics
 
