@@ -65,15 +65,23 @@ def test_rl_export_at_end_keeps_the_model_but_no_checkpoint(tmp_path, capsys):
     trainer.fit()
     hf = ckpt / "hf_model"
     assert (hf / "config.json").exists() and len(model_line(capsys.readouterr().out)) == 1
-    assert sorted(p.name for p in ckpt.iterdir()) == ["hf_model"]  # no checkpoint, no scratch folder left
+    # no checkpoint, no scratch folder left; the record that the run finished
+    assert sorted(p.name for p in ckpt.iterdir()) == ["finished_run.json", "hf_model"]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
     trained = trainer.workers.actor.module.state_dict()
     assert all(torch.equal(t, trained[n].cpu()) for n, t in model.state_dict().items())
-    # the next run in that folder starts at step 0 (nothing to resume), as without the export
-    again = RLTrainer(tiny_config(tmp_path, ["trainer.total_training_steps=1", "trainer.export_at_end=True"]))
+    # the same run started again says it finished (before any model loads); start_over trains it afresh
+    from posttrain.trainer.resume import RunFinished
+
+    with pytest.raises(RunFinished, match=f"this run already finished in trainer.default_local_dir={ckpt} "
+                                          rf"\(step 1, its model: {hf}\)"):
+        RLTrainer(tiny_config(tmp_path, ["trainer.total_training_steps=1", "trainer.export_at_end=True"]))
+    again = RLTrainer(tiny_config(tmp_path, ["trainer.total_training_steps=1", "trainer.export_at_end=True",
+                                             "trainer.start_over=True"]))
     assert [row["step"] for row in again.fit()] == [1]
+    capsys.readouterr()
     # `posttrain export` on that folder: no checkpoint was saved, and where the model is
     from posttrain.trainer.export import main as export
 

@@ -294,6 +294,14 @@ class CheckpointManager:
             if (path / role).exists():
                 self._discard(path / role)
 
+    def remove(self, paths: Iterable[Path]) -> None:
+        """Delete these checkpoints (each renamed aside first); the tracker goes too when it named one of them."""
+        tracked = self.tracked_step()
+        for path in paths:
+            self._discard(path)
+        if tracked is not None and not self.step_dir(tracked).exists():
+            (self.root / TRACKER).unlink(missing_ok=True)
+
     # ------------------------------------------------------------------ find
     def step_dirs(self) -> list[Path]:
         """Every ``global_step_N`` folder (complete or not), oldest first."""

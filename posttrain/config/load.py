@@ -305,10 +305,33 @@ def to_rl_config(cfg: DictConfig) -> PostTrainConfig:
     from posttrain.config.async_training import apply_trainer_mode
     from posttrain.config.reward_tree import disrm_from_reward_loop
 
+    name_builtin_variant(cfg)
     config = to_dataclass(cfg)
     apply_trainer_mode(config)
     disrm_from_reward_loop(config)  # verl 0.9's served scorer without a function: posttrain's DisRM
     return config
+
+
+def name_builtin_variant(cfg: DictConfig) -> None:
+    """A variant of the built-in run (`posttrain train key=value`) gets its own folders: where the experiment
+    keeps the built-in run's name, it names the algorithm, LoRA and the rollout mode instead
+    (``arithmetic_gae_smollm2``, ``arithmetic_grpo_lora_smollm2``, ``arithmetic_grpo_colocate_async_smollm2``),
+    and ``trainer.default_local_dir`` / ``trainer.run_dir`` follow it, so one variant never writes its model
+    and metrics into another's folders. The plain built-in run keeps its name."""
+    trainer, arr = cfg.trainer, cfg.actor_rollout_ref
+    if trainer.experiment_name != _builtin_experiment_name():
+        return
+    kind = [str(cfg.algorithm.adv_estimator)] + (["lora"] if arr.model.lora_rank else [])
+    mode = trainer.v1.trainer_mode if trainer.use_v1 else "sync"
+    kind += [mode] if mode != "sync" else ([] if arr.hybrid_engine else ["async"])
+    trainer.experiment_name = f"arithmetic_{'_'.join(kind)}_smollm2"
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_experiment_name() -> str:
+    from posttrain.config import BUILTIN_CONFIG
+
+    return yaml.safe_load(BUILTIN_CONFIG.read_text(encoding="utf-8"))["trainer"]["experiment_name"]
 
 
 def to_yaml(config: PostTrainConfig) -> str:

@@ -199,7 +199,7 @@ class AsyncRLTrainer(RLTrainer):
             extra = {"global_step": self.global_step, "train_loader": loader.state_dict(),
                      "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                      "nonfinite_streak": self._nonfinite_streak, WEIGHT_VERSION_KEY: self.weight_version,
-                     resume.FINGERPRINT_KEY: self._fingerprint()}
+                     resume.FIRST_VALIDATION_KEY: self.first_validation, resume.FINGERPRINT_KEY: self.fingerprint()}
             return self.checkpoints.save(self.global_step, self.workers.save_checkpoint, extra)
         finally:
             loader.load_state_dict(now)

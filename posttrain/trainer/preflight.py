@@ -197,9 +197,10 @@ def check_run_dir(config: Any) -> list[str]:
     return [f"{key}: {blocked}; set trainer.run_dir to a folder (new or existing)"]
 
 
-def claim_checkpoint_folder(config: PostTrainConfig, manager: CheckpointManager) -> None:
+def claim_checkpoint_folder(config: PostTrainConfig, manager: CheckpointManager, fingerprint: dict | None = None) -> None:
     """Create ``trainer.default_local_dir``, prove it is writable, lock it for this run (one writer),
-    and apply the folder rule (`resume.prepare_folder`). Raises `CheckpointError` / `ConfigError`."""
+    and apply the folder rule (`resume.prepare_folder`; with this run's ``fingerprint``, whose results the
+    folder holds). Raises `CheckpointError` / `ConfigError`."""
     from posttrain.trainer.resume import prepare_folder
 
     root = manager.root
@@ -216,7 +217,7 @@ def claim_checkpoint_folder(config: PostTrainConfig, manager: CheckpointManager)
                           f"({err.strerror or err}); choose a writable folder") from None
     manager.lock()
     try:
-        prepare_folder(config.trainer, manager)
+        prepare_folder(config.trainer, manager, fingerprint)
     except BaseException:
         manager.unlock()
         raise

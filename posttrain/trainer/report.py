@@ -17,8 +17,17 @@ def _val_points(history: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def with_first_validation(history: list[dict], first_validation: dict | None) -> list[dict]:
+    """``history`` starting with the run's step-0 validation: a resumed run's history starts after its
+    checkpoint, but its gain is measured from the validation before the first step (kept in checkpoints)."""
+    if not first_validation or (history and history[0]["step"] == 0):
+        return history
+    return [{"step": 0, **first_validation}, *history]
+
+
 def summarize_run(trainer, history: list[dict]) -> None:
     run_dir = setup.run_dir(trainer.config)
+    history = with_first_validation(history, trainer.first_validation)
     vals = _val_points(history)
     for key, points in vals.items():
         if len(points) >= 2:

@@ -19,17 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from posttrain.checkpoint import (CheckpointError, CheckpointManager, checkpoint_problem, is_step_dir_name,
-                                  read_run_state, restore_rng)
+from posttrain.checkpoint import (EXTRA_FILE, CheckpointError, CheckpointManager, checkpoint_problem,
+                                  is_step_dir_name, read_run_state, restore_rng)
 from posttrain.checkpoint.rank_rng import describe_rank_rng_plan, rank_rng_plan, saved_rank_count
 from posttrain.config import ConfigError
 
-__all__ = ["ResumeError", "RunState", "check_compatible", "config_fingerprint", "export_final", "prepare_folder",
-           "report_signal_stop", "restore_run", "resolve_resume", "save_run"]
+__all__ = ["ResumeError", "RunFinished", "RunState", "changed_settings", "check_compatible", "check_folder_owner",
+           "config_fingerprint", "export_final", "identity_mismatches", "mark_finished", "prepare_folder",
+           "read_finished", "report_signal_stop", "restore_run", "resolve_resume", "save_run"]
 
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_KEY = "config_fingerprint"
+FIRST_VALIDATION_KEY = "first_validation"  # in extra_state.json: the step-0 validation's metrics
+FINISHED_FILE = "finished_run.json"  # in trainer.default_local_dir: the run that finished there (`mark_finished`)
+HF_MODEL = "hf_model"  # the finished run's export, beside its checkpoints
 
 # Names the fingerprint keys go by in error messages.
 _FINGERPRINT_NAMES = {
@@ -38,6 +42,7 @@ _FINGERPRINT_NAMES = {
     "critic": "critic.enable",  # resolved: null means "only for gae"
     "vocab_size": "model vocab_size",
     "lora": "LoRA settings (lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path)",
+    "async_rollouts": "asynchronous rollouts (actor_rollout_ref.hybrid_engine=False, trainer.v1.trainer_mode)",
 }
 
 # Settings that may change between a run and its resume, but change what the resumed run does: a
@@ -74,6 +79,8 @@ class RunState:
 
     global_step: int
     nonfinite_streak: int = 0
+    first_validation: dict[str, float] | None = None
+    """The validation before the first step (step 0), kept across resumes: a resumed run's gain is measured from it."""
 
 
 # ---------------------------------------------------------------------- which checkpoint
@@ -86,6 +93,7 @@ def config_fingerprint(config: Any, vocab_size: int | None = None) -> dict[str, 
     settings = {key: get_key(config, key) for key in SETTING_KEYS}
     return {"model_path": str(config.actor_rollout_ref.model.path), "adv_estimator": config.algorithm.adv_estimator,
             "critic": uses_critic(config), "vocab_size": vocab_size, **_lora_fingerprint(config),
+            "async_rollouts": not config.actor_rollout_ref.hybrid_engine,
             SETTINGS: json.loads(json.dumps(settings, default=str))}
 
 
@@ -109,21 +117,43 @@ def check_compatible(extra: Mapping[str, Any], current_fingerprint: Mapping[str,
     if saved is None:
         logger.warning("checkpoint has no %s; cannot check it was saved with this config", FINGERPRINT_KEY)
         return
-    current = json.loads(json.dumps(dict(current_fingerprint), default=str))  # tuples -> lists, as saved
+    current = _as_saved(current_fingerprint)
     _report_changed_settings(saved.get(SETTINGS) or {}, current.get(SETTINGS) or {})
-    differ = [k for k in current if k != SETTINGS and k in saved and saved[k] != current[k]]
-    if "lora" not in differ and saved.get("lora") != current.get("lora"):  # absent: full fine-tuning
-        differ.append("lora")
-    for k in differ:
+    for k in _differing_keys(saved, current):
         if k in _WARN_ONLY:
             logger.warning("checkpoint was saved with %s=%s, this run has %s; resuming anyway",
                            _FINGERPRINT_NAMES.get(k, k), saved[k], current[k])
-    mismatches = [f"{_FINGERPRINT_NAMES.get(k, k)}={saved.get(k)}, this run has {current.get(k)}"
-                  for k in differ if k not in _WARN_ONLY]
+    mismatches = identity_mismatches(saved, current)
     if mismatches:
         raise CheckpointError("checkpoint was saved with " + "; and ".join(mismatches) +
                               ". Resume with the same settings, or start over with trainer.start_over=True (moves "
                               "the checkpoints aside) or another trainer.default_local_dir")
+
+
+def _as_saved(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(dict(fingerprint), default=str))  # tuples -> lists, as saved
+
+
+def _differing_keys(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The fingerprint keys (settings aside) whose values differ; a value this run does not know yet (None:
+    the vocabulary before the tokenizer loads) is not compared."""
+    differ = [k for k in current if k != SETTINGS and k in saved and current[k] is not None and saved[k] != current[k]]
+    if "lora" not in differ and saved.get("lora") != current.get("lora"):  # absent: full fine-tuning
+        differ.append("lora")
+    return differ
+
+
+def identity_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``key=saved, this run has value`` for each fingerprint key that makes the saved run another run
+    (model, algorithm, critic, LoRA, asynchronous rollouts; a moved model folder only warns)."""
+    return [f"{_FINGERPRINT_NAMES.get(k, k)}={saved.get(k)}, this run has {current.get(k)}"
+            for k in _differing_keys(saved, current) if k not in _WARN_ONLY]
+
+
+def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``key: saved -> this run's`` for each of `SETTING_KEYS` that differs between two fingerprints."""
+    before, now = saved.get(SETTINGS) or {}, _as_saved(current).get(SETTINGS) or {}
+    return [f"{k}: {before[k]!r} -> {now[k]!r}" for k in now if k in before and before[k] != now[k]]
 
 
 def _report_changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -135,12 +165,14 @@ def _report_changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any
 
 
 # ---------------------------------------------------------------------- the folder
-def prepare_folder(trainer_config: Any, manager: CheckpointManager) -> None:
+def prepare_folder(trainer_config: Any, manager: CheckpointManager, fingerprint: Mapping[str, Any] | None = None) -> None:
     """The checkpoint folder's rule, applied at start-up (before any model loads), with the folder locked:
 
-    - it holds no ``global_step_N``: nothing to decide;
-    - ``trainer.start_over=True``: its checkpoints (and tracker, ``hf_model/``) move to
-      ``previous_run_<time>/`` inside it, and this run starts at step 0;
+    - it holds no results (no ``global_step_N``, no finished run, no ``hf_model/``): nothing to decide;
+    - ``trainer.start_over=True``: its checkpoints (and tracker, ``hf_model/``, the finished run's record) move
+      to ``previous_run_<time>/`` inside it, and this run starts at step 0;
+    - given this run's ``fingerprint``: another run's results are refused, and so is this run once it
+      finished (`check_folder_owner`);
     - ``resume_mode=disable``: refused (this run's steps would mix with the other run's, and pruning
       or a later resume would pick the wrong ones); the same for ``resume_mode=resume_path`` from a
       checkpoint outside the folder;
@@ -148,12 +180,15 @@ def prepare_folder(trainer_config: Any, manager: CheckpointManager) -> None:
     - otherwise resume as ``resume_mode`` says.
     """
     trainer = getattr(trainer_config, "trainer", trainer_config)
-    steps = manager.step_dirs()
-    if not steps:
+    steps, root = manager.step_dirs(), manager.root
+    if not steps and not (root / FINISHED_FILE).exists() and not (root / HF_MODEL).exists():
         return
-    root = manager.root
     if trainer.start_over:
         _move_aside(root, steps)
+        return
+    if fingerprint is not None:
+        check_folder_owner(trainer, manager, fingerprint)
+    if not steps:
         return
     listed = ", ".join(p.name for p in steps[-4:]) + (f" (and {len(steps) - 4} more)" if len(steps) > 4 else "")
     fixes = (f"resume it (trainer.resume_mode=auto), use another trainer.default_local_dir, or set trainer.start_over=True "
@@ -189,11 +224,119 @@ def _move_aside(root: Path, steps: list[Path]) -> Path:
     dest.mkdir()
     from posttrain.checkpoint import TRACKER
 
-    for path in [*steps, root / TRACKER, root / "hf_model"]:
+    for path in [*steps, root / TRACKER, root / HF_MODEL, root / FINISHED_FILE]:
         if path.exists():
             os.replace(path, dest / path.name)
-    print(f"trainer.start_over=True: moved the checkpoints found in {root} to {dest}; starting at step 0", flush=True)
+    print(f"trainer.start_over=True: moved the earlier run's checkpoints and model found in {root} to {dest}; "
+          "starting at step 0", flush=True)
     return dest
+
+
+# ---------------------------------------------------------------------- whose results the folder holds
+class RunFinished(ResumeError):
+    """The run in ``trainer.default_local_dir`` finished with this very config: nothing is left to train
+    (exit code 2, before any model loads); the message says how to start it fresh."""
+
+
+def mark_finished(root: Path, step: int, fingerprint: Mapping[str, Any], model_dir: Path | None) -> None:
+    """Record in ``root`` that the run finished at ``step``, with its fingerprint and model folder (None: not
+    kept), so that starting it again says so instead of training it again (`check_folder_owner`)."""
+    import os
+
+    record = {"step": int(step), "model": model_dir.name if model_dir is not None else None,
+              FINGERPRINT_KEY: _as_saved(fingerprint)}
+    tmp = root / f".tmp_{FINISHED_FILE}_{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, root / FINISHED_FILE)
+
+
+def read_finished(root: Path) -> dict[str, Any] | None:
+    """The record `mark_finished` wrote in ``root``, or None when no run finished there."""
+    path = root / FINISHED_FILE
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        int(record["step"])
+        return record
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ResumeError(f"{path}: cannot read the finished run's record ({err}); set trainer.start_over=True to "
+                          f"move it aside with that run's results, or use another trainer.default_local_dir") from None
+
+
+def check_folder_owner(trainer: Any, manager: CheckpointManager, fingerprint: Mapping[str, Any]) -> None:
+    """Whose results ``trainer.default_local_dir`` holds, decided before any model loads:
+
+    - another run's (its finished record or the checkpoint to resume names another model, algorithm,
+      critic, LoRA or rollout mode; a finished run with other settings and no checkpoint of its last step to
+      go on from; an ``hf_model/`` with no record of its run): refused, saying what differs;
+    - this run, finished with the same fingerprint, settings included: refused (`RunFinished`);
+    - this run, finished with other settings (more steps, say) and its last step's checkpoint kept: it goes
+      on from there (or from a later checkpoint of an earlier try), and its end replaces the record;
+    - this run, interrupted: resumed (``resume_mode=resume_path`` too: the user named the checkpoint).
+    """
+    root, finished = manager.root, read_finished(manager.root)
+    if finished is None:
+        _check_checkpoint_owner(trainer, manager, fingerprint)
+        return
+    saved, step = finished.get(FINGERPRINT_KEY) or {}, int(finished["step"])
+    mismatches = identity_mismatches(saved, _as_saved(fingerprint))
+    if mismatches:
+        raise ResumeError(_another_run(root, f"the run that finished there at step {step} had", mismatches))
+    if trainer.resume_mode == "resume_path":
+        return
+    changed = changed_settings(saved, fingerprint)
+    latest = manager.latest()  # the last step's checkpoint, or a later one of a run going on from it
+    last_kept = latest is not None and int(_extra_state(latest).get("global_step", -1)) >= step
+    if not changed:
+        raise RunFinished(_finished_message(root, step, finished.get("model"), last_kept))
+    if last_kept and trainer.resume_mode == "auto":
+        print(f"note: the run in {root} finished at step {step}; going on from its checkpoint {latest.name} with "
+              "other settings", flush=True)
+        return
+    raise ResumeError(_another_run(root, f"the run that finished there at step {step} (and kept no checkpoint of its "
+                                         "last step to go on from) had other settings:", changed))
+
+
+def _check_checkpoint_owner(trainer: Any, manager: CheckpointManager, fingerprint: Mapping[str, Any]) -> None:
+    """No run finished in the folder: the checkpoint ``resume_mode=auto`` would resume must be this run's, and
+    an ``hf_model/`` without any checkpoint or record is a model this run would overwrite unasked."""
+    root = manager.root
+    latest = manager.latest() if trainer.resume_mode == "auto" else None
+    if latest is None:
+        if (root / HF_MODEL).exists() and not manager.step_dirs():
+            raise ResumeError(f"trainer.default_local_dir={root} holds {HF_MODEL}/, the model of an earlier run that "
+                              "left no record of its config (this run would replace it): point "
+                              f"trainer.default_local_dir at a fresh folder, or set trainer.start_over=True to move it to "
+                              f"{root}/previous_run_<time>/")
+        return
+    saved = _extra_state(latest).get(FINGERPRINT_KEY)
+    mismatches = identity_mismatches(saved, _as_saved(fingerprint)) if saved else []
+    if mismatches:
+        raise ResumeError(_another_run(root, f"its checkpoint {latest.name} was saved with", mismatches))
+
+
+def _extra_state(step_dir: Path) -> dict[str, Any]:
+    """A complete checkpoint's driver state, read without hashing its weights (the resume verifies them)."""
+    try:
+        return json.loads((step_dir / EXTRA_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise ResumeError(f"cannot read {step_dir / EXTRA_FILE}: {err}") from err
+
+
+def _another_run(root: Path, what: str, differences: list[str]) -> str:
+    return (f"trainer.default_local_dir={root} holds another run's results: {what} " + "; ".join(differences)
+            + f". Point trainer.default_local_dir at a fresh folder, or set trainer.start_over=True to move them to "
+            f"{root}/previous_run_<time>/ and start at step 0")
+
+
+def _finished_message(root: Path, step: int, model: str | None, last_kept: bool) -> str:
+    kept = f"its model: {root / model}" if model else "its model was not kept"
+    further = ("; to train on from its last checkpoint, raise trainer.total_training_steps or trainer.total_epochs"
+               if last_kept else "")
+    return (f"this run already finished in trainer.default_local_dir={root} (step {step}, {kept}): nothing left to "
+            f"train. To train it again from the start, set trainer.start_over=True (moves it to "
+            f"{root}/previous_run_<time>/) or point trainer.default_local_dir at a fresh folder{further}")
 
 
 def resolve_resume(trainer_config: Any) -> Path | None:
@@ -246,6 +389,7 @@ def save_run(manager: CheckpointManager, workers: Any, run: RunState, train_load
         "train_loader": train_loader.state_dict(),
         "kl_ctrl": kl_ctrl.state_dict() if kl_ctrl is not None else None,
         "nonfinite_streak": run.nonfinite_streak,
+        FIRST_VALIDATION_KEY: run.first_validation,
         FINGERPRINT_KEY: fingerprint,
     }
     return manager.save(run.global_step, workers.save_checkpoint, extra)
@@ -282,7 +426,8 @@ def _restore(trainer_config, workers, train_loader, kl_ctrl, fingerprint) -> Run
     workers.load_checkpoint(path)
     if kl_ctrl is not None and saved.extra.get("kl_ctrl"):
         kl_ctrl.load_state_dict(saved.extra["kl_ctrl"])
-    run = RunState(int(saved.extra["global_step"]), int(saved.extra.get("nonfinite_streak", 0)))
+    run = RunState(int(saved.extra["global_step"]), int(saved.extra.get("nonfinite_streak", 0)),
+                   saved.extra.get(FIRST_VALIDATION_KEY))
     change = describe_rank_rng_plan(plan, workers.seed, saved.step)
     if change:
         print(change, flush=True)
@@ -303,7 +448,7 @@ def export_final(manager: CheckpointManager) -> Path | None:
     latest = manager.latest()
     if latest is None:
         return None
-    out = latest.parent / "hf_model"
+    out = latest.parent / HF_MODEL
     export_actor(latest, out)
     print(f"exported the final actor as a Hugging Face folder: {out}", flush=True)
     return out

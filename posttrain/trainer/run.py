@@ -7,7 +7,10 @@ fingerprint). A stage whose ``saves_last_step`` is True (SFT, DPO: verl's SFT tr
 saves at its last step whatever ``trainer.test_freq`` / ``trainer.save_freq`` say; an RL run saves there
 when ``trainer.save_freq`` saves, and with ``trainer.export_at_end`` (the built-in run) exports its final
 actor even when it keeps no checkpoint. Every finished run ends with one line naming its model folder
-(``hf_model/``) and how to use it, or saying that nothing was kept and which key keeps it. Under torchrun every process is a rank that runs this loop; the rank rules go through
+(``hf_model/``) and how to use it, or saying that nothing was kept and which key keeps it, and leaves a
+record (`resume.mark_finished`): the same run started again says it finished instead of training again,
+and the checkpoints its ``trainer.save_freq`` would not have kept (saved on a signal) go once the model
+is exported. Under torchrun every process is a rank that runs this loop; the rank rules go through
 the worker group: only where ``workers.writes`` does the run log, lock the checkpoint folder, seal a
 checkpoint and export, and ``workers.agree_stop`` has the ranks stop after the same step.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -27,7 +31,8 @@ from posttrain.trainer import resume, setup
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "RunLoop", "Stage", "StepUndone", "startup_signals"]
 
-HF_MODEL = "hf_model"  # the final export, beside the checkpoints in trainer.default_local_dir
+HF_MODEL = resume.HF_MODEL  # the final export, beside the checkpoints in trainer.default_local_dir
+REPEAT_WINDOW_S = 1.0  # a second SIGINT/SIGTERM this soon after the first is the same request (not "abort")
 
 
 class NonFiniteError(PosttrainError, RuntimeError):
@@ -56,6 +61,7 @@ class Stage(Protocol):
     total_steps: int
     global_step: int
     history: list[dict[str, float]]
+    first_validation: dict[str, float] | None  # step 0's validation, set by the run loop and kept in checkpoints
     stopped_by: int | None
     metric_prefix: str  # each step's epoch and global step are logged as <prefix>/epoch, <prefix>/global_step
 
@@ -66,6 +72,8 @@ class Stage(Protocol):
     def save_checkpoint(self) -> Path: ...
 
     def restore(self) -> resume.RunState | None: ...
+
+    def fingerprint(self) -> dict: ...
 
 
 class RunLoop:
@@ -94,7 +102,8 @@ class RunLoop:
 
         SIGINT/SIGTERM (first one): the step in flight finishes, a checkpoint is saved and ``fit``
         returns with ``stage.stopped_by`` set to the signal; a signal that arrives while rewards are
-        being computed stops at once and saves the last finished step. A second one aborts without saving.
+        being computed stops at once and saves the last finished step. A second one aborts without saving
+        (one within `REPEAT_WINDOW_S` of the first is that first one, delivered twice).
         """
         from posttrain.tracking import Tracking
 
@@ -121,6 +130,7 @@ class RunLoop:
                 s.checkpoints.unlock()  # the folder's lock (one writer) ends with the run
         if self._finished() and s.workers.writes:
             self.model_dir = self._export(scratch)
+            self._record_finish()
         if s.workers.writes:  # every stage's memory figure, one method: the process tree's peak (issue 41)
             run_peak_metrics(_own_peak(s))  # the line; each step's metrics carry the figure so far
         tracker.finish()
@@ -173,12 +183,26 @@ class RunLoop:
               f"posttrain train actor_rollout_ref.model.path={out}", flush=True)
         return out
 
+    def _record_finish(self) -> None:
+        """The folder records that this run finished, so that starting it again says so rather than training
+        it again (`resume.check_folder_owner`). Once its model is exported, the checkpoints trainer.save_freq
+        would not have kept (saved on a signal, to resume from) go: the export supersedes them."""
+        s = self.stage
+        if self.model_dir is not None:
+            s.checkpoints.remove([p for p in s.checkpoints.step_dirs() if not self._kept_by_save_freq(p)])
+        resume.mark_finished(s.checkpoints.root, s.total_steps, s.fingerprint(), self.model_dir)
+
+    def _kept_by_save_freq(self, step_dir: Path) -> bool:
+        s, step = self.stage, int(step_dir.name.rsplit("_", 1)[1])
+        return _due(s.config.trainer.save_freq, step, step == s.total_steps, _saves_last(s))
+
     def _restore(self) -> None:
         s = self.stage
         run = s.restore()
         if run is None:
             return
         s.global_step = self.resumed_step = run.global_step
+        s.first_validation = run.first_validation
         if s.global_step >= s.total_steps:
             print(f"the checkpoint is at step {s.global_step} and this run has {s.total_steps} steps: nothing "
                   "left to train (raise trainer.total_training_steps or trainer.total_epochs to continue)", flush=True)
@@ -192,6 +216,7 @@ class RunLoop:
         except RewardInterrupted:
             val = None
         if val is not None:
+            s.first_validation = dict(val)
             s.history.append({"step": 0, **val})
             tracker.log(val, step=0)
         if not self.validate_only and self.stop_signal is None:
@@ -330,7 +355,8 @@ def config_dict(config: Any) -> dict:
 
 
 class _StopOnSignals:
-    """SIGINT/SIGTERM: let the current step finish, then save and stop; a second Ctrl-C aborts at once.
+    """SIGINT/SIGTERM: let the current step finish, then save and stop; a second Ctrl-C aborts at once,
+    unless it comes within `REPEAT_WINDOW_S` of the first: then it is the same request, sent twice.
 
     While rewards are being computed (a scorer may hang for up to ``reward.timeout_s``) the first
     signal stops at once: the handler raises `RewardInterrupted`, the step is undone (no weights had
@@ -338,12 +364,15 @@ class _StopOnSignals:
 
     def __init__(self, loop: RunLoop):
         self.loop, self.previous = loop, {}
+        self.first_at = 0.0  # time.monotonic() of the signal that asked to stop
 
     def _handler(self, signum, frame):
         loop = self.loop
         if loop.stop_signal is not None:
+            if time.monotonic() - self.first_at < REPEAT_WINDOW_S:
+                return  # the same Ctrl-C, delivered twice (a wrapper forwarding the terminal's)
             raise KeyboardInterrupt
-        loop.stop_signal = signum
+        loop.stop_signal, self.first_at = signum, time.monotonic()
         step = loop.stage.global_step
         if loop.phase == "validation":
             what = "stopping the validation before training; nothing is trained yet, so nothing will be saved"
@@ -354,8 +383,8 @@ class _StopOnSignals:
                     "finished step")
         else:
             what = f"finishing step {step}, then saving a checkpoint and stopping"
-        print(f"\nreceived {signal.Signals(signum).name}: {what} (press Ctrl-C again to abort now, without saving)",
-              flush=True)
+        print(f"\nreceived {signal.Signals(signum).name}: {what} (press Ctrl-C again, a second or more later, to "
+              "abort now without saving)", flush=True)
         if scoring_in_progress():
             raise RewardInterrupted(signum)
 
@@ -378,7 +407,12 @@ def startup_signals():
     """While a run is being built (tokenizer, data, models): the first SIGINT/SIGTERM says that nothing
     has been trained or saved and stops (`SignalStop`, exit 128 + the signal)."""
 
+    stopping = []
+
     def handler(signum, frame):
+        if stopping:
+            return  # already stopping: a repeated signal must not break the unwinding of the first
+        stopping.append(signum)
         name = signal.Signals(signum).name
         print(f"\nreceived {name} during start-up: nothing has been trained yet, so there is nothing to save; "
               "stopping now", flush=True)

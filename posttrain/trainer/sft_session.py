@@ -61,6 +61,7 @@ class SFTSession:
         self.config, self.stage, self.trainer, t = config, stage, trainer, config.trainer
         self.global_step = 0
         self.history: list[dict[str, float]] = []
+        self.first_validation: dict[str, float] | None = None  # the run loop's (SFT and DPO validate no step 0)
         self.stopped_by: int | None = None
         self.model_dir: Path | None = None  # hf_model/ of a finished run
         self.nonfinite = NonFiniteGuard(t.max_consecutive_nonfinite, "Lower optim.lr, or check the rows for "
@@ -121,7 +122,7 @@ class SFTSession:
         problem = None
         if self.rank == 0:
             try:
-                preflight.claim_checkpoint_folder(self.rl, self.checkpoints)
+                preflight.claim_checkpoint_folder(self.rl, self.checkpoints, self.fingerprint())
             except Exception as err:  # ConfigError, CheckpointError: shared with the other ranks as text
                 problem = err
         if self.torchrun:
@@ -161,7 +162,7 @@ class SFTSession:
 
     def save_checkpoint(self) -> Path:
         """``global_step_N/actor`` (weights, optimizer, schedule) + the loader's position and RNG."""
-        run = resume.RunState(self.global_step, self.nonfinite.streak)
+        run = resume.RunState(self.global_step, self.nonfinite.streak, self.first_validation)
         return resume.save_run(self.checkpoints, self.workers, run, self.train_loader, None, self.fingerprint())
 
     def restore(self) -> resume.RunState | None:

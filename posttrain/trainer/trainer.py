@@ -85,7 +85,8 @@ class RLTrainer:
         tcfg = config.trainer
         self.checkpoints = CheckpointManager(Path(tcfg.default_local_dir).expanduser(), tcfg.max_actor_ckpt_to_keep,
                                              tcfg.max_critic_ckpt_to_keep)
-        preflight.claim_checkpoint_folder(config, self.checkpoints)
+        # the vocabulary is not known yet: the fingerprint's other keys say whose results the folder holds
+        preflight.claim_checkpoint_folder(config, self.checkpoints, resume.config_fingerprint(config))
         seed_everything(config.trainer.seed)
         if tokenizer is None:
             from posttrain.models import load_tokenizer
@@ -123,6 +124,7 @@ class RLTrainer:
         self.use_critic = uses_critic(config)
         self.global_step = 0
         self.history: list[dict[str, float]] = []
+        self.first_validation: dict[str, float] | None = None  # step 0's, this run's or the resumed one's
         self.stopped_by: int | None = None
         """The signal (SIGINT/SIGTERM) that stopped `fit` early, else None (the CLI exits 128 + it)."""
         self._nonfinite_streak = 0
@@ -376,18 +378,19 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """Each role writes its own state; the driver adds step, data position, KL controller, RNG."""
-        run = resume.RunState(self.global_step, self._nonfinite_streak)
+        run = resume.RunState(self.global_step, self._nonfinite_streak, self.first_validation)
         return resume.save_run(self.checkpoints, self.workers, run, self.data.train_loader, self.kl_ctrl,
-                               self._fingerprint())
+                               self.fingerprint())
 
     def restore(self) -> resume.RunState | None:
         run = resume.restore_run(self.config.trainer, self.workers, self.data.train_loader,
-                                 self.kl_ctrl, self._fingerprint())
+                                 self.kl_ctrl, self.fingerprint())
         if run is not None:
             self._nonfinite_streak = run.nonfinite_streak
         return run
 
-    def _fingerprint(self) -> dict:
+    def fingerprint(self) -> dict:
+        """What a run resuming this one's checkpoints must share with it (`resume.config_fingerprint`)."""
         return resume.config_fingerprint(self.config, vocab_size=len(self.tokenizer))
 
     def _total_steps(self) -> int:

@@ -326,7 +326,8 @@ def test_config_fingerprint_reads_the_config():
     config = load_config(None, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path=/m"], validate=False)
     fingerprint = config_fingerprint(config, vocab_size=64)
     settings = fingerprint.pop("settings")
-    assert fingerprint == {"model_path": "/m", "adv_estimator": "grpo", "critic": False, "vocab_size": 64}
+    assert fingerprint == {"model_path": "/m", "adv_estimator": "grpo", "critic": False, "vocab_size": 64,
+                           "async_rollouts": False}
     assert settings["actor_rollout_ref.actor.optim.lr"] == 1e-6 and settings["data.train_batch_size"] == 1024
 
 

@@ -112,17 +112,17 @@ def test_checkpoint_from_other_config_is_refused(grpo_runs, tmp_path, capsys):
     assert CheckpointManager(ckpt).latest().name == "global_step_4"
     other = ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "trainer.resume_mode=auto",
              f"trainer.default_local_dir={ckpt}"]
-    trainer = _trainer(tmp_path, other)
+    # refused at start-up, before any model loads (the tiny model is never built)
     with pytest.raises(CheckpointError) as err:
-        trainer.fit()
+        _trainer(tmp_path, other)
     message = str(err.value)
+    assert f"trainer.default_local_dir={ckpt} holds another run's results" in message
     assert "algorithm.adv_estimator=grpo, this run has gae" in message
     assert "trainer.start_over=True" in message
-    assert trainer.global_step == 0
     # the command line prints it as one error line (exit 2), not a traceback
     assert isinstance(err.value, ConfigError)
     assert run_cli(load_config(overrides=tiny_overrides(tmp_path, other))) == 2
-    assert "error: checkpoint was saved with algorithm.adv_estimator=grpo" in capsys.readouterr().err
+    assert f"error: trainer.default_local_dir={ckpt} holds another run's results" in capsys.readouterr().err
 
     # another batch size: the prompt loader's position cannot carry over
     with pytest.raises(CheckpointError, match="batch_size=4.*batch_size=8"):

@@ -16,18 +16,18 @@ from helpers.tiny_run import one_thread, tiny_config
 STEPS = ["trainer.total_training_steps=3", "trainer.save_freq=100", "trainer.resume_mode=auto"]
 
 
-def build(stage: str, folder):
+def build(stage: str, folder, keys=STEPS):
     if stage == "rl":
         from posttrain.trainer.trainer import RLTrainer
 
-        return RLTrainer(tiny_config(folder, STEPS))
+        return RLTrainer(tiny_config(folder, keys))
     if stage == "sft":
         from posttrain.trainer.sft_trainer import SFTTrainer
 
-        return SFTTrainer(tiny_sft_config(folder, STEPS))
+        return SFTTrainer(tiny_sft_config(folder, keys))
     from posttrain.trainer.dpo_trainer import DPOTrainer
 
-    return DPOTrainer(tiny_dpo_config(folder, STEPS))
+    return DPOTrainer(tiny_dpo_config(folder, keys))
 
 
 def sigterm_during_step(trainer, at: int) -> None:
@@ -59,3 +59,59 @@ def test_sigterm_saves_the_step_and_the_resume_ends_as_an_unbroken_run(tmp_path,
     want = straight.workers.actor.module.state_dict()
     for name, value in resumed.workers.actor.module.state_dict().items():
         torch.testing.assert_close(value, want[name])
+
+
+def test_a_resumed_run_measures_its_gain_from_the_first_validation(tmp_path, capsys):
+    """Stopped after step 2 and resumed to step 3, the summary's "before" is the validation at step 0 of
+    the first run (kept in the checkpoint), not the resumed run's first validation."""
+    from posttrain.trainer.report import summarize_run
+    from posttrain.trainer.trainer import RLTrainer
+
+    keys = STEPS + ["trainer.val_before_train=True", "trainer.test_freq=1"]
+    with one_thread():
+        stopped = RLTrainer(tiny_config(tmp_path, keys))
+        sigterm_during_step(stopped, at=2)
+        first = stopped.fit()
+        step0 = {k: v for k, v in first[0].items() if k.startswith("val-")}
+        assert first[0]["step"] == 0 and step0 and stopped.first_validation.items() >= step0.items()
+        resumed = RLTrainer(tiny_config(tmp_path, keys))
+        history = resumed.fit()
+    assert [row["step"] for row in history] == [3]
+    assert resumed.first_validation.items() >= step0.items()  # read back from the checkpoint
+    capsys.readouterr()
+    summarize_run(resumed, history)
+    out = capsys.readouterr().out
+    key = next(k for k in step0 if k.startswith("val-core/"))
+    assert f"{key}: {step0[key]:.3f} at step 0 -> {history[-1][key]:.3f} at step 3" in out
+
+
+@pytest.mark.parametrize("stage", ["rl", "sft", "dpo"])
+def test_a_finished_run_started_again_says_so_and_keeps_no_superseded_checkpoint(tmp_path, stage, monkeypatch):
+    """Stopped at step 2 (a checkpoint saved on the signal although trainer.save_freq=-1 keeps none), resumed to
+    the end: the export supersedes that checkpoint, which goes; the same command again says the run finished,
+    before any model loads, instead of resuming from step 2 and training it again."""
+    from posttrain.trainer import setup
+    from posttrain.trainer.resume import RunFinished
+
+    keys = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.resume_mode=auto"]
+    keys += ["trainer.export_at_end=True"] if stage == "rl" else []  # SFT and DPO save and export their last step
+    ckpt = tmp_path / "ckpt"
+    with one_thread():
+        stopped = build(stage, tmp_path, keys)
+        sigterm_during_step(stopped, at=2)
+        stopped.fit()
+        assert (ckpt / "global_step_2").is_dir()
+        assert [row["step"] for row in build(stage, tmp_path, keys).fit()] == [3]
+    assert (ckpt / "hf_model" / "config.json").exists() and (ckpt / "finished_run.json").exists()
+    kept = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step_"))
+    assert kept == ([] if stage == "rl" else ["global_step_3"])  # global_step_2 is gone
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(setup, "build_workers", no_model)
+    with pytest.raises(RunFinished) as err:
+        build(stage, tmp_path, keys)
+    assert f"this run already finished in trainer.default_local_dir={ckpt} (step 3, its model: {ckpt / 'hf_model'})" \
+        in str(err.value)
+    assert ("raise trainer.total_training_steps" in str(err.value)) == (stage != "rl")  # its last checkpoint is kept

@@ -245,3 +245,44 @@ def _is_complete(path: Path) -> bool:
         return True
     except Exception:
         return False
+
+
+def test_two_sigints_at_once_are_one_request_and_the_checkpoint_is_saved(tmp_path, forkserver):
+    """A wrapper that forwards the terminal's Ctrl-C delivers SIGINT twice within a millisecond: that is one
+    request to stop (the step finishes, a checkpoint is saved, the same command resumes), not an abort."""
+    overrides = tiny_overrides(tmp_path, LONG_RUN)
+    root = tmp_path / "ckpt"
+    run = Run(overrides)
+    run.wait_for(run.steps)
+    os.kill(run.pid, signal.SIGINT)
+    time.sleep(0.02)  # apart enough that the run's handler sees two signals (at once, the kernel may merge them)
+    os.kill(run.pid, signal.SIGINT)
+    assert run.finish() == 128 + signal.SIGINT, run.output[-3000:]
+    assert "aborted without saving" not in run.output
+    found = re.search(r"stopped by SIGINT after step (\d+); checkpoint saved to ", run.output)
+    assert found, run.output[-3000:]
+    stopped = int(found[1])
+    _assert_checkpoint_at(root, stopped)
+
+    resumed = ForkRun(forkserver, overrides + ["trainer.total_training_steps=" + str(stopped + 1)],
+                      tmp_path / "resumed.log")
+    assert resumed.finish() == 0, resumed.output[-3000:]
+    assert f"resumed from {root / f'global_step_{stopped}'} at step {stopped}" in resumed.output
+
+
+def test_a_later_second_signal_still_aborts(monkeypatch):
+    """Past `REPEAT_WINDOW_S` a second signal is the user asking again: abort without saving."""
+    from posttrain.trainer import run as run_module
+
+    clock = [100.0]
+    monkeypatch.setattr(run_module.time, "monotonic", lambda: clock[0])
+    loop = type("Loop", (), {"stop_signal": None, "phase": "train",
+                             "stage": type("Stage", (), {"global_step": 3})()})()
+    stop = run_module._StopOnSignals(loop)
+    stop._handler(signal.SIGINT, None)
+    assert loop.stop_signal == signal.SIGINT
+    clock[0] += 0.001
+    stop._handler(signal.SIGINT, None)  # the same Ctrl-C, forwarded: ignored
+    clock[0] += run_module.REPEAT_WINDOW_S
+    with pytest.raises(KeyboardInterrupt):
+        stop._handler(signal.SIGINT, None)
