@@ -55,6 +55,10 @@ def test_summary_numbers_by_hand():
     assert s.reach(0.55) == (64, pytest.approx(6.0)) and s.reach(0.71) is None
     assert s.step_s == pytest.approx(3.0) and s.phases["gen"] == pytest.approx(1.5)
     assert s.peak_gb == pytest.approx(1.4)
+    # where runs log their process tree's peak, that is the figure (rollout workers and ranks counted)
+    for rows in runs.values():
+        rows[3]["memory/tree_peak_gb"] = 3.25
+    assert summarize("ppo", "label", runs, ACC, samples_per_step=32, wall_s=[]).peak_gb == pytest.approx(3.25)
     assert s.tokens_per_s == pytest.approx(100.0)  # 100 tokens per second of every step
 
 

@@ -11,7 +11,6 @@ import torch
 
 from posttrain.host.resident import GB, PhasePeaks, current_resident_bytes, peak_resident_bytes, reset_peak
 from posttrain.trainer.metrics import StageTimer
-from posttrain.trainer.report import memory_line
 
 MB = 2**20
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -98,12 +97,3 @@ def test_stage_timer_reports_seconds_and_memory_of_the_same_stage():
     assert metrics["timing_s/gen"] > 0
     assert metrics["memory/resident_gb/gen"] * GB >= current_resident_bytes() + 90 * MB
     assert "memory/resident_gb/gen" not in StageTimer().metrics()  # without a tracker, timing only
-
-
-def test_summary_line_names_the_peak_and_the_largest_phase():
-    history = [{"step": 1, "memory/resident_gb/gen": 1.5, "memory/resident_gb/update_actor": 2.75,
-                "memory/resident_gb/step": 2.75},
-               {"step": 2, "memory/resident_gb/gen": 1.25, "memory/resident_gb/update_actor": 2.5}]
-    assert memory_line(2.8, history) == "peak resident memory: 2.80 GB (largest training phase: update_actor, 2.75 GB)"
-    ranks = history + [{"step": 3, "memory/ranks/peak_resident_gb": 3.5}]
-    assert memory_line(2.8, ranks).endswith("largest rank: 3.50 GB (the line above is the driver process)")

@@ -2,7 +2,7 @@
 
 Per config: held-out accuracy at each validation (mean and sample standard deviation over seeds),
 samples (responses trained on) and training time to reach an accuracy, seconds per step by phase,
-peak resident memory, tokens per second; the verdict on the final accuracies, where a difference no
+peak memory (the process tree's), tokens per second; the verdict on the final accuracies, where a difference no
 larger than the spread across seeds (the larger of the two standard deviations) is within noise.
 Training time is the sum of the runs' `timing_s/step`: it leaves out start-up, validations and saves,
 which are the same work for both configs, and survives a resume.
@@ -118,12 +118,21 @@ def summarize(name: str, label: str, runs: dict[int, dict[int, dict]], key: str,
         out.step_s = statistics.fmean(r["timing_s/step"] for r in train_rows)
         out.phases = {p: statistics.fmean(r.get(f"timing_s/{p}", 0.0) for r in train_rows)
                       for p in PHASES if any(f"timing_s/{p}" in r for r in train_rows)}
-        peaks = [r[k] for r in train_rows for k in ("memory/peak_resident_gb", "memory/ranks/peak_resident_gb") if k in r]
-        out.peak_gb = max(peaks) if peaks else None
+        out.peak_gb = _peak_gb(train_rows)
         tokens = sum(r.get("perf/total_num_tokens", 0.0) for r in train_rows)
         seconds = sum(r.get("perf/time_per_step", r["timing_s/step"]) for r in train_rows)
         out.tokens_per_s = tokens / seconds if tokens and seconds > 0 else None
     return out
+
+
+def _peak_gb(rows: list[dict]) -> Optional[float]:
+    """The runs' peak memory: their process trees' (`memory/tree_peak_gb`, the figure a run ends with: rollout
+    workers, Ray ranks and reward workers counted); a run logged before that figure existed, its processes' own."""
+    for keys in (("memory/tree_peak_gb",), ("memory/peak_resident_gb", "memory/ranks/peak_resident_gb")):
+        peaks = [r[k] for r in rows for k in keys if k in r]
+        if peaks:
+            return max(peaks)
+    return None
 
 
 def _cumulative_step_time(rows: dict[int, dict]) -> dict[int, float]:

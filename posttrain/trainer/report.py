@@ -35,29 +35,11 @@ def summarize_run(trainer, history: list[dict]) -> None:
             print(f"{key}: {v0:.3f} at step {s0} -> {v1:.3f} at step {s1} ({(v1 - v0) * 100:+.1f} points)")
         elif points:
             print(f"{key}: {points[0][1]:.3f} at step {points[0][0]}")
-    print(memory_line(trainer.memory.take_metrics()["memory/peak_resident_gb"], history))
+    # no memory line here: the run's one memory figure, the process tree's peak, was printed as fit ended
     path = plot_curves(history, run_dir / "curves.png")
     if path:
         print(f"curves: {path}")
     print(f"run folder: {run_dir}")
-
-
-def memory_line(peak_gb: float, history: list[dict]) -> str:
-    """The run's peak resident memory, with the phase that held the most (per-step ``memory/*`` metrics)
-    and, on Ray ranks, the largest rank's peak."""
-    phases: dict[str, float] = {}
-    for row in history:
-        for key, gb in row.items():
-            if key.startswith("memory/resident_gb/") and key != "memory/resident_gb/step":
-                phases[key.rsplit("/", 1)[1]] = max(phases.get(key.rsplit("/", 1)[1], 0.0), gb)
-    line = f"peak resident memory: {peak_gb:.2f} GB"
-    if phases:
-        top = max(phases, key=phases.get)
-        line += f" (largest training phase: {top}, {phases[top]:.2f} GB)"
-    ranks = [row["memory/ranks/peak_resident_gb"] for row in history if "memory/ranks/peak_resident_gb" in row]
-    if ranks:
-        line += f"; largest rank: {max(ranks):.2f} GB (the line above is the driver process)"
-    return line
 
 
 def plot_curves(history: list[dict], path: Path) -> Path | None:
