@@ -148,7 +148,10 @@ def read_model_config(path: str | Path) -> ModelDims:
     path = Path(path).expanduser()
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist")
+        from posttrain.checkpoint.found import checkpoint_found
+
+        found = checkpoint_found(path) if path.is_dir() else None
+        raise FileNotFoundError(found or f"{file} does not exist")
     return dims_from_hf_config(_read_json_config(file), str(file))
 
 

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from posttrain.cli_args import file_to_read, non_negative_float, port_number, positive_int
@@ -158,9 +159,14 @@ class CompletionServer:
 def build_engine(name: str, model_path: str, *, dtype: str = "fp32", device: str = "cpu",
                  trust_remote_code: bool = False, chat_template: str | None = None, max_model_len: int | None = None):
     """``(engine, tokenizer, model)`` for ``model_path`` (a folder, hub id, ``.gguf`` or ``smollm2-135m-instruct``)."""
+    from posttrain.checkpoint.found import checkpoint_found
     from posttrain.models.loading import load_causal_lm, load_tokenizer
     from posttrain.rollout import get_rollout_engine
 
+    local = Path(model_path).expanduser()
+    found = checkpoint_found(local) if local.is_dir() and not (local / "config.json").exists() else None
+    if found:  # a checkpoint root: say so, not "no config.json" from the loader
+        raise ConfigError(f"posttrain serve {model_path}: {found}")
     try:
         tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code, custom_chat_template=chat_template)
         model = load_causal_lm(model_path, trust_remote_code=trust_remote_code, dtype=dtype, device=device)

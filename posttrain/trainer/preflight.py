@@ -24,6 +24,7 @@ from typing import Any
 from posttrain.config import PostTrainConfig, uses_critic
 from posttrain.errors import ConfigError
 from posttrain.checkpoint import CheckpointManager
+from posttrain.checkpoint.found import checkpoint_found
 from posttrain.host.disk import folder_problem
 
 __all__ = ["check_data_files", "check_lora_config", "check_model_paths", "check_reward_model", "check_run_dir",
@@ -50,7 +51,8 @@ def model_path_problem(path: str) -> str | None:
         return None if local.is_file() else f"{local} does not exist"
     if local.is_dir():
         if not (local / "config.json").is_file():
-            return f"{local} is a folder without config.json (not a Hugging Face model folder)"
+            return checkpoint_found(local) or f"{local} is a folder without config.json (not a Hugging Face model " \
+                                              "folder)"
         return None
     if local.exists():
         return f"{local} is a file, not a model folder or a .gguf file"
