@@ -81,7 +81,7 @@ class RolloutWorker:
         if driver[0] == socket.gethostname():
             threading.Thread(target=_watch_driver, args=(driver[1],), daemon=True, name="watch-driver").start()
         self.index, self.version, self.lora_only = index, 0, False
-        self.actor = _build_actor(config, device)
+        self.actor = _build_actor(config, device, index)
         self.lora_only = self.actor.lora is not None
         if config.async_training.partial_rollout and hasattr(self.actor.rollout, "pause_point"):
             self.actor.rollout.pause_point = self._apply_pending  # pushes land between two decoding steps
@@ -158,18 +158,33 @@ class RolloutWorker:
         return self.actor.compute_log_prob(batch, calculate_entropy=False)[0]
 
 
-def _build_actor(config: Any, device: str) -> Any:
-    """The actor role alone, built and placed as the trainer builds its own (LoRA included)."""
+def _build_actor(config: Any, device: str, index: int) -> Any:
+    """The actor role alone, built and placed as the trainer builds its own (LoRA included); the worker says
+    its own role where the trainer says its memory plan (`rollout_placement`)."""
     import torch
 
     from posttrain.config import derive_sizes, worker_config
     from posttrain.config.roles import RoleSpecs, rl_role_specs
-    from posttrain.distributed.placement import InProcess
     from posttrain.workers.build import build_roles
 
     specs = rl_role_specs(worker_config(config, derive_sizes(config)))
-    roles = build_roles(RoleSpecs(actor=specs.actor), InProcess(torch.device(device)), config.trainer.seed)
+    roles = build_roles(RoleSpecs(actor=specs.actor), rollout_placement(torch.device(device), index), config.trainer.seed)
     return roles.actor
+
+
+def rollout_placement(device: Any, index: int) -> Any:
+    """The trainer's one-process placement (`InProcess`: the same levers on the weights, the same process-wide
+    memory policy), whose one console line is this worker's role: a trainer's memory plan (its optimizer's
+    moments, its reference) would describe state a rollout worker never uses."""
+    from posttrain.distributed.placement import InProcess
+
+    class RolloutPlacement(InProcess):
+        def announce_plan(self) -> None:
+            print(f"rollout worker {index}: generates with the actor's weights on {self.device.type}, updated by the "
+                  "trainer's pushes; trains nothing (no optimizer step, no reference); its memory counts in the "
+                  "run's process-tree peak", flush=True)
+
+    return RolloutPlacement(device)
 
 
 # ------------------------------------------------------------------------------------------ on the driver
