@@ -18,6 +18,12 @@ the task's scorer); this script only reads its responses again with the rollout'
 
 A response is split into assistant turns at the tool turns the rollout inserted (``<tool_response>``
 blocks, as the loop renders them for a chat template without a ``tool`` role, e.g. SmolLM2's).
+
+    python benchmarks/tool_use_eval.py --summary out.jsonl [--timings timings.txt]
+
+prints the stages a pipeline appended to ``out.jsonl`` (``--json``) as one table, and each stage's wall time
+with the machine's load around it from ``timings.txt`` (lines ``NAME: N s | before: <uptime> | after:
+<uptime>``, as examples/tool_sft_then_grpo.sh writes them).
 """
 
 from __future__ import annotations
@@ -59,10 +65,52 @@ def tool_use(rows: list[dict], schemas: dict) -> dict[str, float]:
             "any_call_rate": sum(r.get("tool_calls", 0) > 0 for r in rows) / n}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def summary_table(results: list[dict]) -> str:
+    """The stages of ``--json`` lines as one table: what each figure is, in its column's name."""
+    lines = ["| stage | tool-call rate (first turn) | called in any turn | valid calls | tool errors | "
+             "accuracy (#### answer) | rows | eval wall |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['stage'] or r['model']} | {_pct(r['tool_call_rate'])} | {_pct(r['any_call_rate'])} | "
+                     f"{_pct(r['valid_call_fraction'])} | {_pct(r['tool_error_fraction'])} | {_pct(r['accuracy'])} | "
+                     f"{r['n']} | {r['wall_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+_TIMING = re.compile(r"^(?P<name>.+?): (?P<seconds>\d+) s \| before: .*load averages?: (?P<before>[\d.]+).*"
+                     r"\| after: .*load averages?: (?P<after>[\d.]+)")
+
+
+def timings_text(text: str) -> str:
+    """``timings.txt`` as ``NAME: N s (load X -> Y)`` lines (the 1-minute load average before and after the stage)."""
+    out = []
+    for line in text.splitlines():
+        found = _TIMING.match(line.strip())
+        out.append(f"{found['name']}: {found['seconds']} s (load {found['before']} -> {found['after']})"
+                   if found else line.strip())
+    return "\n".join(line for line in out if line)
+
+
+def summarize(path: str, timings: str | None) -> str:
+    results = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not results:
+        raise SystemExit(f"error: {path} holds no stage's results (one JSON line per stage, written by --json)")
+    text = summary_table(results)
+    if timings:
+        text += "\n\nwall time per stage (1-minute load average before -> after):\n" + timings_text(
+            Path(timings).read_text())
+    return text
+
+
+def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="as `posttrain eval --model`")
-    p.add_argument("--data", required=True, help="the task's test parquet (posttrain prep tool-arithmetic)")
+    p.add_argument("--summary", metavar="JSONL", help="print the stages in this --json file as one table, and exit")
+    p.add_argument("--timings", help="with --summary: a pipeline's timings.txt, printed with the machine's load")
+    p.add_argument("--model", help="as `posttrain eval --model` (required unless --summary)")
+    p.add_argument("--data", help="the task's test parquet (posttrain prep tool-arithmetic; required unless --summary)")
     p.add_argument("--tool-config", default=str(ROOT / "examples/tool_config/arithmetic_tools_config.yaml"))
     p.add_argument("--n", type=int, default=None, help="only the first N rows")
     p.add_argument("--max-response-length", type=int, default=128)
@@ -72,6 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--show", type=int, default=0, help="print the first K responses")
     p.add_argument("overrides", nargs="*", help="key=value overrides, as `posttrain eval`'s")
     args = p.parse_args(argv)
+    if args.summary:
+        print(summarize(args.summary, args.timings))
+        return None
+    if not args.model or not args.data:
+        p.error("--model and --data are required (or --summary FILE to print a pipeline's results)")
 
     from posttrain.tools.registry import load_tools_config
     from posttrain.trainer.evaluate import evaluate

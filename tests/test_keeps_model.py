@@ -169,10 +169,14 @@ def test_sft_reports_held_out_accuracy_before_and_after(tmp_path, capsys):
     assert cli(["sft", "--heldout-eval", *overrides]) == 0
     out = capsys.readouterr().out
     (line,) = [x for x in out.splitlines() if x.startswith("held-out accuracy")]
-    before = evaluate(str(tiny_model_dir(tmp_path)), batch_size=64)["overall"]
-    after = evaluate(str(tmp_path / "ckpt" / "hf_model"), batch_size=64)["overall"]
+    results = [evaluate(str(m), batch_size=64) for m in (tiny_model_dir(tmp_path), tmp_path / "ckpt" / "hf_model")]
+    before, after = (r["overall"] for r in results)
+    # each figure names its metric: strict (the #### answer), then flexible (the last number in the reply)
     assert line.startswith(f"held-out accuracy (built-in arithmetic task, {before['n']} questions, greedy): "
-                           f"{before['accuracy']:.1%} at step 0 -> {after['accuracy']:.1%} at step 1")
+                           f"strict (the #### answer) {before['accuracy']:.1%} at step 0 -> {after['accuracy']:.1%} "
+                           "at step 1")
+    flexible = [next(v["flexible_accuracy"] for v in r["per_source"].values()) for r in results]
+    assert f"; flexible (the last number in the reply) {flexible[0]:.1%} -> {flexible[1]:.1%} " in line
     assert before["n"] == 128
     assert cli(["sft", "--no-heldout-eval", *overrides, "trainer.start_over=True"]) == 0  # control: no report
     assert "held-out accuracy" not in capsys.readouterr().out

@@ -68,11 +68,13 @@ def heldout_accuracy(model: str, config: Any) -> dict[str, float]:
 
 
 def _report_heldout(before: dict[str, float], after: dict[str, float], step: int) -> None:
-    line = (f"held-out accuracy (built-in arithmetic task, {after['n']} questions, greedy): "
+    """Each figure named by its metric (`posttrain.rewards.arithmetic`): strict, the answer after ``####``;
+    flexible, the last number in the reply. The two can move apart (a model learning the format, or the answers)."""
+    line = (f"held-out accuracy (built-in arithmetic task, {after['n']} questions, greedy): strict (the #### answer) "
             f"{before['accuracy']:.1%} at step 0 -> {after['accuracy']:.1%} at step {step} "
             f"({(after['accuracy'] - before['accuracy']) * 100:+.1f} points)")
     if "flexible" in before and "flexible" in after:
-        line += (f"; flexible {before['flexible']:.1%} -> {after['flexible']:.1%} "
+        line += (f"; flexible (the last number in the reply) {before['flexible']:.1%} -> {after['flexible']:.1%} "
                  f"({(after['flexible'] - before['flexible']) * 100:+.1f} points)")
     print(line, flush=True)
 
