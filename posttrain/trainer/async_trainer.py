@@ -60,7 +60,7 @@ class AsyncRLTrainer(RLTrainer):
     actor must be loaded from ``actor_rollout_ref.model.path`` (the rollout workers load it too)."""
 
     def __init__(self, config: PostTrainConfig, *, actor_module: Any = None, critic_module: Any = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, reward_fn: Any = None):
         validate_config(config)
         _check_async_setup(config, actor_module)
         self.budget = async_budget(config)
@@ -73,7 +73,8 @@ class AsyncRLTrainer(RLTrainer):
                 import torch
 
                 torch.set_num_threads(trainer_cpus)  # the cores the rollout workers leave
-            super().__init__(config, actor_module=actor_module, critic_module=critic_module, tokenizer=tokenizer)
+            super().__init__(config, actor_module=actor_module, critic_module=critic_module, tokenizer=tokenizer,
+                             reward_fn=reward_fn)
             # the weights go from this process's actor, or from the ranks (rank 0 sends what all of them gather)
             self._weights = self.workers if ranks else self.workers.actor.module
             self.pool.connect_weights(self._weights, timeout_s=float(config.actor_rollout_ref.nccl_timeout))

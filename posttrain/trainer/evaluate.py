@@ -154,6 +154,7 @@ def evaluate(model: str, data: list[str] | None = None, *, limit: int | None = N
     from posttrain.data import RLHFDataset, build_val_loader
     from posttrain.rollout import SamplingParams
     from posttrain.rollout.seeding import SEED_KEY, seeded_sampling
+    from posttrain.trainer.preflight import check_data_sources
     from posttrain.trainer.setup import build_reward_fn, data_files
     from posttrain.trainer.validation import run_validation
 
@@ -171,13 +172,14 @@ def evaluate(model: str, data: list[str] | None = None, *, limit: int | None = N
     dataset = RLHFDataset(files, tok, config.data)
     if limit is not None:
         dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
+    reward_fn = build_reward_fn(config, tok)
+    check_data_sources(config, reward_fn, val=dataset)  # before generating, not at the first unknown row's score
     loader = build_val_loader(dataset, config.data)
     engine, param_dtype = _engine(config, module, tok, device)
     length = int(config.data.max_response_length)
     rollout = config.actor_rollout_ref.rollout
     sampling = dataclasses.replace(SamplingParams.from_rollout_config(rollout, validate=True), response_length=length,
                                    calculate_log_probs=False)
-    reward_fn = build_reward_fn(config, tok)
     batches = list(loader)
     with torch.no_grad(), seeded_sampling({SEED_KEY: int(config.trainer.seed)}):
         metrics, samples = run_validation(batches, lambda p: engine.generate(p, sampling), reward_fn, sampling.n,

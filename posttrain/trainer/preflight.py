@@ -5,7 +5,8 @@
   one label, its tokenizer (and ``input_tokenizer``) load, and ``external_lib`` imports;
 - each LoRA role's target and exclude module names exist in its model (built on the meta device);
 - every data file exists and is a ``.parquet`` / ``.jsonl`` / ``.json`` file (rows are read and
-  checked when the datasets are built, still before the models);
+  checked when the datasets are built, still before the models), and each row's data_source has a
+  built-in scorer when the run scores with them (`check_data_sources`, once the rows are read);
 - the checkpoint folder can be created and written, no other run writes to it (a lock naming the
   other process), and its contents follow the rule of `posttrain.trainer.resume.prepare_folder`.
 
@@ -22,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import PostTrainConfig, uses_critic
-from posttrain.errors import ConfigError
+from posttrain.errors import ConfigError, DataError
 from posttrain.checkpoint import CheckpointManager
 from posttrain.checkpoint.found import checkpoint_found
 from posttrain.host.disk import folder_problem
 
-__all__ = ["check_data_files", "check_lora_config", "check_model_paths", "check_reward_model", "check_run_dir",
-           "claim_checkpoint_folder", "model_path_problem", "preflight"]
+__all__ = ["check_data_files", "check_data_sources", "check_lora_config", "check_model_paths", "check_reward_model",
+           "check_run_dir", "claim_checkpoint_folder", "model_path_problem", "preflight"]
 
 # owner/name (or a bare legacy name such as gpt2): what the hub accepts as a repository id.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -183,6 +184,39 @@ def check_data_files(config: PostTrainConfig) -> list[str]:
             elif not os.access(path, os.R_OK):
                 problems.append(f"{key}: {file} is not readable")
     return problems
+
+
+def check_data_sources(config: PostTrainConfig, reward_fn: Any, *, train: Any = None, val: Any = None) -> None:
+    """Every ``data.reward_fn_key`` value the built-in scorers will meet in the ``train`` and ``val`` datasets
+    (`posttrain.data.RLHFDataset`) has one: a `DataError` naming the file, a row and the value, before any model
+    loads, instead of the scorer's at step 1. Runs whose reward function is their own (custom_reward_function.path,
+    ``reward_fn=``) are not checked, nor training rows a reward model scores alone (reward_model.combine=replace)."""
+    from posttrain.rewards import KNOWN_DATA_SOURCES, RewardManager, default_compute_score
+
+    if not (isinstance(reward_fn, RewardManager) and reward_fn.compute_score is default_compute_score):
+        return
+    rm = config.reward_model
+    checked = [val] if rm.enable and rm.combine == "replace" else [train, val]
+    key = config.data.reward_fn_key
+    for dataset in (d for d in checked if d is not None):
+        unknown = {str(row.get(key)) for row in dataset.rows} - set(KNOWN_DATA_SOURCES)
+        if unknown:
+            raise DataError(f"{_first_row_with(dataset.files, key, unknown)}: {key}={sorted(unknown)[0]!r} has no "
+                            f"built-in scorer (known: {', '.join(KNOWN_DATA_SOURCES)}; {len(unknown)} unknown value(s) "
+                            "in all); set custom_reward_function.path and .name to a function that scores these rows "
+                            "(Python: RLTrainer(config, reward_fn=...))")
+
+
+def _first_row_with(files: list[str], key: str, values: set[str]) -> str:
+    """``<file> row <i>``: where the first row whose ``key`` is one of ``values`` is (the files are read again,
+    only on this error path: the dataset keeps no file per row)."""
+    from posttrain.data.schema import read_rows
+
+    for path in files:
+        for i, row in enumerate(read_rows(path)):
+            if str(row.get(key)) in values:
+                return f"{path} row {i}"
+    return ", ".join(files)
 
 
 def check_run_dir(config: Any) -> list[str]:

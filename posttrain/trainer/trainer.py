@@ -68,12 +68,14 @@ class RLTrainer:
         config: a loaded config (`posttrain.load_config`).
         actor_module, critic_module, tokenizer: use these instead of loading from the config's paths
             (tests build tiny random models this way).
+        reward_fn: the reward function (any form the ``reward_fn`` setter takes) instead of the config's; given
+            here, data whose data_source no built-in scorer knows is accepted before the models load.
     """
 
     metric_prefix = "training"  # the run loop logs training/epoch and training/global_step
 
     def __init__(self, config: PostTrainConfig, *, actor_module: Any = None, critic_module: Any = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, reward_fn: Callable | None = None):
         validate_config(config)
         setup.check_in_memory_models(config, actor_module, critic_module)
         setup.check_rollout_engine(config)
@@ -104,7 +106,8 @@ class RLTrainer:
         check_multi_turn_setup(config, (self.data.train, self.data.val),
                                check_tool_names=bool(config.actor_rollout_ref.rollout.multi_turn.tool_config_path))
         check_agent_setup(config)  # rollout.agent.episode: the agent program loads (one line if not)
-        self.reward_fn = setup.build_reward_fn(config, tokenizer)
+        self.reward_fn = reward_fn if reward_fn is not None else setup.build_reward_fn(config, tokenizer)
+        preflight.check_data_sources(config, self.reward_fn, train=self.data.train, val=self.data.val)
         self.total_steps = self._total_steps()
         wcfg = worker_config(config, self.sizes)
         for optim in (wcfg.actor_rollout_ref.actor.optim, wcfg.critic.optim):

@@ -179,3 +179,15 @@ def test_eval_a_model_path_that_does_not_exist_names_it(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--output", str(tmp_path / "cards")]) == 2
     err = capsys.readouterr().err
     assert f"error: --model {tmp_path / 'nope'}: {tmp_path / 'nope'} does not exist" in err and "Traceback" not in err
+
+
+def test_eval_of_a_data_source_without_a_scorer_stops_before_generating(tmp_path, capsys, monkeypatch):
+    """Issue 59: other/arith has no built-in scorer; without a custom reward it is named (file, row, value) before
+    any response is generated."""
+    import posttrain.trainer.evaluate as evaluate
+
+    files = _datasets(tmp_path)
+    monkeypatch.setattr(evaluate, "_engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("generated")))
+    assert main(["--model", str(tiny_model_dir(tmp_path)), "--data", *files, "--output", str(tmp_path / "cards")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {files[1]} row 0: data_source='other/arith' has no built-in scorer (known: " in err, err

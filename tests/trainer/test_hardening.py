@@ -344,3 +344,24 @@ def test_sharded_weights_of_another_shape_are_refused_before_reading(tmp_path):
         load_sharded(tmp_path / "dcp", tiny_llama(tok))
     wide = tiny_llama(tok, num_hidden_layers=3)
     load_sharded(tmp_path / "dcp", wide)  # negative control: the same shape loads
+
+
+def test_a_data_source_without_a_scorer_is_found_before_any_model_loads(tmp_path, no_models):
+    """Issue 59: an unknown data_source was found at step 1, after the models loaded and a rollout ran."""
+    from posttrain.data.schema import read_rows, write_rows
+    from posttrain.errors import DataError
+
+    _config(tmp_path)  # writes the tiny data
+    rows = read_rows(str(tmp_path / "data" / "train.parquet"))
+    rows[5]["data_source"] = "my/own_task"
+    mixed = tmp_path / "mixed.parquet"
+    write_rows(rows, str(mixed))
+    with pytest.raises(DataError) as err:
+        RLTrainer(_config(tmp_path, [f"data.train_files={mixed}"]))
+    assert str(err.value).startswith(f"{mixed} row 5: data_source='my/own_task' has no built-in scorer (known: "
+                                     "openai/gsm8k, "), str(err.value)
+    assert "set custom_reward_function.path and .name" in str(err.value) and "\n" not in str(err.value)
+    # negative control: a reward function given with the trainer scores those rows, so the check lets them by
+    # (the trainer goes on to load its models: here, the `no_models` refusal)
+    with pytest.raises(AssertionError, match="the models were loaded"):
+        RLTrainer(_config(tmp_path, [f"data.train_files={mixed}"]), reward_fn=lambda batch: batch["responses"][:, 0])
