@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from posttrain.errors import ConfigError, DataError
 
-__all__ = ["PairCounts", "Sample", "add_pairs_parser", "choose_pairs", "sample_pairs"]
+__all__ = ["PairCounts", "Sample", "add_pairs_parser", "choose_pairs", "sample_pairs", "self_pairs_file"]
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,63 @@ def _pair_row(nt: dict, k: int, chosen: Sample, rejected: Sample) -> dict[str, A
     if "ability" in nt and nt["ability"][k] is not None:
         row["ability"] = nt["ability"][k]
     return row
+
+
+# ------------------------------------------------------------------------------------------------
+# the built-in DPO run's pairs (a DPO run with data.train_files null)
+
+
+def self_pairs_file(config: Any) -> str:
+    """The pairs file of a DPO run without ``data.train_files``: ``model.partial_pretrain``'s own samples on the
+    built-in arithmetic task's training prompts (``data.arithmetic.*``), paired as `posttrain prep pairs` pairs
+    them (``data.self_pairs.*``), as examples/dpo_smollm2_arithmetic.sh does. Sampled once, then read from
+    posttrain's cache (keyed by the model and every knob), so a resumed run trains on the same pairs."""
+    from posttrain.data.arithmetic import default_dataset_files
+    from posttrain.data.schema import write_rows
+
+    task, knobs = config.data.arithmetic, config.data.self_pairs
+    prompts, _ = default_dataset_files(digits=task.digits, ops=("+",), n_train=task.n_train, n_test=task.n_test,
+                                       seed=task.seed, prompt_style=task.prompt_style)
+    model = str(config.model.partial_pretrain)
+    dtype = config.model.fsdp_config.mixed_precision.param_dtype
+    out = _self_pairs_path(model, prompts, knobs, dtype, config.trainer.seed)
+    if out.exists():
+        print(f"DPO pairs: {out} (the model's own samples, drawn by an earlier run)", flush=True)
+        return str(out)
+    print(f"DPO pairs: sampling {knobs.n} replies to each of {knobs.prompts} prompts of the built-in task from {model} "
+          f"(data.train_files is null: the model's own pairs, data.self_pairs.*)", flush=True)
+    rows, counts = sample_pairs(model, prompts, n=knobs.n, temperature=knobs.temperature,
+                                max_new_tokens=knobs.max_new_tokens, batch_size=knobs.batch_size,
+                                reward_key=knobs.reward_key, limit=knobs.prompts, param_dtype=dtype,
+                                seed=config.trainer.seed)
+    print(f"DPO pairs: {counts.summary()}", flush=True)
+    if not rows:
+        raise DataError(f"{model}'s samples gave no pair (no prompt had both a correct and a wrong reply): raise "
+                        "data.self_pairs.n, data.self_pairs.temperature or data.self_pairs.prompts, or give "
+                        "data.train_files (pairs from `posttrain prep pairs`)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp_{os.getpid()}_{out.name}")
+    write_rows(rows, str(tmp))
+    os.replace(tmp, out)  # whole or absent: a killed sampling leaves no half file to be read next time
+    print(f"DPO pairs: wrote {len(rows)} pairs to {out}", flush=True)
+    return str(out)
+
+
+def _self_pairs_path(model: str, prompts: str, knobs: Any, dtype: str, seed: int):
+    """Where the pairs of these settings are cached: a local model folder's weights count by their files'
+    sizes and times, so a model trained in place is sampled again."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from posttrain.host.cache import cache_root
+
+    local = Path(model).expanduser()
+    files = sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in local.rglob("*") if p.is_file()) \
+        if local.is_dir() else []
+    key = json.dumps([model, files, prompts, asdict(knobs), dtype, seed], default=str)
+    return cache_root() / "dpo_pairs" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.parquet"
 
 
 # ------------------------------------------------------------------------------------------------

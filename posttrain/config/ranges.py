@@ -104,6 +104,10 @@ SFT_RANGES: dict[str, Range] = {
     "model.lora_alpha": Range(0.0, low_open=True),
     "dpo.beta": Range(0.0, low_open=True),
     "dpo.label_smoothing": Range(0.0, 0.5, high_open=True),
+    "data.self_pairs.prompts": COUNT,
+    "data.self_pairs.n": Range(2.0, note="a pair needs a correct and a wrong sample"),
+    "data.self_pairs.temperature": Range(0.0, low_open=True),
+    "data.self_pairs.max_new_tokens": COUNT,
 }
 """Ranges by full dotted key of the SFT and DPO trees (`posttrain.config.sft`)."""
 

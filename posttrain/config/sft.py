@@ -112,10 +112,30 @@ class SFTDataConfig:
     """(posttrain) The built-in arithmetic SFT data."""
 
 
+SELF_PAIR_REWARD_KEYS = ("flexible_acc", "score", "acc")
+"""The built-in arithmetic scorer's fields (`posttrain.rewards.arithmetic`) that can say a sample is correct."""
+
+
+@_cfg()
+class SelfPairsConfig:
+    prompts: int = 64
+    """(posttrain) With data.train_files null, pairs come from the model's own samples (`posttrain prep pairs`): this many training prompts of the built-in arithmetic task (data.arithmetic.*) are sampled."""
+    n: int = 4
+    """(posttrain) Samples per prompt; a prompt with a correct and a wrong sample gives a pair (chosen: the correct one)."""
+    temperature: float = 1.0
+    """(posttrain) Sampling temperature (> 0: the samples must differ)."""
+    max_new_tokens: int = 48
+    """(posttrain) Most tokens per sample."""
+    reward_key: str = "flexible_acc"
+    """(posttrain) The arithmetic scorer's field that says a sample is correct (1.0): flexible_acc (the last number is the answer) or score (the answer after ####)."""
+    batch_size: int = 32
+    """(posttrain) Prompts per generation batch."""
+
+
 @_cfg()
 class DPODataConfig(SFTDataConfig):
     train_files: Any = None
-    """Preference rows (prompt, chosen, rejected): parquet/jsonl file(s), e.g. from `posttrain prep pairs`."""
+    """Preference rows (prompt, chosen, rejected): parquet/jsonl file(s), e.g. from `posttrain prep pairs` (null: the model's own pairs, data.self_pairs.*)."""
     val_files: Any = None
     """Held-out preference rows for eval_loss and eval_rewards/* (null: none)."""
     prompt_key: str = "prompt"
@@ -126,6 +146,8 @@ class DPODataConfig(SFTDataConfig):
     """Column holding the dispreferred response: text or chat messages (TRL's name)."""
     on_bad_row: str = "error"
     """(posttrain) A bad pair (missing column, empty or equal chosen/rejected, mismatched prompt, too long): error (names file, row and column) or skip (counted by reason and reported)."""
+    self_pairs: SelfPairsConfig = field(default_factory=SelfPairsConfig)
+    """(posttrain) The pairs a run builds from its model's samples when data.train_files is null (cached: sampled once)."""
 
 
 @_cfg()

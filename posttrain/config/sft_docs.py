@@ -16,7 +16,7 @@ def sft_markdown_reference() -> str:
            "", "| key | type | default | meaning |", "|---|---|---|---|"]
     seen = set()
     dpo_only = ("data.train_files", "data.val_files", "data.prompt_key", "data.chosen_key", "data.rejected_key",
-                "data.on_bad_row", "dpo.", "use_prefix_grouper")
+                "data.on_bad_row", "data.self_pairs.", "dpo.", "use_prefix_grouper")
     for cls, only in ((SFTConfig, None), (DPOConfig, dpo_only)):
         for key, info in all_keys(cls).items():
             if info.is_section or (only is None and key in seen):

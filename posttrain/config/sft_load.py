@@ -128,7 +128,7 @@ def sft_problems(config: SFTConfig) -> list[str]:
 
 def _dpo_problems(config: DPOConfig) -> list[str]:
     """The `dpo.*` knobs (checked where they become the update's objective) and DPO's data keys."""
-    from posttrain.config.sft import ON_BAD_ROW
+    from posttrain.config.sft import ON_BAD_ROW, SELF_PAIR_REWARD_KEYS
 
     p, d, out = config.dpo, config.data, []
     try:
@@ -137,6 +137,8 @@ def _dpo_problems(config: DPOConfig) -> list[str]:
         out.append(str(err))
     if d.on_bad_row not in ON_BAD_ROW:
         out.append(f"data.on_bad_row={d.on_bad_row!r}; valid: {', '.join(ON_BAD_ROW)}")
+    if d.self_pairs.reward_key not in SELF_PAIR_REWARD_KEYS:
+        out.append(f"data.self_pairs.reward_key={d.self_pairs.reward_key!r}; valid: {', '.join(SELF_PAIR_REWARD_KEYS)}")
     if d.multiturn.enable:
         out.append("data.multiturn.enable=True: DPO rows hold prompt/chosen/rejected (text or messages); set False")
     for key in ("prompt_dict_keys", "response_dict_keys"):

@@ -9,7 +9,8 @@ response (``workers.compute_ref_sequence_logps``, or the values computed once be
 ``dpo.precompute_ref_log_probs``) -> ``workers.update_actor(batch, objective)`` (one optimizer step of
 the objective `dpo.*` asks for, over all pairs of all ranks: `posttrain.algorithms.objectives.DPO`,
 given each response's token count, which ``ipo`` averages by) -> metrics under TRL's names
-(`posttrain.algorithms.dpo.dpo_metrics`).
+(`posttrain.algorithms.dpo.dpo_metrics`). Without ``data.train_files`` (the built-in run) the pairs are the
+model's own samples on the built-in task, paired by their scores (``data.self_pairs.*``, `self_pairs`).
 
 ``dpo.loss_type=simpo`` is SimPO (TRL's ``CPOTrainer`` with ``loss_type="simpo"``, ``simpo_gamma``,
 ``cpo_alpha``): the objective `posttrain.algorithms.objectives.SimPO` compares the policy's
@@ -32,7 +33,6 @@ from posttrain.algorithms.dpo import dpo_metrics
 from posttrain.batch import Batch
 from posttrain.config.sft import DPOConfig
 from posttrain.config.sft_load import validate_sft_config
-from posttrain.errors import ConfigError
 from posttrain.trainer.sft_session import SFTSession
 
 __all__ = ["DPOTrainer"]
@@ -44,17 +44,18 @@ class DPOTrainer:
     Args:
         config: `posttrain.config.sft_load.load_dpo_config(...)`.
         model, tokenizer: use these instead of loading ``model.partial_pretrain`` (tests; one process).
+        before_models: called after every check, before any model loads (`SFTSession`).
     """
 
     stage = "dpo"
 
-    def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None):
+    def __init__(self, config: DPOConfig, *, model: Any = None, tokenizer: Any = None, before_models: Any = None):
         self.objective = config.dpo.objective()  # DPO, or SimPO (no reference), checked before anything loads
         validate_sft_config(config)
         self.config = config
         reference = self.objective.needs_reference and not config.dpo.precompute_ref_log_probs
-        self.session = SFTSession(config, read_pairs, no_pairs, stage=self.stage, reference=reference,
-                                  trainer=self, model=model, tokenizer=tokenizer)
+        self.session = SFTSession(config, read_pairs, self_pairs, stage=self.stage, reference=reference,
+                                  trainer=self, model=model, tokenizer=tokenizer, before_models=before_models)
         if config.dpo.precompute_ref_log_probs:
             for dataset in (self.train_data, self.val_data):
                 if dataset is not None:
@@ -128,7 +129,9 @@ def read_pairs(files: Any, tokenizer: Any, config: DPOConfig, max_samples: int) 
     return PreferenceDataset.from_data_config(files, tokenizer, config.data, max_samples)
 
 
-def no_pairs(config: DPOConfig) -> tuple[Any, Any]:
-    raise ConfigError("data.train_files is null: DPO needs preference rows (prompt, chosen, rejected); build "
-                      "them from the model's own samples with `posttrain prep pairs ...`, or point "
-                      "data.train_files at a parquet/jsonl file of pairs")
+def self_pairs(config: DPOConfig) -> tuple[Any, Any]:
+    """``data.train_files`` null: pairs from the model's own samples (`posttrain.commands.pairs.self_pairs_file`);
+    no held-out pairs unless ``data.val_files`` names some."""
+    from posttrain.commands.pairs import self_pairs_file
+
+    return self_pairs_file(config), None

@@ -23,17 +23,21 @@ def run_sft(trainer_cls: Any, config: Any, heldout: bool) -> int:
     for line in sft_notes(config):
         print(f"note: {line}", flush=True)
 
-    before = heldout_accuracy(config.model.partial_pretrain, config) if heldout else None
+    before: dict[str, float] = {}
+
+    def heldout_before() -> None:  # after the run's checks (data, folder), before its models load
+        before.update(heldout_accuracy(config.model.partial_pretrain, config))
+
     try:
         with startup_signals():
-            trainer = trainer_cls(config)
+            trainer = trainer_cls(config, before_models=heldout_before if heldout else None)
         history = trainer.fit()
     except KeyboardInterrupt:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130
     _summary(history)
     model_dir, step, stopped_by = trainer.session.model_dir, trainer.global_step, trainer.stopped_by
-    if before is not None and model_dir is not None:
+    if before and model_dir is not None:
         del trainer  # the trained model and its optimizer state go before the exported model loads beside them
         gc.collect()
         _report_heldout(before, heldout_accuracy(str(model_dir), config), step)

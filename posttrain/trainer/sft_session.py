@@ -51,13 +51,16 @@ class SFTSession:
         reference: build a frozen reference beside the actor.
         trainer: what steps and validates (its ``train_step(batch)`` and ``validate()``).
         model, tokenizer: use these instead of loading ``model.partial_pretrain`` (tests; one process).
+        before_models: called once every check has passed and before any model loads (the command line's
+            held-out evaluation of the starting model), so that a bad input costs no model load.
     """
 
     metric_prefix = "train"  # the run loop logs train/epoch and train/global_step
     saves_last_step = True  # verl's SFT trainer validates and saves at its last step, whatever the frequencies
 
     def __init__(self, config: SFTConfig, read_rows: ReadRows, default_files: DefaultFiles, *, stage: str,
-                 reference: bool, trainer: Any, model: Any = None, tokenizer: Any = None):
+                 reference: bool, trainer: Any, model: Any = None, tokenizer: Any = None,
+                 before_models: Callable[[], None] | None = None):
         self.config, self.stage, self.trainer, t = config, stage, trainer, config.trainer
         self.global_step = 0
         self.history: list[dict[str, float]] = []
@@ -89,6 +92,8 @@ class SFTSession:
         self.checkpoints = CheckpointManager(Path(self.rl.trainer.default_local_dir).expanduser(), t.max_ckpt_to_keep)
         self._claim_checkpoint_folder()
         try:
+            if before_models is not None:
+                before_models()
             self.workers = self._build_workers(model)
         except BaseException:
             if self.rank == 0:

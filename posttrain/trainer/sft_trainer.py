@@ -34,15 +34,16 @@ class SFTTrainer:
     Args:
         config: `posttrain.config.sft_load.load_sft_config(...)`.
         model, tokenizer: use these instead of loading ``model.partial_pretrain`` (tests; one process).
+        before_models: called after every check, before any model loads (`SFTSession`).
     """
 
     stage = "sft"
 
-    def __init__(self, config: SFTConfig, *, model: Any = None, tokenizer: Any = None):
+    def __init__(self, config: SFTConfig, *, model: Any = None, tokenizer: Any = None, before_models: Any = None):
         validate_sft_config(config)
         self.config = config
         self.session = SFTSession(config, read_sft_rows, builtin_sft_files, stage=self.stage, reference=False,
-                                  trainer=self, model=model, tokenizer=tokenizer)
+                                  trainer=self, model=model, tokenizer=tokenizer, before_models=before_models)
 
     def __getattr__(self, name: str) -> Any:
         """The session's parts and run state: workers, tokenizer, train_data, global_step, history, ..."""

@@ -97,3 +97,52 @@ def test_ipo_on_one_pair_equals_a_float64_hand_computation(tmp_path, sampled):
     assert n_chosen > 1 and n_rejected > 1 and abs(chosen - rejected) > 1e-3
     summed = (chosen - rejected - 1 / (2 * beta)) ** 2
     assert not math.isclose(second["loss"], summed, rel_tol=1e-2), (second["loss"], summed)
+
+
+SELF_PAIRS = ["data.arithmetic.digits=1", "data.arithmetic.n_train=16", "data.arithmetic.n_test=4",
+              "data.self_pairs.prompts=12", "data.self_pairs.n=2", "data.self_pairs.max_new_tokens=6",
+              "data.self_pairs.batch_size=6", "model.fsdp_config.mixed_precision.param_dtype=fp32",
+              "trainer.total_training_steps=1", "trainer.logger=[console,file]"]
+
+
+def test_dpo_without_pairs_builds_them_from_its_own_samples_once(tmp_path, monkeypatch, capsys):
+    """`posttrain dpo` as the built-in run (data.train_files null): the model's own samples on the built-in
+    task's prompts become its pairs (as examples/dpo_smollm2_arithmetic.sh builds them), it trains on them
+    and exports; the pairs are cached, so the next run (or a resume) samples nothing and trains on the same."""
+    from posttrain.commands import pairs
+    from posttrain.trainer.fsdp_sft_trainer import dpo_cli
+
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    # every other sample right (the tiny random model never is): each prompt has a correct and a wrong reply
+    monkeypatch.setattr(pairs, "_scores", lambda scorer, out, key: [float(i % 2) for i in range(len(out))])
+    first = tiny_common(tmp_path / "a", SELF_PAIRS)
+    assert dpo_cli(["--no-heldout-eval", *first]) == 0
+    out = capsys.readouterr().out
+    assert "DPO pairs: sampling 2 replies to each of 12 prompts of the built-in task" in out
+    written = [line for line in out.splitlines() if line.startswith("DPO pairs: wrote ")]
+    assert len(written) == 1 and int(written[0].split()[3]) >= 8  # a batch of pairs at least
+    assert (tmp_path / "a" / "ckpt" / "hf_model" / "config.json").exists()
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("sampled again")
+
+    monkeypatch.setattr(pairs, "sample_pairs", no_sampling)
+    model = next(k for k in first if k.startswith("model.partial_pretrain="))
+    assert dpo_cli(["--no-heldout-eval", *tiny_common(tmp_path / "b", SELF_PAIRS), model]) == 0
+    assert "(the model's own samples, drawn by an earlier run)" in capsys.readouterr().out
+
+
+def test_a_missing_data_file_is_found_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """`posttrain dpo` evaluates the starting model on the held-out task before training: a missing pairs file
+    is reported first, in one line, not after that evaluation."""
+    from posttrain.cli import main as cli
+    from posttrain.trainer import sft_launch
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the model was evaluated before the data was checked")
+
+    monkeypatch.setattr(sft_launch, "heldout_accuracy", no_evaluation)
+    missing = tmp_path / "pairs.parquet"
+    assert cli(["dpo", *tiny_common(tmp_path), f"data.train_files={missing}"]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "error" in line] == [f"error: data.train_files: {missing} does not exist"]
