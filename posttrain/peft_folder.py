@@ -31,5 +31,9 @@ def adapter_folder_problem(path: str) -> str | None:
     if str(peft_type).upper() != "LORA":
         return f"{config} describes a {peft_type} adapter; only LoRA adapters are supported"
     if not (folder / "adapter_model.safetensors").is_file():
+        pickled = [p.name for p in sorted(folder.glob("adapter_model.*")) if p.suffix in (".bin", ".pt", ".pth")]
+        if pickled:  # an older peft's format: a pickle, which posttrain does not unpickle (it may run code)
+            return (f"{folder} holds {pickled[0]} (a pickle), not adapter_model.safetensors: posttrain loads adapters "
+                    "from safetensors only; save the adapter with peft's save_pretrained(safe_serialization=True)")
         return f"{folder} holds no adapter_model.safetensors"
     return None

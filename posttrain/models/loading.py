@@ -26,6 +26,8 @@ import contextlib
 import copy
 import functools
 import os
+import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -35,6 +37,7 @@ from typing import Any, Mapping
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from posttrain.errors import ConfigError
 from posttrain.models.model_path import (  # re-exported: where a path points, torch-free
     SMOLLM2_ALIAS,
     ResolvedModel,
@@ -51,6 +54,7 @@ __all__ = [
     "load_causal_lm",
     "parse_dtype",
     "enable_activation_checkpointing",
+    "weights_only",
 ]
 
 _DTYPES = {
@@ -218,6 +222,33 @@ def _dequantized_copy(model: PreTrainedModel, trust_remote_code: bool) -> PreTra
     return fresh
 
 
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+@contextlib.contextmanager
+def weights_only(source: str | os.PathLike):
+    """A weights file that holds Python objects (a pickle ``torch.load(weights_only=True)`` refuses, as
+    transformers and peft load ``.bin`` / ``.pt`` files) becomes one `ConfigError` naming the file and what
+    is expected, not an ``UnpicklingError`` traceback. Such a file is never loaded with weights_only=False:
+    unpickling runs whatever code it names."""
+    try:
+        yield
+    except pickle.UnpicklingError as err:
+        found = re.search(r"[^\n]*(?:unsupported (?:global: )?GLOBAL|Unsupported operand)[^\n]*", str(err), re.I)
+        reason = (found[0] if found else str(err).strip().splitlines()[0]).strip().rstrip(".")
+        raise ConfigError(f"{_pickled_files(source)} holds Python objects, not just tensors ({reason}); posttrain "
+                          "loads weights from safetensors files (or PyTorch files of tensors alone) and never "
+                          "unpickles code: save the model or adapter with save_pretrained(safe_serialization=True)"
+                          ) from None
+
+
+def _pickled_files(source: str | os.PathLike) -> str:
+    """The pickle-format weight files of a folder (the one a refusal came from), or ``source`` itself."""
+    folder = Path(source).expanduser()
+    files = sorted(p for pattern in _PICKLED for p in folder.glob(pattern)) if folder.is_dir() else []
+    return ", ".join(str(p) for p in files) or str(source)
+
+
 def load_causal_lm(
     path: str | os.PathLike,
     *,
@@ -236,10 +267,11 @@ def load_causal_lm(
     where = _loadable(path)
     config = load_config(path, trust_remote_code=trust_remote_code, override_config=override_config)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        where.source, config=config, trust_remote_code=trust_remote_code, dtype=parse_dtype(dtype),
-        **where.kwargs(), **extra,
-    )
+    with weights_only(where.source):
+        model = AutoModelForCausalLM.from_pretrained(
+            where.source, config=config, trust_remote_code=trust_remote_code, dtype=parse_dtype(dtype),
+            **where.kwargs(), **extra,
+        )
     if where.gguf_file:
         model = _dequantized_copy(model, trust_remote_code)
     if enable_gradient_checkpointing:

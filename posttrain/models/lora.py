@@ -246,14 +246,17 @@ def _peft_names(value: str | tuple[str, ...] | None) -> str | list[str] | None:
 def _from_adapter_folder(model: nn.Module, settings: LoraSettings):
     from peft import PeftModel
 
+    from posttrain.models.loading import weights_only
+
     key = f"{settings.section}.lora_adapter_path={settings.adapter_path}"
     problem = adapter_folder_problem(settings.adapter_path)
     if problem:
         raise ConfigError(f"{key}: {problem}")
-    try:
-        peft_model = PeftModel.from_pretrained(model, settings.adapter_path, is_trainable=True)
-    except (ValueError, KeyError, RuntimeError, OSError) as err:
-        raise ConfigError(f"{key}: the adapter does not fit this model ({str(err).splitlines()[0]})") from err
+    with weights_only(settings.adapter_path):  # outside the try: its one line is not "does not fit"
+        try:
+            peft_model = PeftModel.from_pretrained(model, settings.adapter_path, is_trainable=True)
+        except (ValueError, KeyError, RuntimeError, OSError) as err:
+            raise ConfigError(f"{key}: the adapter does not fit this model ({str(err).splitlines()[0]})") from err
     config = peft_model.peft_config[_ADAPTER_NAME]
     if getattr(config, "use_dora", False):
         raise ConfigError(f"{key}: DoRA adapters are not supported (their merged weights need the DoRA magnitudes)")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
-from posttrain.models.loading import load_config, parse_dtype, resolve_model_path
+from posttrain.models.loading import load_config, parse_dtype, resolve_model_path, weights_only
 
 __all__ = ["head_problem", "import_external_lib", "last_token_scores", "last_valid_index", "load_reward_model"]
 
@@ -67,8 +67,10 @@ def load_reward_model(path: str | os.PathLike, *, trust_remote_code: bool = Fals
     if text_config.pad_token_id is None and pad_token_id is not None:
         text_config.pad_token_id = pad_token_id
     where = resolve_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        where.source, config=config, trust_remote_code=trust_remote_code, dtype=parse_dtype(dtype), **where.kwargs())
+    with weights_only(where.source):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            where.source, config=config, trust_remote_code=trust_remote_code, dtype=parse_dtype(dtype),
+            **where.kwargs())
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ValueError(f"{path}: {type(model).__name__} has no linear `score` head to read per-token scores from; "
                          "posttrain reads decoder reward models (Llama, Qwen, Mistral, Gemma, GPT-2 style)")

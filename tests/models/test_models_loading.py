@@ -236,3 +236,43 @@ def test_gguf_conversion_parses_each_file_once_and_restores_the_libraries(tmp_pa
     with pytest.raises(RuntimeError, match="inside"), loading._gguf_parsed_once():
         raise RuntimeError("inside")
     assert (hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map, gguf.GGUFReader) == originals
+
+
+class _RunsCode:
+    """Unpickling this runs `os.system` (what a hostile weights file can do); it must never happen."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickled_weights_file_is_refused_naming_it_and_never_unpickled(tiny_dir, tmp_path):
+    """Issue 59: a `.bin` holding Python objects was an UnpicklingError traceback; it is one ConfigError naming
+    the file and what is expected, and the file is never loaded with weights_only=False."""
+    import shutil
+
+    from posttrain.errors import ConfigError
+
+    folder, marker = tmp_path / "pickled", tmp_path / "code_ran"
+    shutil.copytree(tiny_dir[0], folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(ConfigError) as err:
+        load_causal_lm(str(folder))
+    assert str(err.value).startswith(f"{folder / 'pytorch_model.bin'} holds Python objects, not just tensors (")
+    assert "loads weights from safetensors files" in str(err.value) and "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_pickled_adapter_is_named_as_one(tmp_path):
+    from posttrain.peft_folder import adapter_folder_problem
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.bin").write_bytes(b"\x80\x04")
+    assert adapter_folder_problem(str(adapter)) == (
+        f"{adapter} holds adapter_model.bin (a pickle), not adapter_model.safetensors: posttrain loads adapters from "
+        "safetensors only; save the adapter with peft's save_pretrained(safe_serialization=True)")
