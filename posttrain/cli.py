@@ -1,4 +1,4 @@
-"""`posttrain` command line: train | sft | dpo | config | prep | plan | diff | eval | export.
+"""`posttrain` command line: one sub-command per entry of `COMMANDS` (``posttrain --help`` lists them).
 
 Each sub-command lives in the module that owns its work; this file only routes.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from posttrain.commands import PREP_DATASETS
 from posttrain.config import BUILTIN_CONFIG
 
 
@@ -60,7 +61,7 @@ COMMANDS = {
     "sft": ("posttrain.trainer.fsdp_sft_trainer", "supervised fine-tuning (no arguments: the built-in SFT run)"),
     "dpo": ("posttrain.trainer.fsdp_sft_trainer", "offline DPO on preference pairs (prompt, chosen, rejected)"),
     "config": (None, "print the resolved config, --keys for the key reference"),
-    "prep": ("posttrain.commands.prep", "prepare datasets: gsm8k, math, arithmetic"),
+    "prep": ("posttrain.commands.prep", f"prepare datasets: {', '.join(PREP_DATASETS)}"),
     "plan": ("posttrain.plan", "explain a run before it starts: batch flow, models, memory, problems"),
     "diff": ("posttrain.diff", "compare two launch scripts or configs key by key"),
     "compare": ("posttrain.commands.compare", "run two configs on the same data and seeds: accuracy, speed, memory"),
