@@ -50,7 +50,7 @@ from posttrain.errors import ConfigError
 from posttrain.sandbox.cgroup import RunCgroup, memory_cgroups
 from posttrain.sandbox.limits import Limits, RunResult
 
-__all__ = ["LANGUAGES", "LocalSandbox", "isolation_available"]
+__all__ = ["LANGUAGES", "LocalSandbox", "isolation_available", "limits_words"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,17 @@ def _describe(mode: str, limits: Limits, num_workers: int) -> str:
            else "no network")
     return (f"namespaces (unshare: {spaces}; {net}; {memory}; file system: only the system folders, the interpreter "
             f"and its site-packages, read-only, and the run's own folder and /dev/shm; {uid})")
+
+
+def limits_words(limits: Limits, num_workers: int) -> str:
+    """Every limit a run gets, as applied (without a memory cgroup, max_processes as cut to fit: `_process_cap`)."""
+    cgroup = memory_cgroups()[0] is not None
+    processes = limits.max_processes if cgroup else _process_cap(limits, num_workers)
+    return (f"wall-clock time-out {limits.timeout_s:g} s, CPU {limits.cpu_seconds} s, memory {limits.memory_mb} MB "
+            f"{'for the whole run' if cgroup else 'per process'}, {processes} processes and threads, "
+            f"{limits.max_file_mb} MB per file, {limits.max_folder_mb} MB working folder, {limits.max_open_files} open "
+            f"files, output {limits.max_output_chars} characters per stream ({limits.max_output_bytes} bytes in all), "
+            f"network {'open' if limits.network else 'off'}")
 
 
 def _memory_words(limits: Limits, num_workers: int) -> str:

@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from posttrain.errors import ConfigError
 from posttrain.sandbox.limits import ISOLATION_CHOICES, Limits, RunResult
-from posttrain.sandbox.local import LANGUAGES, LocalSandbox
+from posttrain.sandbox.local import LANGUAGES, LocalSandbox, limits_words
 
 MAX_REQUEST_BYTES = 16 << 20
 READ_TIMEOUT_S = 30.0  # a client that sends less than its Content-Length, or idles, is dropped after this
@@ -331,6 +331,9 @@ def serve(args: argparse.Namespace) -> int:
     shown = token if source.startswith("new") and not args.token_file else "(not shown)"
     print(f"posttrain sandbox: token {source}: {shown}; callers send 'Authorization: Bearer <token>' (the posttrain "
           f"tool: ${TOKEN_ENV} or its sandbox_token_file)", flush=True)
+    print(f"posttrain sandbox: limits of each run (a request's run_timeout and memory_limit_MB may lower the first "
+          "and third): "
+          f"{limits_words(limits, args.num_workers)}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

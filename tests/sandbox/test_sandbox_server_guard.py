@@ -137,3 +137,21 @@ def test_a_generated_token_is_printed_and_a_token_file_is_made_private_or_refuse
     refused = subprocess.run([sys.executable, "-m", "posttrain.cli", "sandbox", "serve", "--port", "0",
                               "--token-file", str(made)], capture_output=True, text=True, env=env, timeout=60)
     assert refused.returncode != 0 and "others may read it; chmod 600" in refused.stderr
+
+
+def test_the_start_up_lines_name_every_limit_a_run_gets():
+    """Issue 59: the start-up lines did not say the memory or process limits a run would get."""
+    import re
+
+    process = start_serve("--timeout-s", "7", "--memory-mb", "512", "--max-processes", "9", "--max-file-mb", "5")
+    try:
+        lines = [process.stdout.readline() for _ in range(3)]
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    limits = lines[2]
+    assert limits.startswith("posttrain sandbox: limits of each run"), lines
+    assert "wall-clock time-out 7 s, CPU 8 s, memory 512 MB " in limits and "5 MB per file" in limits, limits
+    processes = int(re.search(r"(\d+) processes and threads", limits).group(1))
+    assert 1 <= processes <= 9  # 9, or fewer where no memory cgroup bounds the whole run (the line says per process)
+    assert "network off" in limits
