@@ -111,7 +111,7 @@ def test_value_ranges_are_checked_for_every_numeric_key():
         "actor_rollout_ref.actor.clip_ratio=-0.2": "actor_rollout_ref.actor.clip_ratio=-0.2 must be >= 0",
         "trainer.total_training_steps=0": "trainer.total_training_steps=0 must be >= 1",
         "trainer.save_freq=-2": "trainer.save_freq=-2 must be >= 0 (or -1: off)",
-        "reward.timeout_s=-1": "reward.timeout_s=-1.0 must be >= 0",
+        "reward.timeout_s=-1": "reward.timeout_s=-1.0 must be > 0 (seconds; null: no limit)",
         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5": "lr_warmup_steps_ratio=1.5 must be in [0, 1]",
         "actor_rollout_ref.actor.optim.lr=nan": "actor_rollout_ref.actor.optim.lr=nan must be >= 0",
         "critic.ppo_micro_batch_size_per_gpu=0": "critic.ppo_micro_batch_size_per_gpu=0 must be >= 1",
