@@ -7,7 +7,7 @@ dotted key and what would be valid.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from posttrain.config.actor_rollout_ref import HOST_MEMORY_MODES, HOST_PAGING_MODES
 from posttrain.config.async_training import V1_MODES, async_enabled, async_problems, async_warnings
@@ -275,8 +275,10 @@ def _loss_modes_with_keys() -> list[str]:
             if all(f"actor_rollout_ref.actor.{k}" in all_keys() for k in policy_loss_spec(m).keys)]
 
 
-def find_warnings(config: PostTrainConfig) -> list[str]:
-    """Legal but suspicious settings."""
+def find_warnings(config: PostTrainConfig, set_keys: Collection[str] | None = None) -> list[str]:
+    """Legal but suspicious settings. ``set_keys``: the keys the user set (`posttrain.config.scripts.explicit_keys`),
+    so a key a base config sets (the built-in run's critic keys, there for adv_estimator=gae) is not blamed on
+    them; None: judged from the values alone."""
     algo, arr = config.algorithm, config.actor_rollout_ref
     warnings = [f"{key}={get_key(config, key)}: {ULYSSES_NOTE}" for key in ULYSSES_KEYS
                 if (get_key(config, key) or 1) > 1 and not _follows_actor(config, key)]
@@ -291,11 +293,20 @@ def find_warnings(config: PostTrainConfig) -> list[str]:
     critic_free = not estimator_needs(algo.adv_estimator, "needs_critic")
     if uses_critic(config) and critic_free:
         warnings.append(f"critic.enable=True but algorithm.adv_estimator={algo.adv_estimator} ignores values: the critic is trained for nothing")
-    if config.critic.enable is None and critic_free and any(
-        k for k in ("critic.ppo_micro_batch_size_per_gpu",) if get_key(config, k) is not None
-    ):
-        warnings.append(f"critic.* keys are set but no critic is used (adv_estimator={algo.adv_estimator} is critic-free)")
+    critic_keys = _critic_keys_set(config, set_keys)
+    if config.critic.enable is None and critic_free and critic_keys:
+        warnings.append(f"{', '.join(critic_keys)} {'is' if len(critic_keys) == 1 else 'are'} set but no critic is "
+                        f"used (adv_estimator={algo.adv_estimator} is critic-free)")
     return warnings
+
+
+def _critic_keys_set(config: PostTrainConfig, set_keys: Collection[str] | None) -> list[str]:
+    """The critic.* keys the user set; without ``set_keys``, verl's critic micro-batch size when it has a value
+    (verl's defaults leave it null)."""
+    if set_keys is not None:
+        return sorted(k for k in set_keys if k.startswith("critic."))
+    key = "critic.ppo_micro_batch_size_per_gpu"
+    return [key] if get_key(config, key) is not None else []
 
 
 def _check_lora(config: PostTrainConfig) -> Iterable[str]:
@@ -324,8 +335,8 @@ def _check_lora(config: PostTrainConfig) -> Iterable[str]:
                 yield f"{section}.lora_adapter_path={path}: {problem}"
 
 
-def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
-    """(errors, warnings) of a loaded config."""
+def find_problems(config: PostTrainConfig, set_keys: Collection[str] | None = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of a loaded config; ``set_keys``: the keys the user set (`find_warnings`)."""
     from posttrain.config.ranges import RL_RANGES, named_keys, numeric_problems
 
     errors: list[str] = []
@@ -339,7 +350,7 @@ def find_problems(config: PostTrainConfig) -> tuple[list[str], list[str]]:
     from posttrain.config.verl_keys import no_effect_lines
 
     noted = no_effect_lines(list(config.no_effect))
-    return errors, find_warnings(config) + dapo_warnings(config) + async_warnings(config) + noted + distillation_warnings(config)
+    return errors, find_warnings(config, set_keys) + dapo_warnings(config) + async_warnings(config) + noted + distillation_warnings(config)
 
 
 def validate_config(config: PostTrainConfig) -> None:

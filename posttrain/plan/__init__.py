@@ -10,16 +10,18 @@ problem the config has.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from posttrain.config import BUILTIN_CONFIG
 from posttrain.config.load import ConfigError
 from posttrain.config.schema import PostTrainConfig
-from posttrain.config.scripts import ConfigSource, ScriptOverride, load_source, read_launch_script, read_source
+from posttrain.config.scripts import (ConfigSource, ScriptOverride, explicit_keys, load_source, read_launch_script,
+                                      read_source)
 from posttrain.plan.checks import model_path_problems, plan_problems
 from posttrain.plan.flow import Flow, build_flow, uses_models
 from posttrain.plan.memory import MemoryEstimate, estimate_memory, parse_bytes
@@ -121,6 +123,18 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
+def threads_per_process(processes: int) -> int:
+    """torch's threads in each of ``processes`` on this machine: OMP_NUM_THREADS when set, else this process's
+    cores shared out (one process: all of them, torch's default)."""
+    import os
+
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, processes))
+
+
 def cpu_ram_bytes() -> Optional[float]:
     from posttrain.host.memory_plan import machine_ram
 
@@ -130,18 +144,21 @@ def cpu_ram_bytes() -> Optional[float]:
 
 def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[ModelDims] = None, dims_reason: str = "",
                gpu_memory: Optional[float] = None, train_size: Optional[int] = None,
-               mean_tokens: Optional[int] = None) -> Plan:
-    """Everything `posttrain plan` reports, for a config loaded with validate=False."""
+               mean_tokens: Optional[int] = None, set_keys: Optional[Collection[str]] = None) -> Plan:
+    """Everything `posttrain plan` reports, for a config loaded with validate=False. ``set_keys``: the keys the
+    user set (`set_keys_of`), so a warning about a key never blames them for one a base config sets."""
     from posttrain.config.validate import find_problems
 
+    cpu = None if gpu_memory else cpu_terms(config)  # --gpu-memory: the user plans for a GPU
     flow = build_flow(config, train_size)
-    errors, warnings = find_problems(config)
-    more_errors, more_warnings = plan_problems(config, flow, dims)
+    if cpu is not None:  # placed in the machine's terms: processes and threads, not "1 node x 1 GPUs"
+        flow = dataclasses.replace(flow, cpu_threads=threads_per_process(flow.world_size))
+    errors, warnings = find_problems(config, set_keys)
+    more_errors, more_warnings = plan_problems(config, flow, dims, set_keys)
     memory, skipped = None, None
     if dims is None or dims.params is None:
         skipped = dims_reason or "the model's size is unknown"
     else:
-        cpu = None if gpu_memory else cpu_terms(config)  # --gpu-memory: the user plans for a GPU
         budget = gpu_memory or (cpu_ram_bytes() if cpu else None) or parse_bytes("80GiB")
         memory = estimate_memory(config, flow, dims, budget, mean_tokens, _critic_dims(config, dims), cpu=cpu)
     reward = reward_plan(config)
@@ -202,6 +219,12 @@ def _source(args: argparse.Namespace) -> tuple[ConfigSource, list[str]]:
     return ConfigSource(label, "plan", yaml_path=yaml_path, overrides=tuple(script), base=base), overrides
 
 
+def set_keys_of(source: ConfigSource, overrides: list[str]) -> set[str]:
+    """The keys the user set: the source's own (YAML, script; not its base's) and the command line's."""
+    given = tuple(ScriptOverride(item, 0) for item in overrides)
+    return set(explicit_keys(dataclasses.replace(source, overrides=source.overrides + given)))
+
+
 def main(argv: list[str] | None = None) -> int:
     from posttrain.plan.report import render
 
@@ -220,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     plan = build_plan(config, source=source.label, dims=dims, dims_reason=why, gpu_memory=args.gpu_memory,
-                      train_size=args.train_size, mean_tokens=args.mean_tokens)
+                      train_size=args.train_size, mean_tokens=args.mean_tokens, set_keys=set_keys_of(source, overrides))
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from posttrain.config.derived import uses_reference
 from posttrain.config.schema import PostTrainConfig
@@ -10,8 +10,9 @@ from posttrain.plan.flow import Flow
 from posttrain.plan.model_dims import ModelDims
 
 
-def plan_problems(config: PostTrainConfig, flow: Flow, dims: Optional[ModelDims]) -> tuple[list[str], list[str]]:
-    """(errors, warnings) beyond `find_problems`."""
+def plan_problems(config: PostTrainConfig, flow: Flow, dims: Optional[ModelDims],
+                  set_keys: Optional[Collection[str]] = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) beyond `find_problems`; ``set_keys``: the keys the user set (None: judged by value)."""
     errors: list[str] = []
     warnings: list[str] = []
     arr = config.actor_rollout_ref
@@ -23,7 +24,9 @@ def plan_problems(config: PostTrainConfig, flow: Flow, dims: Optional[ModelDims]
                       "refuses it at start-up; use actor_rollout_ref.rollout.name=vllm or hf")
     # tensor_model_parallel_size is read and not applied (plan.flow.ENGINE_TENSOR_PARALLEL), so a size that would
     # not divide the GPUs or heads breaks nothing here; the flow's note says so instead of an error.
-    if not uses_reference(config) and arr.ref.log_prob_micro_batch_size_per_gpu is not None:
+    ref_key = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+    ref_key_set = ref_key in set_keys if set_keys is not None else arr.ref.log_prob_micro_batch_size_per_gpu is not None
+    if not uses_reference(config) and ref_key_set:
         warnings.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu is set but no reference model is used "
                         "(no KL loss, or its kl_loss_coef is 0, and algorithm.use_kl_in_reward=False)")
     if dims is not None and dims.max_positions and flow.prompt_length + flow.response_length > dims.max_positions:

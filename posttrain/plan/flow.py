@@ -116,6 +116,8 @@ class Flow:
     """What trainer.rollout_data_dir / validation_data_dir write, bounded (posttrain.trainer.rollout_dump), else None."""
     distillation: Optional[str] = None
     """With distillation.enabled: what the teachers score and how the student learns from it, else None."""
+    cpu_threads: Optional[int] = None
+    """A run on a CPU: torch's threads in each process (the plan says processes and threads, not GPUs); None on GPUs."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

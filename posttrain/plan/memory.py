@@ -644,7 +644,10 @@ def estimate_memory(config: PostTrainConfig, flow: Flow, dims: ModelDims, gpu_me
     notes = notes + _lora_notes(ctx, roles)
     notes += [rm_note] if rm_note else []
     notes += [teacher_note] if teacher_note else []
-    assumptions = ASSUMPTIONS if cpu is None else (cpu.describe(),) + ASSUMPTIONS[:1] + ASSUMPTIONS[2:]
+    assumptions = ASSUMPTIONS if cpu is None else (cpu.describe(),) + ASSUMPTIONS[:1] + ASSUMPTIONS[2:4] + (
+        "rollout engine: the full weights on every process + KV cache (2 x layers x kv_heads x head_dim x "
+        f"{cpu.compute_bytes} B per token)", "roles share every process; phases run one after another; peak = "
+        "largest phase")  # a CPU run: no GPU memory share, no GPUs to colocate on
     return MemoryEstimate(gpu_memory, tokens, note, dims.as_dict(), roles, tuple(phases), peak.name, peak.total,
                           peak.largest.name, level, verdict, tuple(notes), assumptions,
                           "GPU" if cpu is None else "process")

@@ -41,10 +41,17 @@ def _update_lines(u: RoleUpdate, n: int, dp: int, section: str) -> list[str]:
     return lines
 
 
+def placement(f: Flow) -> str:
+    """Where the run computes, in the machine's terms: nodes x GPUs, or processes and threads on a CPU."""
+    if f.cpu_threads is None:
+        return f"{_plural(f.nnodes, 'node')} x {f.gpus_per_node} GPUs = {f.world_size} ranks"
+    each = " each" if f.world_size > 1 else ""
+    return f"{_plural(f.world_size, 'process')} on CPU, {_plural(f.cpu_threads, 'thread')}{each}"
+
+
 def render_flow(f: Flow) -> list[str]:
     sp = f" (sequence parallel {f.sequence_parallel})" if f.sequence_parallel > 1 else ""
-    out = [f"Batch flow per training step ({_plural(f.nnodes, 'node')} x {f.gpus_per_node} GPUs = {f.world_size} ranks; "
-           f"{f.dp_size} data-parallel{sp})",
+    out = [f"Batch flow per training step ({placement(f)}; {f.dp_size} data-parallel{sp})",
            _row("prompts", f"{f.prompts_per_step:<6}(data.train_batch_size)"),
            _row("responses", f"{f.responses_per_step:<6}= {f.prompts_per_step} prompts x rollout.n={f.n}"),
            _row("per data-parallel rank", f"{f.responses_per_rank:<6}= {f.responses_per_step} / {f.dp_size} ranks")]

@@ -193,3 +193,37 @@ def test_an_absurd_model_dimension_names_the_key_and_the_range(capsys, tmp_path)
             "is not a model dimension: it must be a whole number from 1 to 16,777,216"), err
     rc, _, err = _run(capsys, "--hidden", str(10**400), "--layers", "3")
     assert rc == 2 and "error: --hidden=1000" in err and "must be a whole number from 1 to 16,777,216" in err
+
+
+def test_only_keys_the_user_set_are_warned_about(capsys, tmp_path):
+    """Issue 59: the built-in run (no arguments) warned that critic.* keys are set: its base sets them, for
+    adv_estimator=gae, not the user. A key the user sets (command line, YAML, script) is still named."""
+    rc, out, _ = _run(capsys, "--json")
+    assert not [w for w in json.loads(out)["warnings"] if "critic" in w or "ref." in w]
+    rc, out, _ = _run(capsys, "critic.optim.lr=3e-5", "--json")
+    assert ("critic.optim.lr is set but no critic is used (adv_estimator=grpo is critic-free)"
+            in json.loads(out)["warnings"])
+    config = tmp_path / "run.yaml"
+    config.write_text("algorithm:\n  adv_estimator: grpo\ncritic:\n  ppo_micro_batch_size_per_gpu: 4\n  optim:\n"
+                      "    lr: 1.0e-5\n")
+    rc, out, _ = _run(capsys, str(config), "--json")
+    assert ("critic.optim.lr, critic.ppo_micro_batch_size_per_gpu are set but no critic is used (adv_estimator=grpo "
+            "is critic-free)") in json.loads(out)["warnings"]
+    # the reference's micro-batch size: the base's is not blamed when the user turns the KL loss off
+    rc, out, _ = _run(capsys, "actor_rollout_ref.actor.use_kl_loss=False", "--json")
+    assert not [w for w in json.loads(out)["warnings"] if "log_prob_micro_batch_size_per_gpu" in w]
+    rc, out, _ = _run(capsys, "actor_rollout_ref.actor.use_kl_loss=False",
+                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "--json")
+    assert [w for w in json.loads(out)["warnings"] if "ref.log_prob_micro_batch_size_per_gpu is set" in w]
+
+
+def test_a_cpu_run_is_placed_in_processes_and_threads(capsys, monkeypatch):
+    """Issue 59: on a CPU the plan said "1 node x 1 GPUs"."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    rc, out, _ = _run(capsys, "trainer.device=cpu")
+    assert "Batch flow per training step (1 process on CPU, 3 threads; 1 data-parallel)" in out
+    assert "GPU" not in out.split("Problems:")[0].replace("gpu_", ""), out
+    rc, out, _ = _run(capsys, "trainer.device=cpu", "trainer.n_gpus_per_node=2")
+    assert "Batch flow per training step (2 processes on CPU, 3 threads each; 2 data-parallel)" in out
+    rc, out, _ = _run(capsys, "trainer.device=cuda")  # planned for a GPU, in a GPU's terms
+    assert "Batch flow per training step (1 node x 1 GPUs = 1 ranks; 1 data-parallel)" in out
