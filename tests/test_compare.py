@@ -193,7 +193,8 @@ def test_two_tiny_configs_end_to_end_then_resumed(tmp_path, forkserver, capsys):
     again = ForkLauncher(forkserver)
     assert compare_cmd.main(args, launch=again) == 0
     assert again.ran == [("rloo", 1), ("grpo", 2), ("rloo", 2)]  # grpo seed 1 finished earlier
-    assert "resumed from" in (out / "rloo" / "seed1" / "train.log").read_text()  # from its checkpoint, not step 0
+    # the injected stop let that run finish: started again it says so and trains nothing (not from step 0)
+    assert "this run already finished" in (out / "rloo" / "seed1" / "train.log").read_text()
     text = capsys.readouterr().out
     assert "[1/4] grpo seed 1: done (finished earlier)" in text
     # each run shows its steps as it trains: step i/N from its console line, the compared metric's latest value

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.sft import tiny_dpo_config, tiny_sft_config, tiny_sft_overrides
+from helpers.sft import tiny_common, tiny_dpo_config, tiny_sft_config, tiny_sft_overrides
 from helpers.tiny_run import one_thread, tiny_config, tiny_model_dir
 from posttrain.trainer.run import NonFiniteError, NonFiniteGuard
 
@@ -55,6 +55,19 @@ def test_sft_and_dpo_validate_save_and_export_at_the_last_step(tmp_path, capsys,
     assert lines == [f"model: {hf} (Hugging Face folder) - evaluate it: posttrain eval --model {hf} | train on it: "
                      f"posttrain train actor_rollout_ref.model.path={hf}"]
     assert trainer.session.model_dir == hf
+    # started again, the finished run says so in one line and exits 0 (its model is there), training nothing
+    from posttrain.cli import main as cli
+
+    overrides = tiny_sft_overrides(tmp_path, NO_SAVES) if stage == "sft" else None
+    if stage == "sft":
+        assert cli(["sft", *overrides]) == 0
+    else:
+        data = tmp_path / "pairs"
+        assert cli(["dpo", "--no-heldout-eval", *tiny_common(tmp_path, NO_SAVES),
+                    f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'test.jsonl'}"]) == 0
+    captured = capsys.readouterr()
+    assert f"this run already finished in trainer.default_local_dir={ckpt} (step 2, its model: {hf})" in captured.out
+    assert "error" not in captured.err and "step 1" not in captured.out
 
 
 def test_rl_export_at_end_keeps_the_model_but_no_checkpoint(tmp_path, capsys):
@@ -78,6 +91,13 @@ def test_rl_export_at_end_keeps_the_model_but_no_checkpoint(tmp_path, capsys):
     with pytest.raises(RunFinished, match=f"this run already finished in trainer.default_local_dir={ckpt} "
                                           rf"\(step 1, its model: {hf}\)"):
         RLTrainer(tiny_config(tmp_path, ["trainer.total_training_steps=1", "trainer.export_at_end=True"]))
+    from posttrain.trainer.main_ppo import run
+
+    capsys.readouterr()
+    assert run(tiny_config(tmp_path, ["trainer.total_training_steps=1", "trainer.export_at_end=True"])) == 0
+    captured = capsys.readouterr()  # one line, not an error: the model the command asked for is there
+    assert captured.out.startswith("this run already finished") and len(captured.out.splitlines()) == 1
+    assert "error" not in captured.err
     again = RLTrainer(tiny_config(tmp_path, ["trainer.total_training_steps=1", "trainer.export_at_end=True",
                                              "trainer.start_over=True"]))
     assert [row["step"] for row in again.fit()] == [1]

@@ -22,6 +22,7 @@ def run(config) -> int:
 
 def _train(config) -> int:
     from posttrain.trainer.report import summarize_run
+    from posttrain.trainer.resume import RunFinished
     from posttrain.trainer.run import startup_signals
     from posttrain.config.async_training import async_enabled
     from posttrain.trainer.trainer import RLTrainer
@@ -38,6 +39,9 @@ def _train(config) -> int:
     except KeyboardInterrupt:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130
+    except RunFinished as finished:  # its model is there: a pipeline started again goes on (exit 0)
+        print(finished, flush=True)
+        return 0
     summarize_run(trainer, history)
     if trainer.stopped_by is not None:
         return 128 + int(trainer.stopped_by)

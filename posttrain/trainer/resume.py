@@ -235,7 +235,9 @@ def _move_aside(root: Path, steps: list[Path]) -> Path:
 # ---------------------------------------------------------------------- whose results the folder holds
 class RunFinished(ResumeError):
     """The run in ``trainer.default_local_dir`` finished with this very config: nothing is left to train
-    (exit code 2, before any model loads); the message says how to start it fresh."""
+    (raised before any model loads); the message says where its model is and how to start it fresh. The
+    command line prints it as one line and exits 0: the model the command asked for exists, so a pipeline
+    started again after a later stage failed goes on (``set -e`` scripts, `posttrain compare`)."""
 
 
 def mark_finished(root: Path, step: int, fingerprint: Mapping[str, Any], model_dir: Path | None) -> None:
@@ -290,9 +292,10 @@ def check_folder_owner(trainer: Any, manager: CheckpointManager, fingerprint: Ma
     last_kept = latest is not None and int(_extra_state(latest).get("global_step", -1)) >= step
     if not changed:
         raise RunFinished(_finished_message(root, step, finished.get("model"), last_kept))
-    if last_kept and trainer.resume_mode == "auto":
-        print(f"note: the run in {root} finished at step {step}; going on from its checkpoint {latest.name} with "
-              "other settings", flush=True)
+    if last_kept:  # with resume_mode=disable, `prepare_folder` refuses to mix this run with those checkpoints
+        if trainer.resume_mode == "auto":
+            print(f"note: the run in {root} finished at step {step}; going on from its checkpoint {latest.name} with "
+                  "other settings", flush=True)
         return
     raise ResumeError(_another_run(root, f"the run that finished there at step {step} (and kept no checkpoint of its "
                                          "last step to go on from) had other settings:", changed))

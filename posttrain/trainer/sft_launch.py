@@ -18,6 +18,7 @@ def run_sft(trainer_cls: Any, config: Any, heldout: bool) -> int:
     """Build ``trainer_cls(config)``, train, print the summary (and the held-out accuracy before and after when
     ``heldout``); the exit code (128 + the signal for a run stopped by one)."""
     from posttrain.config.sft_load import sft_notes
+    from posttrain.trainer.resume import RunFinished
     from posttrain.trainer.run import startup_signals
 
     for line in sft_notes(config):
@@ -35,6 +36,9 @@ def run_sft(trainer_cls: Any, config: Any, heldout: bool) -> int:
     except KeyboardInterrupt:
         print("\naborted without saving (second Ctrl-C)", file=sys.stderr)
         return 130
+    except RunFinished as finished:  # its model is there: a pipeline started again goes on (exit 0)
+        print(finished, flush=True)
+        return 0
     _summary(history)
     model_dir, step, stopped_by = trainer.session.model_dir, trainer.global_step, trainer.stopped_by
     if before and model_dir is not None:

@@ -153,10 +153,9 @@ def test_resume_with_other_lora_settings_is_refused(runs, tmp_path):
     with pytest.raises(CheckpointError, match=r"LoRA settings.*'lora_rank': 8.*this run has.*'lora_rank': 4"):
         _trainer(runs["split_dir"], GRPO + ["trainer.total_training_steps=6", *other]).fit()
     # full fine-tuning from a LoRA checkpoint (it holds no base weights), and LoRA from a full one
-    full_ft = RLTrainer(load_config(overrides=tiny_overrides(
-        runs["split_dir"], GRPO + ["trainer.total_training_steps=6", f"trainer.default_local_dir={ckpt}"])))
     with pytest.raises(CheckpointError, match=r"LoRA settings.*'lora_rank': 8.*this run has None"):
-        full_ft.fit()
+        RLTrainer(load_config(overrides=tiny_overrides(  # refused at start-up, before the models load
+            runs["split_dir"], GRPO + ["trainer.total_training_steps=6", f"trainer.default_local_dir={ckpt}"])))
     full_ckpt = tmp_path / "full_ckpt"
     RLTrainer(load_config(overrides=tiny_overrides(tmp_path, [
         "trainer.total_training_steps=1", "trainer.save_freq=1", f"trainer.default_local_dir={full_ckpt}"]))).fit()
