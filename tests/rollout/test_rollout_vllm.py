@@ -244,7 +244,9 @@ def test_grpo_trains_with_vllm_plain_and_bypass(tmp_path, tok):
 
     base = vllm_run_overrides(tok, tmp_path / "model", seed=7) + ["actor_rollout_ref.actor.use_kl_loss=True"]
     for extra, skipped in (([], False), (["algorithm.rollout_correction.bypass_mode=True"], True)):
-        config = tiny_config(tmp_path, base + extra)
+        folder = tmp_path / ("bypass" if skipped else "plain")  # another run's settings: a folder of its own
+        folder.mkdir()
+        config = tiny_config(folder, base + extra)
         trainer = RLTrainer(config, tokenizer=tok)
         history = fit_then_shut_down(trainer)
         assert [r["step"] for r in history] == [1, 2]
