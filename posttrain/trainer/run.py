@@ -115,6 +115,8 @@ class RunLoop:
             with _StopOnSignals(self):
                 self.phase = "resume"
                 self._restore()
+                if s.global_step == 0 and s.workers.writes:
+                    _set_aside_earlier_metrics(setup.run_dir(s.config))
                 if self.validate_first and s.global_step == 0 and not self._validate_first(tracker):
                     tracker.finish()
                     return s.history
@@ -290,6 +292,22 @@ class RunLoop:
         # trainer.save_freq may have saved this step a moment ago
         path = self.stage.checkpoints.step_dir(step) if self.saved_step == step else self._save()
         resume.report_signal_stop(signum, step, path)
+
+
+def _set_aside_earlier_metrics(run_dir: Path) -> None:
+    """A run starting at step 0 would append its steps to the metrics.jsonl an earlier run (or an earlier try
+    that saved no checkpoint) left in its run folder: that file moves to ``previous_run_<time>/`` first."""
+    earlier = run_dir / "metrics.jsonl"
+    if not earlier.is_file() or earlier.stat().st_size == 0:
+        return
+    aside = run_dir / f"previous_run_{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 0
+    while (aside / earlier.name).exists():
+        n += 1
+        aside = run_dir / f"previous_run_{time.strftime('%Y%m%d-%H%M%S')}_{n}"
+    aside.mkdir(parents=True, exist_ok=True)
+    os.replace(earlier, aside / earlier.name)
+    print(f"note: {earlier} held the steps of an earlier run; moved to {aside}/ (this run starts at step 0)", flush=True)
 
 
 def _saves_last(stage: Any) -> bool:
