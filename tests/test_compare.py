@@ -113,7 +113,14 @@ def test_progress_lines_from_a_runs_log_and_metrics(tmp_path):
                      f"[1/2] A seed 1: step 2/3, 0:00:21 elapsed, ETA 0:00:10 | score 0.75 | {ACC} 0.5 (step 2)"]
     progress.poll()
     assert len(lines) == 2  # nothing new: no line
+    # the run started over at step 0 (its earlier metrics.jsonl moved aside): its new steps are shown again
+    metrics.rename(tmp_path / "earlier_metrics.jsonl")
+    metrics.write_text(json.dumps({"step": 1, "critic/score/mean": 0.125}) + "\n")
+    progress.poll()
+    assert lines[-1] == ("[1/2] A seed 1: step 1/3, 0:00:10 elapsed, ETA 0:00:20 | score 0.125 | "
+                         "held-out accuracy: not logged yet")
     with_metric = RunProgress("[2/2] B seed 1", tmp_path, "val-aux/y/mean@1", emit=lines.append)
+    metrics.write_text(metrics.read_text() + json.dumps({"step": 2, "critic/score/mean": 0.75}) + "\n")
     with_metric._shown = 1
     with_metric.poll()
     assert lines[-1] == "[2/2] B seed 1: step 2 | score 0.75 | val-aux/y/mean@1: not logged yet"

@@ -6,8 +6,9 @@ it, as `python -m posttrain.trainer.main_ppo` runs it), a YAML config (`posttrai
 set of overrides, one quoted argument or `@file` (a file of key=value lines), applied to the built-in run
 as `posttrain train key=value ...` does; `builtin` is the built-in run itself. key=value arguments after
 A and B apply to both. The two configs' diff is printed, then N runs of each (seeds 1..N, A and B
-alternating) run one after another, each in its own folder under the compare folder, then the report
-(`compare_report`) is printed and written there with the plot.
+alternating) run one after another, each in its own folder under the compare folder and each showing a
+line per step as it trains (`compare_progress`), then the report (`compare_report`) is printed and
+written there with the plot. Bad input (`check_inputs`) is refused before any run starts.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ class RunProgress:
                  emit: Callable[[str], None] = lambda line: print(line, flush=True)):
         self.prefix, self.folder, self.metric, self.interval, self.emit = prefix, folder, metric, interval, emit
         self._log_offset = _size(folder / "train.log")  # an earlier attempt's lines are not this attempt's
+        self._metrics_file = _identity(folder / "metrics.jsonl")
         self._shown = max(report.read_metrics(folder / "metrics.jsonl"), default=0)  # steps logged before
         self._progress: dict[int, StepProgress] = {}  # by step, from the run's console lines
         self._stop = threading.Event()
@@ -61,7 +62,10 @@ class RunProgress:
 
     def poll(self) -> None:
         """Read what the run wrote since the last call; print a line for each step it finished since the last line."""
-        rows = report.read_metrics(self.folder / "metrics.jsonl")
+        path = self.folder / "metrics.jsonl"
+        if _identity(path) != self._metrics_file:  # a run starting at step 0 moves an earlier run's file aside
+            self._metrics_file, self._shown = _identity(path), 0
+        rows = report.read_metrics(path)
         self._read_log()  # after the metrics: a step's console line is written before its metrics (compare_runs)
         for step in sorted(s for s in rows if s > self._shown):
             self.emit(self.line(step, rows))
@@ -102,6 +106,15 @@ class RunProgress:
             found = parse_progress(line)
             if found is not None:
                 self._progress[found.step] = found
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file now at ``path``, None when there is none."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _size(path: Path) -> int:
