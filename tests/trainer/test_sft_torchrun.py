@@ -45,3 +45,23 @@ def test_torchrun_two_cpu_ranks_equal_one_process(tmp_path):
     assert (ckpt / "global_step_3" / "actor" / "dcp" / ".metadata").exists()  # shards of both ranks
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert (ckpt / "hf_model" / "config.json").exists()
+
+
+@pytest.mark.slow  # three torchrun ranks to the second step (~35 s on 2 busy cores)
+def test_a_rank_killed_mid_run_leaves_one_line_on_each_survivor(tmp_path):
+    """Issue 59: when one rank was killed, rank 0 printed gloo tracebacks (the collective's, then the shutdown
+    barrier's). Each survivor now prints one line naming the lost rank and ends non-zero."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DIE_RANK": "1", "DIE_STEP": "2",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    extra = ["trainer.total_training_steps=4", "trainer.save_freq=-1", "trainer.test_freq=-1",
+             "data.train_batch_size=6", "data.micro_batch_size_per_gpu=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(ROOT / "tests" / "helpers" / "rank_dies.py"), *tiny_sft_overrides(tmp_path, extra)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    for rank in (0, 2):
+        line = (f"error: rank 1 of 3 ended or stopped answering during update_actor (rank {rank} saw its connection "
+                f"close); rank {rank} stops too: its own output says why (killed, out of memory, an error)")
+        assert proc.stderr.count(line) == 1, proc.stderr[-4000:]
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank2]: Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "gloo" not in proc.stderr.split("ChildFailedError")[0], proc.stderr[-4000:]  # torchrun's own report follows
