@@ -5,8 +5,8 @@ A count or size is checked where it is read, so ``--n -3`` is refused with argpa
 Python slice (``rows[:-3]`` drops three rows without a word). Every numeric flag of every
 sub-command uses one of these types; ``tests/test_cli_args.py`` walks the parsers to keep it so.
 
-A flag naming a file or folder to read (``--config``, ``--input``, ...) uses `file_to_read`,
-`folder_to_read` or `file_or_folder_to_read`, one to write `folder_to_write` or `file_to_write`, so a folder
+A flag naming a file or folder to read (``--config``, ``--input``, ...) uses `file_to_read` or
+`folder_to_read`, one to write `folder_to_write` or `file_to_write`, so a folder
 given where a file is expected (or the reverse) is named as such, with what was expected, before any
 work (``argument --config: runs/ is a folder, not a YAML config file``).
 
@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["NUMERIC_TYPES", "PATH_TYPES", "bytes_from_text", "file_or_folder_to_read", "file_to_read", "file_to_write",
+__all__ = ["NUMERIC_TYPES", "PATH_TYPES", "bytes_from_text", "file_to_read", "file_to_write",
            "finite_float", "folder_to_read", "folder_to_write", "int_at_least", "int_from_to", "memory_size", "non_negative_float",
            "non_negative_int", "port_number", "positive_float", "positive_int", "probability", "yaml_config_file"]
 
@@ -170,41 +170,26 @@ def _path_type(parse: Callable[[str], str], name: str) -> Callable[[str], str]:
 
 def file_to_read(expected: str) -> Callable[[str], str]:
     """The type of a flag naming a file to read; ``expected`` says what it holds ("a YAML config file").
-    A folder or a missing path is refused saying which it is. Anything else that exists is taken
-    (a pipe: ``--config <(...)``)."""
+    A folder is refused saying so. A path that does not exist yet is left to the command, which says so
+    where it reads it: a script's later line may write it (``prep arithmetic`` before ``prep pairs``)."""
     def parse(text: str) -> str:
-        path = Path(text).expanduser()
-        if path.is_dir():
+        if Path(text).expanduser().is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a folder, not {expected}")
-        if not path.exists():
-            raise argparse.ArgumentTypeError(f"{text} does not exist (expected {expected})")
         return text
 
     return _path_type(parse, "file_to_read")
 
 
 def folder_to_read(expected: str) -> Callable[[str], str]:
-    """The type of a flag naming an existing folder; ``expected`` says what it holds."""
+    """The type of a flag naming a folder to read; ``expected`` says what it holds. A file is refused saying
+    so; a missing path is left to the command (as `file_to_read`)."""
     def parse(text: str) -> str:
         path = Path(text).expanduser()
-        if path.is_dir():
-            return text
-        if path.exists():
+        if path.exists() and not path.is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a file, not {expected}")
-        raise argparse.ArgumentTypeError(f"{text} does not exist (expected {expected})")
-
-    return _path_type(parse, "folder_to_read")
-
-
-def file_or_folder_to_read(expected: str) -> Callable[[str], str]:
-    """The type of a flag that reads a file or a folder (``expected`` names both); only a missing path is
-    refused here, what the folder must hold is checked where it is read."""
-    def parse(text: str) -> str:
-        if not Path(text).expanduser().exists():
-            raise argparse.ArgumentTypeError(f"{text} does not exist (expected {expected})")
         return text
 
-    return _path_type(parse, "file_or_folder_to_read")
+    return _path_type(parse, "folder_to_read")
 
 
 def _file_in_the_way(path: Path) -> str | None:

@@ -129,22 +129,25 @@ def test_the_python_api_refuses_negative_counts_too():
 
 
 # Flags that name a path to read or write and take it as it is (issue 59: `train --config <a folder>` said the
-# folder "does not exist"). Model paths (--model, --tokenizer, serve's MODEL: folders, .gguf files, hub ids) and
-# eval's --data (which also takes key=value items) are checked where they are read, naming the flag.
+# folder "does not exist"). Model paths (--model, --tokenizer, serve's MODEL: folders, .gguf files, hub ids), eval's
+# --data (which also takes key=value items) and the flags that take a file or a folder (plan --model-config,
+# prep math --input) are checked where they are read, naming the flag.
 PATH_DESTS = {"config", "script", "model_config", "input", "output", "chat_template", "token_file", "tool_config",
               "reward_path"}
 CHECKED_LATER = {("posttrain prep gsm8k", "--output"), ("posttrain prep math", "--output"),
                  ("posttrain prep arithmetic", "--output"), ("posttrain prep arithmetic-sft", "--output"),
                  ("posttrain prep tool-arithmetic", "--output"), ("posttrain prep pairs", "--output"),
-                 ("posttrain export", "--output"), ("posttrain compare", "--out")}
-"""Output paths `posttrain.data.prep` checks before any work (`_check_output`), and the commands other issues own."""
+                 ("posttrain export", "--output"), ("posttrain compare", "--out"),
+                 ("posttrain plan", "--model-config"), ("posttrain prep math", "--input")}
+"""Output paths `posttrain.data.prep` checks before any work (`_check_output`), the commands other issues own, and
+the flags that take either kind of path."""
 PATHS = [f for f in FLAGS if f[3].dest in PATH_DESTS and (f[0], f[1]) not in CHECKED_LATER]
 
 
 def test_the_walk_finds_the_path_flags():
     found = {(prog, flag) for prog, flag, _, _ in PATHS}
     assert found >= {("posttrain train", "--config"), ("posttrain config", "--config"), ("posttrain sft", "--config"),
-                     ("posttrain dpo", "--config"), ("posttrain plan", "--script"), ("posttrain plan", "--model-config"),
+                     ("posttrain dpo", "--config"), ("posttrain plan", "--script"),
                      ("posttrain plan sft", "--config"), ("posttrain prep gsm8k", "--input"),
                      ("posttrain prep pairs", "--input"), ("posttrain eval", "--output"),
                      ("posttrain serve", "--chat-template"), ("posttrain sandbox serve", "--token-file")}, sorted(found)
@@ -160,13 +163,15 @@ def test_path_flags_say_what_they_found(prog, flag, parser, action, tmp_path, ca
         "file_to_write": (tmp_path, f"{tmp_path} is a folder, not "),
         "folder_to_read": (a_file, f"{a_file} is a file, not "),
         "folder_to_write": (a_file / "sub", f"{a_file} (a folder above {a_file / 'sub'}) is a file"),
-        "file_or_folder_to_read": (tmp_path / "missing", f"{tmp_path / 'missing'} does not exist (expected "),
     }[action.type.__name__]
     with pytest.raises(SystemExit) as stop:
         parser.parse_args([flag, str(wrong)])
     err = capsys.readouterr().err
     assert stop.value.code == 2
     assert f"error: argument {flag}: {found}" in err, err
+    # the right kind, and a path a script's earlier line will write, are taken as given
+    right = a_file if action.type.__name__.startswith("file") else tmp_path
+    assert action.type(str(right)) == str(right) and action.type(str(tmp_path / "not_yet")) == str(tmp_path / "not_yet")
 
 
 def test_the_reported_folder_given_as_a_config_file(tmp_path, capsys):

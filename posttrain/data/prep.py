@@ -18,7 +18,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from posttrain.cli_args import file_or_folder_to_read, folder_to_read, int_from_to, non_negative_int, positive_int
+from posttrain.cli_args import folder_to_read, int_from_to, non_negative_int, positive_int
 from posttrain.data import arithmetic
 from posttrain.data.schema import DataError, read_rows, write_rows
 from posttrain.host.disk import folder_problem
@@ -189,8 +189,7 @@ def build_parser(*more: Callable[[Any], None]) -> argparse.ArgumentParser:
     g.set_defaults(func=_prep_gsm8k, output_kind="folder")
 
     m = sub.add_parser("math", help="MATH-style problems with \\boxed{} solutions -> parquet")
-    m.add_argument("--input", type=file_or_folder_to_read("a .jsonl/.json/.parquet file or a folder of them"),
-                   required=True, help="a .jsonl/.json/.parquet file, or a directory with train/test files")
+    m.add_argument("--input", required=True, help="a .jsonl/.json/.parquet file, or a directory with train/test files")
     m.add_argument("--output", help="output directory (default: beside the input)")
     m.add_argument("--split", help="split name for a single input file (default: its file name, e.g. 'train')")
     m.set_defaults(func=_prep_math, output_kind="folder")

@@ -169,8 +169,7 @@ def build_plan(config: PostTrainConfig, *, source: str = "", dims: Optional[Mode
 
 
 def _parser() -> argparse.ArgumentParser:
-    from posttrain.cli_args import (file_or_folder_to_read, file_to_read, memory_size, positive_float, positive_int,
-                                    yaml_config_file)
+    from posttrain.cli_args import file_to_read, memory_size, positive_float, positive_int, yaml_config_file
 
     p = argparse.ArgumentParser(prog="posttrain plan", description=__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="*", help="a launch script or YAML file (or `defaults`: verl's), then key=value "
@@ -178,8 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=yaml_config_file, help="YAML config layered over the defaults")
     p.add_argument("--script", type=file_to_read("a launch script"),
                    help="launch script whose key=value arguments are applied (after --config)")
-    p.add_argument("--model-config", type=file_or_folder_to_read("a model folder or its config.json"),
-                   help="model folder or config.json (default: actor_rollout_ref.model.path)")
+    p.add_argument("--model-config", help="model folder or config.json (default: actor_rollout_ref.model.path)")
     g = p.add_argument_group("model shape when no config.json is at hand")
     g.add_argument("--params", type=positive_float, help="parameter count, e.g. 7e9")
     for name in ("hidden", "layers", "heads", "kv-heads", "vocab", "intermediate"):
