@@ -73,10 +73,11 @@ def test_the_training_path_computes_log_probs_with_it(monkeypatch):
     from helpers.tiny_models import tiny_llama, tiny_prompt_batch
     from helpers.tokenizer import build_tiny_tokenizer
     from posttrain.models import logprobs as model_logprobs
+    from posttrain.models.lean import head  # the LM head's step of it (chunks, lean backward)
 
     calls = []
-    real = model_logprobs.logprob_and_entropy
-    monkeypatch.setattr(model_logprobs, "logprob_and_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = head.logprob_and_entropy
+    monkeypatch.setattr(head, "logprob_and_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
     tok = build_tiny_tokenizer()
     model = tiny_llama(tok)
     prompts = tiny_prompt_batch(tok, ["1+1=", "2+2="])

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from posttrain.config.actor_rollout_ref import ActorConfig
 from posttrain.config.sft_load import load_dpo_config, load_sft_config
 from posttrain.config.sft_roles import sft_role_specs
+from posttrain.checkpoint.layout import CheckpointError
+from posttrain.trainer.resume import FINGERPRINT_KEY, check_compatible
 from posttrain.trainer.sft_session import sft_fingerprint
 
 # The RL defaults every SFT / DPO fingerprint holds for the keys its tree does not have.
@@ -52,16 +56,26 @@ DPO_LORA = ["model.partial_pretrain=/models/tiny", "model.lora_rank=8", "model.l
             "model.target_modules=[q_proj,v_proj]"]
 
 
+# Keys added to the fingerprint since (a checkpoint without them is compared on the rest: resume._differing_keys).
+ADDED = {"async_rollouts": False}
+
+
 def test_dpo_fingerprint_is_the_one_checkpoints_were_written_with():
     config = load_dpo_config(None, DPO_LORA, validate=False)
     _, driver = sft_role_specs(config, 40, reference=True)
-    assert sft_fingerprint(driver, 321, "dpo") == FROZEN_DPO_LORA
+    fingerprint = sft_fingerprint(driver, 321, "dpo")
+    assert fingerprint == {**FROZEN_DPO_LORA, **ADDED}
+    check_compatible({FINGERPRINT_KEY: FROZEN_DPO_LORA}, fingerprint)  # a checkpoint written before still resumes
 
 
 def test_sft_fingerprint_is_the_one_checkpoints_were_written_with():
     config = load_sft_config(None, ["model.partial_pretrain=/models/tiny"], validate=False)
     _, driver = sft_role_specs(config, 10, reference=False)
-    assert sft_fingerprint(driver, 99, "sft") == FROZEN_SFT
+    fingerprint = sft_fingerprint(driver, 99, "sft")
+    assert fingerprint == {**FROZEN_SFT, **ADDED}
+    check_compatible({FINGERPRINT_KEY: FROZEN_SFT}, fingerprint)
+    with pytest.raises(CheckpointError, match="sft"):  # negative control: another stage's checkpoint is refused
+        check_compatible({FINGERPRINT_KEY: {**FROZEN_SFT, "adv_estimator": "dpo"}}, fingerprint)
 
 
 def test_sft_yields_an_actor_and_dpo_a_reference_never_a_critic_or_reward_model():
