@@ -24,16 +24,7 @@ SFT_STEPS=${SFT_STEPS:-4}
 GRPO_STEPS=${GRPO_STEPS:-10}
 N_EVAL=${N_EVAL:-64}
 mkdir -p "$OUT"
-stage() {  # stage NAME COMMAND...: run it, append its wall time and the load averages around it
-    local start=$SECONDS before
-    before=$(uptime)
-    "${@:2}"
-    echo "$1: $((SECONDS - start)) s | before: $before | after: $(uptime)" >> "$OUT/timings.txt"
-}
-evaluate() {  # evaluate STAGE MODEL
-    stage "eval $1" python benchmarks/tool_use_eval.py --stage "$1" --model "$2" --data "$DATA/test.parquet" \
-        --tool-config "$TOOLS" --n "$N_EVAL" --json "$OUT/tool_use.jsonl"
-}
+source "$(dirname "$0")/lib/stages.sh"  # stage NAME CMD... (timed, with the load), evaluate STAGE MODEL
 grpo() {  # grpo NAME KEY=VALUE...: the GRPO stage of examples/tool_sft_then_grpo.sh from the cold start
     stage "RL $1" posttrain train --config examples/tool_arithmetic_grpo.yaml \
         data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \

@@ -31,16 +31,7 @@ SFT_STEPS=${SFT_STEPS:-4}
 GRPO_STEPS=${GRPO_STEPS:-10}
 N_EVAL=${N_EVAL:-64}
 mkdir -p "$OUT"
-stage() {  # stage NAME COMMAND...: run it, append its wall time and the load averages around it
-    local start=$SECONDS before
-    before=$(uptime)
-    "${@:2}"
-    echo "$1: $((SECONDS - start)) s | before: $before | after: $(uptime)" >> "$OUT/timings.txt"
-}
-evaluate() {  # evaluate STAGE MODEL
-    stage "eval $1" python benchmarks/tool_use_eval.py --stage "$1" --model "$2" --data "$DATA/test.parquet" \
-        --tool-config "$TOOLS" --n "$N_EVAL" --json "$OUT/tool_use.jsonl"
-}
+source "$(dirname "$0")/lib/stages.sh"  # stage NAME CMD... (timed, with the load), evaluate STAGE MODEL
 
 stage prep posttrain prep tool-arithmetic --output "$DATA" --tool-config "$TOOLS" --n-train 512 --n-test 64
 evaluate base "$MODEL"
