@@ -27,6 +27,7 @@ from posttrain.batch import Batch
 from posttrain.models import autocast_context, compute_response_logprobs
 from posttrain.models.microbatch import is_sharded
 from posttrain.models.topk_logprobs import compute_response_topk
+from posttrain.workers.prepare import OnDevice
 
 __all__ = ["TeacherScores", "TeacherWorker", "Teachers", "route_rows"]
 
@@ -101,7 +102,7 @@ class Teachers:
         if not teachers:
             raise ValueError("Teachers needs at least one teacher")
         self.teachers, self.teacher_key = dict(teachers), teacher_key
-        self.one_pass = one_pass or (lambda module: contextlib.nullcontext())
+        self.one_pass = one_pass or OnDevice.one_pass  # placed by no one: nothing is paged
 
     @property
     def module(self) -> nn.Module | None:
