@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import Callable
 
-__all__ = ["ConfigError", "DataError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "read_utf8",
+__all__ = ["CheckpointError", "ConfigError", "DataError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "read_utf8",
            "run_cli", "user_errors"]
 
 DEBUG_ENV = "POSTTRAIN_DEBUG"
@@ -45,6 +45,11 @@ class ConfigError(PosttrainError, ValueError):
 class DataError(PosttrainError, ValueError):
     """A prompt file or one of its rows is unusable; the message names file, row and field. Here, not in
     `posttrain.data`, because the rollout loops check rows too and may not import the data room."""
+
+
+class CheckpointError(PosttrainError, RuntimeError):
+    """A checkpoint is missing, incomplete, unsafe to load, or from a different run config. Here, not in
+    `posttrain.checkpoint`, because rooms below it (models' adapters, the rank launcher) refuse checkpoints too."""
 
 
 class SignalStop(PosttrainError):

@@ -12,11 +12,12 @@ import tempfile
 import pytest
 import torch
 
+from posttrain.config.roles import RoleSpec, RoleSpecs
 from posttrain.errors import ConfigError
 from posttrain.host.paging import (IN_MEMORY_FILESYSTEMS, PagedTensors, _filesystem_type, offload_directory, one_pass,
                                    page_module, paged_weights, paging_directory)
 from posttrain.optim.paged import PagedAdamW
-from posttrain.distributed.placement import InProcess
+from posttrain.distributed.placement import HostLevers, InProcess
 from posttrain.host.resident import current_resident_bytes
 from helpers.tiny_models import tiny_llama, tiny_prompt_batch, tiny_worker_configs
 from helpers.tokenizer import build_tiny_tokenizer
@@ -131,8 +132,8 @@ def test_offload_keys_page_the_reference_and_the_moments_on_cpu(paging_dir):
     cfg = tiny_worker_configs(actor={"fsdp_config": dataclasses.replace(plain_cfg.actor.fsdp_config,
                                                                         optimizer_offload=True)})
     cfg.ref.fsdp_config.param_offload = True
-    plain_cfg.ref.fsdp_config.host_paging = "off"  # the control: in memory (auto would page it too)
-    place = InProcess("cpu")  # the one-process placement decides the paging
+    # the control: the reference kept in memory (auto would page it too; param_offload pages it whatever it says)
+    place = InProcess("cpu", HostLevers({"actor_rollout_ref.ref": "off"}))  # the one-process placement decides
     actors = [ActorWorker(c.model, c.actor, c.rollout, device="cpu", module=tiny_llama(tok), tokenizer=tok, seed=3,
                           placement=place) for c in (plain_cfg, cfg)]
     assert type(actors[0].optimizer) is torch.optim.AdamW and isinstance(actors[1].optimizer, PagedAdamW)
@@ -155,6 +156,12 @@ def test_offload_keys_page_the_reference_and_the_moments_on_cpu(paging_dir):
     with place.resident(refs[1], phase="ref"):  # paged out after the pass
         paged_pass = refs[1].compute_ref_log_prob(batch)
     assert torch.equal(refs[0].compute_ref_log_prob(batch), paged_pass)
+
+
+def _specs(cfg):
+    """The actor and the reference of `tiny_worker_configs`, as the RL tree's roles hold them."""
+    return RoleSpecs(RoleSpec(cfg.model, cfg.actor.fsdp_config, cfg.actor, cfg.rollout),
+                     ref=RoleSpec(cfg.model, cfg.ref.fsdp_config, cfg.ref, cfg.rollout))
 
 
 def test_full_disk_is_one_error_naming_the_folder(tmp_path, monkeypatch):
@@ -311,15 +318,15 @@ def test_host_paging_auto_pages_the_reference_and_the_8bit_moments(paging_dir):
     from posttrain.host.memory_plan import MIN_PARAMS_8BIT
 
     cfg = tiny_worker_configs()
-    place = InProcess("cpu")
     for mode, paged in (("auto", True), ("off", False)):
-        fsdp = dataclasses.replace(cfg.ref.fsdp_config, host_paging=mode)
-        ref = place.shard(tiny_llama(build_tiny_tokenizer()), fsdp, "fp32", forward_only=True,
+        cfg.ref.fsdp_config.host_paging = cfg.actor.fsdp_config.host_paging = mode
+        specs = _specs(cfg)
+        place = InProcess("cpu", HostLevers.of(specs))  # the levers read from the roles' config
+        ref = place.shard(tiny_llama(build_tiny_tokenizer()), cfg.ref.fsdp_config, "fp32", forward_only=True,
                           fsdp_section="actor_rollout_ref.ref")
         assert (paged_weights(ref) is not None) == paged
         module = torch.nn.Linear(4000, MIN_PARAMS_8BIT // 4000, bias=False)
-        actor_fsdp = dataclasses.replace(cfg.actor.fsdp_config, host_paging=mode)
-        opt = place.optimizer(module, cfg.actor.optim, actor_fsdp, "actor_rollout_ref.actor")
+        opt = place.optimizer(module, cfg.actor.optim, cfg.actor.fsdp_config, "actor_rollout_ref.actor")
         assert isinstance(opt, AdamW8bit) and (opt._paged is not None) == paged
 
 
@@ -393,6 +400,35 @@ def test_host_paging_auto_keeps_state_in_memory_when_the_disk_is_full(paging_dir
     line = place.plan.line()
     assert "actor_rollout_ref.ref: kept in memory, not paged (host_paging=auto: cannot reserve" in line
     assert "actor_rollout_ref.actor: kept in memory, not paged" in line and "between steps" not in line
-    on = dataclasses.replace(cfg.ref.fsdp_config, host_paging="on")
+    asked = InProcess("cpu", HostLevers({"actor_rollout_ref.ref": "on"}))
     with pytest.raises(OSError, match="cannot reserve"):
-        place.shard(tiny_llama(build_tiny_tokenizer()), on, "fp32", forward_only=True, fsdp_section="actor_rollout_ref.ref")
+        asked.shard(tiny_llama(build_tiny_tokenizer()), cfg.ref.fsdp_config, "fp32", forward_only=True,
+                    fsdp_section="actor_rollout_ref.ref")
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_host_paging_reaches_the_placement_from_the_config_where_the_roles_are_built(paging_dir, mode):
+    """The key's whole path in a one-process run: the roles' config -> `build_local_group` -> the placement's
+    levers -> the reference's weights in a file (auto) or in memory (off, the control); the workers never see it."""
+    from posttrain.trainer.setup import build_local_group
+
+    tok = build_tiny_tokenizer()
+    cfg = tiny_worker_configs()
+    cfg.ref.fsdp_config.host_paging = mode
+    group = build_local_group(_specs(cfg), torch.device("cpu"), 0,
+                              actor_module=tiny_llama(tok), tokenizer=tok)
+    assert group.placement.levers.host_paging("actor_rollout_ref.ref") == mode
+    assert (paged_weights(group.ref.module) is not None) == (mode == "auto")
+
+
+def test_the_placement_reads_its_own_levers_not_the_section_a_worker_hands_it(paging_dir):
+    """A worker hands the placement its module and fsdp_config; ``host_paging`` in that section is not read there
+    (it reached the placement when it was made): levers off with the handed section saying on keeps the weights in
+    memory, and the reverse pages them."""
+    cfg = tiny_worker_configs()
+    for levers, handed, paged in (("off", "on", False), ("on", "off", True)):
+        place = InProcess("cpu", HostLevers({"actor_rollout_ref.ref": levers}))
+        fsdp = dataclasses.replace(cfg.ref.fsdp_config, host_paging=handed)
+        ref = place.shard(tiny_llama(build_tiny_tokenizer()), fsdp, "fp32", forward_only=True,
+                          fsdp_section="actor_rollout_ref.ref")
+        assert (paged_weights(ref) is not None) == paged

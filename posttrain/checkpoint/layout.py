@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from posttrain.host.disk import DiskWriteError, naming, readable_as_umask_says, save_torch, writing
-from posttrain.errors import PosttrainError
+from posttrain.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",
@@ -85,10 +85,6 @@ _STEP_DIR = re.compile(r"global_step_(\d+)")
 _OLD_DIR = re.compile(r"\.old_global_step_(\d+)_\d+")
 _SCRATCH = (".tmp_", ".old_", ".trash_")
 _ROLE_NAME = re.compile(r"[A-Za-z0-9_]+")
-
-class CheckpointError(PosttrainError, RuntimeError):
-    """A checkpoint is missing, incomplete, unsafe to load, or from a different run config."""
-
 
 class CheckpointWriteError(CheckpointError, DiskWriteError):
     """A checkpoint could not be written (full disk, quota, read-only, permissions); names the path."""

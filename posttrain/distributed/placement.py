@@ -25,13 +25,19 @@ and on a CPU run apply the levers the config asks for, so that no role decides t
   zero-filled vocabulary-sized tensor per micro-batch (`posttrain.models.lean.into_grad`);
 - ``optim.optimizer: auto``: the memory plan's choice (`posttrain.host.memory_plan`: 8-bit AdamW moments
   on a CPU), said in one console line once the roles are built (`announce_plan`).
+
+The keys that exist only for this placement (``host_paging``, ``host_memory``) reach it from the config when it
+is made (`HostLevers`, by `posttrain.trainer.setup.build_local_group`), not through the workers' calls: a worker
+hands its module and the verl keys FSDP reads too (offload, precision); the placement looks up its own levers by
+the role's config section.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -49,12 +55,46 @@ from posttrain.optim.build import build_optimizer, optimizer_kind, trainable_par
 from posttrain.optim.paged import PagedAdamW
 from posttrain.workers.prepare import OnDevice
 
-__all__ = ["InProcess", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_bf16"]
+__all__ = ["HostLevers", "InProcess", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_bf16"]
 
 MEMORY_FIRST_PHASES = ("gen", "update_actor")
 """The actor's rollout and update: the phases whose large short-lived buffers (logits, the rollout's
 cache, gradients) `memory_first` keeps out of the heap when ``optimizer_offload`` chose memory, and
 after which ``host_memory=balanced`` returns the heap's free pages (`InProcess.resident`)."""
+
+
+PAGED_SECTIONS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
+                  "rm": "reward_model.model", "teachers": "actor_rollout_ref.ref"}
+"""A role of `posttrain.config.roles.RoleSpecs` -> the config section whose ``fsdp_config`` it is placed by (the
+teachers are placed as the reference is); the placement names a role by this section in its calls and errors."""
+
+
+@dataclass(frozen=True)
+class HostLevers:
+    """The one-process run's host levers as the config sets them, read from the run's roles where the placement is
+    made (`posttrain.trainer.setup.build_local_group`), so that no role's worker carries them:
+
+    - ``paging``: a config section (`PAGED_SECTIONS`) -> its ``fsdp_config.host_paging`` (``auto``/``on``/``off``);
+      a section not in it is ``auto``;
+    - ``host_memory``: ``actor_rollout_ref.actor.fsdp_config.host_memory``.
+    """
+
+    paging: Mapping[str, str] = field(default_factory=dict)
+    host_memory: str = "auto"
+
+    @classmethod
+    def of(cls, specs: Any) -> "HostLevers":
+        """The levers of the roles ``specs`` holds (`posttrain.config.roles.RoleSpecs`, from the RL or the SFT tree)."""
+        paging = {}
+        for role, section in PAGED_SECTIONS.items():
+            spec = getattr(specs, role, None)
+            if spec is not None:
+                paging.setdefault(section, _setting(spec.fsdp, "host_paging", "auto"))
+        return cls(paging, _setting(specs.actor.fsdp, "host_memory", "auto"))
+
+    def host_paging(self, section: str) -> str:
+        """``<section>.fsdp_config.host_paging``."""
+        return self.paging.get(section, "auto")
 
 
 class InProcess(OnDevice):
@@ -83,21 +123,22 @@ class InProcess(OnDevice):
             embeddings_add_into_grad(module)
         if forward_only:
             asked = offload_directory(fsdp_config, "param_offload", fsdp_section, module, self.device)
-            directory = asked or self._idle_state_directory(fsdp_config, fsdp_section, module)
+            directory = asked or self._idle_state_directory(fsdp_section, module)
             if directory is not None and self._page_or_keep(
                     lambda: page_module(module, directory, f"the weights of {fsdp_section or 'a frozen model'}"),
-                    fsdp_config, fsdp_section, asked=asked is not None) is not None:
+                    fsdp_section, fsdp_section, asked=asked is not None) is not None:
                 with contextlib.suppress(ValueError):  # no list of decoder layers: paged out after the whole pass
                     page_out_after_each_layer(module, decoder_layers(module))
         if compile_key is not None:
             enable_layer_compile(module, compile_key)
         return module
 
-    def __init__(self, device: str | torch.device):
+    def __init__(self, device: str | torch.device, levers: HostLevers | None = None):
         super().__init__(device)
+        self.levers = HostLevers() if levers is None else levers  # None: every lever auto (tests, notebooks)
         self.plan = MemoryPlan(self.device)
         self._host_memory: dict[int, str] = {}  # the actor optimizer's id -> its host_memory mode (memory_plan)
-        self._actor_optimizer: tuple[torch.optim.Optimizer, Any, bool] | None = None  # (it, fsdp_config, paged)
+        self._actor_optimizer: tuple[torch.optim.Optimizer, bool] | None = None  # (it, its moments offloaded)
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
@@ -114,19 +155,19 @@ class InProcess(OnDevice):
         params = trainable_parameters(module)
         count = sum(p.numel() for p in {id(p): p for p in params}.values())
         kind = self.plan.optimizer(requested, paged=directory is not None, trained_params=count)
-        idle = (self._idle_state_directory(fsdp_config, section, module)
+        idle = (self._idle_state_directory(section, module)
                 if directory is None and kind == "adamw_8bit" else None)
         make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
         optimizer = None if idle is None else self._page_or_keep(
             lambda: build_optimizer(params, optim_config, functools.partial(AdamW8bit, directory=idle), kind=kind),
-            fsdp_config, role)
+            section, role)
         if optimizer is None:
             optimizer = build_optimizer(params, optim_config, make, kind=kind)
         paged_codes = getattr(optimizer, "_paged", None) is not None
         self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, paged_codes,
                                  getattr(optimizer, "kernel", "C"))
         if role == "actor_rollout_ref.actor":  # its host memory mode is set once every role is built (settle)
-            self._actor_optimizer = (optimizer, fsdp_config, directory is not None)
+            self._actor_optimizer = (optimizer, directory is not None)
         return optimizer
 
     @staticmethod
@@ -134,11 +175,11 @@ class InProcess(OnDevice):
         """A frozen module's paged weights (``param_offload`` / ``host_paging``) in memory for the block only."""
         return one_pass(paged_weights(module))
 
-    def set_host_memory(self, optimizer: torch.optim.Optimizer, fsdp_config: Any, paged: bool) -> None:
+    def set_host_memory(self, optimizer: torch.optim.Optimizer, paged: bool) -> None:
         """``actor_rollout_ref.actor.fsdp_config.host_memory`` for the actor's phases (`resident`), chosen by the
         memory plan: the whole process's allocator policy, so set once, after every role is built. Paged moments
         run the phases memory-first."""
-        requested = _setting(fsdp_config, "host_memory", "auto")
+        requested = self.levers.host_memory
         mode = "memory" if paged else self.plan.host_memory(requested)
         if mode in ("speed", "memory") and self.device.type == "cpu":
             keep_freed_memory()  # memory-first maps its own phases' buffers; the rest is kept for reuse
@@ -151,39 +192,39 @@ class InProcess(OnDevice):
         if not paged:  # the paged case is said by note_optimizer
             self.plan.note_host_memory(mode, requested)
 
-    def _page_or_keep(self, page: Any, fsdp_config: Any, what: str, asked: bool = False) -> Any:
+    def _page_or_keep(self, page: Any, section: str, what: str, asked: bool = False) -> Any:
         """``page()`` (it puts a role's state in a file), or None where ``host_paging=auto`` could not reserve the
         file (a full disk): the state stays in memory, said in the plan line. Where the user asked for paging
         (``host_paging=on``, or ``asked``: ``param_offload``) the error stands."""
         try:
             return page()
         except OSError as err:
-            if asked or _setting(fsdp_config, "host_paging", "auto") != "auto":
+            if asked or self.levers.host_paging(section) != "auto":
                 raise
             self.plan.notes.append(f"{what}: kept in memory, not paged (host_paging=auto: {err.strerror or err})")
             return None
 
-    def _idle_state_directory(self, fsdp_config: Any, section: str, module: nn.Module) -> str | None:
+    def _idle_state_directory(self, section: str, module: nn.Module) -> str | None:
         """Where ``<section>.fsdp_config.host_paging`` pages this role's idle state (`MemoryPlan.idle_state_directory`);
         None when it stays in memory, or when the module is sharded on ranks (their offload is FSDP2's)."""
         if getattr(module, "posttrain_fsdp", None) is not None:
             return None
-        requested = _setting(fsdp_config, "host_paging", "auto")
-        return self.plan.idle_state_directory(requested, f"{section}.fsdp_config.host_paging")
+        return self.plan.idle_state_directory(self.levers.host_paging(section), f"{section}.fsdp_config.host_paging")
 
     def announce_plan(self) -> None:
         """The memory plan's one console line (after every role is built)."""
         print(self.plan.line(), flush=True)
 
-    def settle(self, roles: Any, ref_in_actor: bool) -> None:
-        """Once every role is built (`posttrain.workers.build.Roles`): the process's host memory mode for the
-        actor's phases (`set_host_memory`), then the memory plan's line, with what the reference and each
-        distillation teacher keep, and where."""
+    def settle(self, roles: Any) -> None:
+        """Once every role is built (`posttrain.workers.build.Roles`; called by whoever made this placement:
+        `posttrain.trainer.setup.build_local_group`): the process's host memory mode for the actor's phases
+        (`set_host_memory`), then the memory plan's line, with what the reference and each distillation teacher
+        keep, and where."""
         if self._actor_optimizer is not None:
             self.set_host_memory(*self._actor_optimizer)
         if roles.ref is not None:
             paged = paged_weights(getattr(roles.ref, "module", None)) is not None
-            self.plan.note_reference("adapters-off" if ref_in_actor else "copy",
+            self.plan.note_reference("adapters-off" if roles.ref_in_actor else "copy",
                                      getattr(roles.ref, "param_dtype", "fp32"), paged)
         else:
             self.plan.notes.append("no reference model (no KL term, or a KL coefficient of 0)")

@@ -167,16 +167,19 @@ def _build_actor(config: Any, device: str, index: int) -> Any:
     from posttrain.config.roles import RoleSpecs, rl_role_specs
     from posttrain.workers.build import build_roles
 
-    specs = rl_role_specs(worker_config(config, derive_sizes(config)))
-    roles = build_roles(RoleSpecs(actor=specs.actor), rollout_placement(torch.device(device), index), config.trainer.seed)
+    specs = RoleSpecs(actor=rl_role_specs(worker_config(config, derive_sizes(config))).actor)
+    place = rollout_placement(torch.device(device), index, specs)
+    roles = build_roles(specs, place, config.trainer.seed)
+    place.settle(roles)
     return roles.actor
 
 
-def rollout_placement(device: Any, index: int) -> Any:
+def rollout_placement(device: Any, index: int, specs: Any) -> Any:
     """The trainer's one-process placement (`InProcess`: the same levers on the weights, the same process-wide
     memory policy), whose one console line is this worker's role: a trainer's memory plan (its optimizer's
-    moments, its reference) would describe state a rollout worker never uses."""
-    from posttrain.distributed.placement import InProcess
+    moments, its reference) would describe state a rollout worker never uses. ``specs``: the roles it holds, whose
+    config sets its host levers (`HostLevers`)."""
+    from posttrain.distributed.placement import HostLevers, InProcess
 
     class RolloutPlacement(InProcess):
         def announce_plan(self) -> None:
@@ -184,7 +187,7 @@ def rollout_placement(device: Any, index: int) -> Any:
                   "trainer's pushes; trains nothing (no optimizer step, no reference); its memory counts in the "
                   "run's process-tree peak", flush=True)
 
-    return RolloutPlacement(device)
+    return RolloutPlacement(device, HostLevers.of(specs))
 
 
 # ------------------------------------------------------------------------------------------ on the driver

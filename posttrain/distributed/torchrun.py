@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.batch import Batch
-from posttrain.errors import PosttrainError
+from posttrain.errors import CheckpointError, PosttrainError
 from posttrain.distributed.split import combine_metrics, gather_from_ranks, split_for_ranks, split_update
 from posttrain.workers.group import Call, bind_calls
 from posttrain.launch import launched_by_torchrun, torchrun_world_size  # re-exported: their home is the ground floor
@@ -180,9 +180,6 @@ class TorchrunGroup:
         """This rank's share of the checkpoint. A failure on any rank (e.g. a refused ``rng/rank_1.pt``)
         stops every rank here with that rank's message: otherwise the others would train on and wait in
         their next collective, while the failed rank waits at the shutdown barrier, until the time-out."""
-        from posttrain.checkpoint import CheckpointError
-        from posttrain.errors import PosttrainError
-
         try:
             result, failure = self.worker.load_checkpoint(str(folder)), None
         except Exception as err:  # reported to every rank below; the gather must run on each of them

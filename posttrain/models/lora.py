@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from posttrain.peft_folder import adapter_folder_problem  # re-exported
-from posttrain.errors import ConfigError
+from posttrain.errors import CheckpointError, ConfigError
 
 __all__ = [
     "ADAPTER_DIR",
@@ -355,8 +355,6 @@ class LoraAdapter:
 
     def check_base(self, folder: str | os.PathLike) -> None:
         """Refuse a role folder whose adapter was trained on other base weights than this model's."""
-        from posttrain.checkpoint import CheckpointError
-
         saved = read_base_record(folder)
         if not same_digest(saved.get("digest", {}), self.digest):
             raise CheckpointError(
@@ -367,8 +365,6 @@ class LoraAdapter:
 
 def read_base_record(folder: str | os.PathLike) -> dict[str, Any]:
     """``lora_base.json`` of a LoRA role folder; `CheckpointError` when it is missing or unreadable."""
-    from posttrain.checkpoint import CheckpointError
-
     path = Path(folder) / BASE_FILE
     try:
         record = json.loads(path.read_text())

@@ -53,7 +53,7 @@ DEFAULT_OUTPUT = Path("outputs") / "eval"
 
 
 def _is_checkpoint(path: str) -> bool:
-    from posttrain.checkpoint import CheckpointError
+    from posttrain.errors import CheckpointError
     from posttrain.trainer.export import resolve_checkpoint
 
     p = Path(path).expanduser()
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         (overrides if "=" in item and not Path(item).expanduser().exists() else data).append(item)
     from posttrain.config import ConfigError
     from posttrain.data import DataError
-    from posttrain.checkpoint import CheckpointError
+    from posttrain.errors import CheckpointError
 
     try:
         res = evaluate(args.model, data or None, limit=args.limit, n=args.n, temperature=args.temperature,

@@ -171,15 +171,17 @@ def build_workers(config: PostTrainConfig, specs: RoleSpecs, device: torch.devic
 def build_local_group(specs: RoleSpecs, device: torch.device, seed: int, actor_module: Any = None,
                       critic_module: Any = None, tokenizer: Any = None):
     """Every role in ``specs`` in this process (`posttrain.workers.build.build_roles`), placed by
-    `posttrain.distributed.placement.InProcess` on ``device``, which the group also asks for each call's
-    residency. Batch sizes in ``specs`` are per rank."""
-    from posttrain.distributed.placement import InProcess
+    `posttrain.distributed.placement.InProcess` on ``device`` with the host levers the roles' config sets
+    (`HostLevers`: ``host_paging``, ``host_memory``), which settles the process once the roles are built and
+    which the group also asks for each call's residency. Batch sizes in ``specs`` are per rank."""
+    from posttrain.distributed.placement import HostLevers, InProcess
     from posttrain.workers.build import build_roles
     from posttrain.workers.group import LocalWorkerGroup
 
-    placement = InProcess(device)
+    placement = InProcess(device, HostLevers.of(specs))
     roles = build_roles(specs, placement, seed, tokenizer=tokenizer, actor_module=actor_module,
                         critic_module=critic_module)
+    placement.settle(roles)
     return LocalWorkerGroup(roles.actor, roles.ref, roles.critic, roles.rm, seed=seed, placement=placement,
                             teachers=roles.teachers)
 

@@ -42,6 +42,8 @@ class Roles:
     critic: Any = None
     rm: Any = None
     teachers: Any = None
+    ref_in_actor: bool = False
+    """The reference is the actor with its adapters disabled (LoRA: `LoraReference`), not a copy."""
 
     def trained(self) -> dict[str, Any]:
         """The roles a checkpoint holds, by folder name: the actor, and the critic when there is one."""
@@ -61,7 +63,7 @@ def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any
     copy_initial = actor_module is not None and specs.ref is not None and not ref_in_actor
     initial = copy.deepcopy(actor_module) if copy_initial else None
     actor = _actor(specs.actor, place, seed, tokenizer, actor_module)
-    roles = Roles(actor)
+    roles = Roles(actor, ref_in_actor=ref_in_actor)
     if specs.ref is not None:
         roles.ref = LoraReference(actor, specs.ref.section) if ref_in_actor else _reference(specs.ref, place, actor,
                                                                                             initial)
@@ -71,16 +73,7 @@ def build_roles(specs: RoleSpecs, place: Placement, seed: int, *, tokenizer: Any
         roles.rm = _reward_model(specs.rm, place, actor, specs.actor.model.path)
     if specs.teachers is not None:  # frozen, scoring the sampled tokens (on-policy distillation)
         roles.teachers = _teachers(specs.teachers, place, actor)
-    _settle(place, roles, ref_in_actor)
     return roles
-
-
-def _settle(place: Placement, roles: Roles, ref_in_actor: bool) -> None:
-    """The placement's last word once every role is built, where it has one (the one-process placement sets the
-    process's host memory mode and says what each role keeps where: `posttrain.distributed.placement.InProcess.settle`)."""
-    settle = getattr(place, "settle", None)
-    if settle is not None:
-        settle(roles, ref_in_actor)
 
 
 def _actor(spec: RoleSpec, place: Placement, seed: int, tokenizer: Any, module: Any) -> ActorWorker:
