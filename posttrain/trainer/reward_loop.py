@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from typing import Any, Callable
 
 from posttrain.config import ConfigError, PostTrainConfig
@@ -59,6 +60,11 @@ class RewardLoop:
                  restore_limits: dict | None = None):
         self.manager, self.source, self.judge = manager, source, judge
         self._restore_limits = restore_limits
+        # the process's judge counters start at zero for this run: calls a judge made before it (another run in
+        # this process, a notebook cell) would otherwise count in its first step's reward/judge_* metrics
+        judge_module = sys.modules.get("posttrain.rewards.judge")
+        if judge_module is not None:
+            judge_module.judge_metrics(reset=True)
 
     def __call__(self, batch):
         return self.manager(batch)

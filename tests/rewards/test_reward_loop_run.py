@@ -222,3 +222,16 @@ def test_verl_limit_keys_reach_the_limit_manager_and_the_judge(tmp_path):
     assert judge_module._DEFAULT_LIMITS == {"timeout_s": 7.0, "on_error": "zero", "max_concurrent": 3, "max_rps": 2.0}
     fn.close()
     assert judge_module._DEFAULT_LIMITS == {}  # the run's limits end with it
+
+
+def test_a_run_counts_only_the_judge_calls_made_during_it():
+    """Rows a judge counted before the run's reward loop was built (another run in this process, a notebook cell)
+    are not this run's first step's ``reward/judge_rows``; rows counted after it are (the control)."""
+    from types import SimpleNamespace
+
+    before = judge_module.Judge("http://127.0.0.1:9/v1")
+    before._count("rows", 3)
+    loop = RewardLoop(SimpleNamespace(step_metrics=lambda: judge_module.judge_metrics(reset=True)), source="test")
+    assert loop.step_metrics()["reward/judge_rows"] == 0
+    before._count("rows", 2)
+    assert loop.step_metrics()["reward/judge_rows"] == 2
