@@ -216,3 +216,18 @@ def test_a_host_memory_value_that_is_not_a_mode_is_refused_naming_the_key():
         load_config(overrides=["actor_rollout_ref.actor.fsdp_config.host_memory=fast"])
     with pytest.raises(ConfigError, match=r"model.fsdp_config.host_memory='fast'; valid: auto, balanced, speed, memory"):
         load_sft_config(overrides=["model.fsdp_config.host_memory=fast"])
+
+
+def test_a_critic_host_memory_other_than_the_actors_is_refused_naming_both_keys():
+    """The freed-memory policy is one for the process (the actor's key sets it): a different critic value would be
+    silently unused, so it is refused; the critic at auto or at the actor's value passes (the controls)."""
+    from posttrain.config import BUILTIN_CONFIG, load_config
+    from posttrain.errors import ConfigError
+
+    gae = ["algorithm.adv_estimator=gae"]
+    with pytest.raises(ConfigError, match=r"critic.model.fsdp_config.host_memory=speed: .* set by "
+                                          r"actor_rollout_ref.actor.fsdp_config.host_memory \(now auto\)"):
+        load_config(str(BUILTIN_CONFIG), overrides=[*gae, "critic.model.fsdp_config.host_memory=speed"])
+    for critic, actor in (("auto", "speed"), ("speed", "speed")):
+        load_config(str(BUILTIN_CONFIG), overrides=[*gae, f"critic.model.fsdp_config.host_memory={critic}",
+                                                    f"actor_rollout_ref.actor.fsdp_config.host_memory={actor}"])

@@ -50,7 +50,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "reward_model.combine": ("replace", "sum"),
         "actor_rollout_ref.actor.fsdp_config.model_dtype": DTYPES,
         "actor_rollout_ref.actor.fsdp_config.host_memory": HOST_MEMORY_MODES,
-        "critic.model.fsdp_config.host_memory": HOST_MEMORY_MODES,  # read for the actor only; checked alike
+        "critic.model.fsdp_config.host_memory": HOST_MEMORY_MODES,  # the actor's is the process's: _check_conflicts
         "actor_rollout_ref.actor.fsdp_config.host_paging": HOST_PAGING_MODES,
         "actor_rollout_ref.ref.fsdp_config.host_paging": HOST_PAGING_MODES,
         "critic.model.fsdp_config.host_paging": HOST_PAGING_MODES,
@@ -194,6 +194,11 @@ def _check_conflicts(config: PostTrainConfig) -> Iterable[str]:
     yield from _check_policy_loss_keys(config)
     yield from _check_estimator_inputs(config)
     yield from _check_reward_model_sizes(config)
+    critic_memory, actor_memory = config.critic.model.fsdp_config.host_memory, arr.actor.fsdp_config.host_memory
+    if uses_critic(config) and critic_memory not in ("auto", actor_memory):
+        yield (f"critic.model.fsdp_config.host_memory={critic_memory}: the freed-memory policy is one for the whole "
+               f"process, set by actor_rollout_ref.actor.fsdp_config.host_memory (now {actor_memory}); set it there "
+               "and leave the critic's at auto")
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N folder)"
     if arr.rollout.temperature == 0 and arr.rollout.do_sample:
