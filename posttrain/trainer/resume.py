@@ -177,9 +177,38 @@ def prepare_folder(trainer_config: Any, manager: CheckpointManager, fingerprint:
       or a later resume would pick the wrong ones); the same for ``resume_mode=resume_path`` from a
       checkpoint outside the folder;
     - ``resume_mode=auto`` and no checkpoint is complete: refused, listing what is wrong with each;
-    - otherwise resume as ``resume_mode`` says.
+    - otherwise resume as ``resume_mode`` says;
+
+    and, given ``fingerprint``, a ``resume_mode=resume_path`` checkpoint of another run (model, algorithm, critic,
+    LoRA, rollout mode) is refused, wherever it is (`check_named_checkpoint`).
     """
     trainer = getattr(trainer_config, "trainer", trainer_config)
+    _apply_folder_rule(trainer, manager, fingerprint)
+    if fingerprint is not None and trainer.resume_mode == "resume_path" and not trainer.start_over:
+        check_named_checkpoint(trainer, fingerprint)
+
+
+def check_named_checkpoint(trainer: Any, fingerprint: Mapping[str, Any]) -> None:
+    """``trainer.resume_from_path`` saved by another run: refused before any model loads, naming what differs (the
+    resume's own `check_compatible` would find it only once the models are built). A path that is not a complete
+    checkpoint is left to `resolve_resume`, which names what is wrong with it."""
+    raw = trainer.resume_from_path
+    path = Path(raw).expanduser().absolute() if raw else None
+    if path is None or not is_step_dir_name(path.name) or not (path / EXTRA_FILE).is_file():
+        return
+    try:
+        saved = json.loads((path / EXTRA_FILE).read_text()).get(FINGERPRINT_KEY)
+    except (OSError, ValueError):
+        return  # resolve_resume's checkpoint_problem names the unreadable file
+    mismatches = identity_mismatches(saved, _as_saved(fingerprint)) if saved else []
+    if mismatches:
+        raise ResumeError(f"trainer.resume_from_path={raw} is another run's checkpoint: it was saved with "
+                          + "; ".join(mismatches) + ". Resume a checkpoint saved with this run's settings, or drop "
+                          "trainer.resume_mode=resume_path to start at step 0")
+
+
+def _apply_folder_rule(trainer: Any, manager: CheckpointManager, fingerprint: Mapping[str, Any] | None) -> None:
+    """`prepare_folder`'s rule for what ``trainer.default_local_dir`` holds."""
     steps, root = manager.step_dirs(), manager.root
     if not steps and not (root / FINISHED_FILE).exists() and not (root / HF_MODEL).exists():
         return

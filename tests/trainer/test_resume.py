@@ -130,6 +130,28 @@ def test_checkpoint_from_other_config_is_refused(grpo_runs, tmp_path, capsys):
                  n_train=8).fit()
 
 
+def test_a_resume_path_checkpoint_of_another_run_is_refused_before_any_model_loads(grpo_runs, tmp_path, monkeypatch):
+    """``resume_mode=resume_path`` naming a checkpoint saved by another run (here: GRPO's, into a GAE run with a fresh
+    folder): one error naming the path and what differs, before the workers are built; the control: the same
+    checkpoint with its own run's settings gets as far as building them."""
+    from posttrain.trainer import setup
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the models were loaded")
+
+    monkeypatch.setattr(setup, "build_workers", refuse)
+    step = grpo_runs["split_dir"] / "ckpt" / "global_step_4"
+    named = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}",
+             f"trainer.default_local_dir={tmp_path / 'fresh'}"]
+    with pytest.raises(CheckpointError) as err:
+        _trainer(tmp_path, ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", *named])
+    assert isinstance(err.value, ConfigError)  # one `error:` line, exit 2
+    assert str(err.value).startswith(f"trainer.resume_from_path={step} is another run's checkpoint: it was saved with "
+                                     "algorithm.adv_estimator=grpo, this run has gae")
+    with pytest.raises(AssertionError, match="the models were loaded"):
+        _trainer(tmp_path / "own", [*GRPO, *named], n_train=8)
+
+
 def test_resume_of_a_finished_run_says_so(grpo_runs, tmp_path, capsys):
     ckpt = grpo_runs["split_dir"] / "ckpt"
     # (its own copy of the tiny model: a model folder at another path resumes, with a warning)
