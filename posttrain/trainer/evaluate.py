@@ -160,20 +160,22 @@ def evaluate(model: str, data: list[str] | None = None, *, limit: int | None = N
 
     _check_counts(limit, n, temperature, top_p)
     _check_model_flags(model, tokenizer)
+    _check_data_flag(data)
     overrides = list(overrides)
     with resolve_model(model) as path:
         config = _config(path, data, max_response_length, batch_size,
                          _sampling_overrides(n, temperature, top_p, seed, overrides) + overrides)
         note = _sample_when_asked_for_n(config, overrides)
-        tok, module, device = _load_model(config, path, tokenizer)
+        tok = _load_tokenizer(config, path, tokenizer)
+        files = data_files(config)[1]
+        dataset = RLHFDataset(files, tok, config.data)  # every row read and checked before the policy loads
+        if limit is not None:
+            dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
+        reward_fn = build_reward_fn(config, tok)
+        check_data_sources(config, reward_fn, val=dataset)  # not at the first unknown row's score
+        module, device = _load_policy(config)
     if note:
         print(note, file=sys.stderr, flush=True)
-    files = data_files(config)[1]
-    dataset = RLHFDataset(files, tok, config.data)
-    if limit is not None:
-        dataset.rows, dataset.input_ids = dataset.rows[:limit], dataset.input_ids[:limit]
-    reward_fn = build_reward_fn(config, tok)
-    check_data_sources(config, reward_fn, val=dataset)  # before generating, not at the first unknown row's score
     loader = build_val_loader(dataset, config.data)
     engine, param_dtype = _engine(config, module, tok, device)
     length = int(config.data.max_response_length)
@@ -237,19 +239,35 @@ def _check_model_flags(model: str, tokenizer: str | None) -> None:
             raise ConfigError(f"{flag} {value}: {problem}")
 
 
-def _load_model(config: Any, path: str, tokenizer: str | None):
-    """(tokenizer, the policy on the run's device in eval mode, the device), loaded as a role is
-    (`posttrain.workers.prepare.load_role_model`)."""
+def _check_data_flag(data: list[str] | None) -> None:
+    """Each ``--data`` file is a prompt file: a `ConfigError` naming the flag otherwise, before anything loads."""
+    from posttrain.config import ConfigError
+    from posttrain.trainer.preflight import data_file_problem
+
+    for file in data or []:
+        problem = data_file_problem(file)
+        if problem is not None:
+            raise ConfigError(f"--data {problem}")
+
+
+def _load_tokenizer(config: Any, path: str, tokenizer: str | None) -> Any:
     from posttrain.models import load_tokenizer
+
+    m = config.actor_rollout_ref.model
+    return load_tokenizer(tokenizer or path, trust_remote_code=m.trust_remote_code,
+                          custom_chat_template=m.custom_chat_template)
+
+
+def _load_policy(config: Any):
+    """(the policy on the run's device in eval mode, the device), loaded as a role is
+    (`posttrain.workers.prepare.load_role_model`)."""
     from posttrain.trainer.setup import resolve_device
     from posttrain.workers.prepare import load_role_model
 
-    m = config.actor_rollout_ref.model
-    tok = load_tokenizer(tokenizer or path, trust_remote_code=m.trust_remote_code,
-                         custom_chat_template=m.custom_chat_template)
     device = resolve_device(config)
-    module = load_role_model("policy", m, config.actor_rollout_ref.actor.fsdp_config.model_dtype).to(device)
-    return tok, module.eval(), device
+    module = load_role_model("policy", config.actor_rollout_ref.model,
+                             config.actor_rollout_ref.actor.fsdp_config.model_dtype).to(device)
+    return module.eval(), device
 
 
 def _engine(config: Any, module: Any, tok: Any, device: Any) -> tuple[Any, str]:

@@ -168,22 +168,31 @@ def _first_line(err: BaseException) -> str:
 
 
 def check_data_files(config: PostTrainConfig) -> list[str]:
-    from posttrain.data.schema import SUPPORTED_SUFFIXES
     from posttrain.trainer.setup import data_files
 
     problems = []
     for key, files in zip(("data.train_files", "data.val_files"), data_files(config)):
         for file in files if isinstance(files, list) else [files]:
-            path = Path(file)
-            if not path.exists():
-                problems.append(f"{key}: {file} does not exist")
-            elif path.is_dir():
-                problems.append(f"{key}: {file} is a folder; give {'/'.join(SUPPORTED_SUFFIXES)} files")
-            elif not str(file).endswith(SUPPORTED_SUFFIXES):
-                problems.append(f"{key}: {file} is not a {'/'.join(SUPPORTED_SUFFIXES)} file")
-            elif not os.access(path, os.R_OK):
-                problems.append(f"{key}: {file} is not readable")
+            problem = data_file_problem(file)
+            if problem is not None:
+                problems.append(f"{key}: {problem}")
     return problems
+
+
+def data_file_problem(file: str | os.PathLike) -> str | None:
+    """What keeps ``file`` from being a prompt file (missing, a folder, another kind of file, unreadable), or None."""
+    from posttrain.data.schema import SUPPORTED_SUFFIXES
+
+    path = Path(file)
+    if not path.exists():
+        return f"{file} does not exist"
+    if path.is_dir():
+        return f"{file} is a folder; give {'/'.join(SUPPORTED_SUFFIXES)} files"
+    if not str(file).endswith(SUPPORTED_SUFFIXES):
+        return f"{file} is not a {'/'.join(SUPPORTED_SUFFIXES)} file"
+    if not os.access(path, os.R_OK):
+        return f"{file} is not readable"
+    return None
 
 
 def check_data_sources(config: PostTrainConfig, reward_fn: Any, *, train: Any = None, val: Any = None) -> None:

@@ -187,7 +187,24 @@ def test_eval_of_a_data_source_without_a_scorer_stops_before_generating(tmp_path
     import posttrain.trainer.evaluate as evaluate
 
     files = _datasets(tmp_path)
-    monkeypatch.setattr(evaluate, "_engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("generated")))
+    monkeypatch.setattr(evaluate, "_load_policy", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     assert main(["--model", str(tiny_model_dir(tmp_path)), "--data", *files, "--output", str(tmp_path / "cards")]) == 2
     err = capsys.readouterr().err
     assert f"error: {files[1]} row 0: data_source='other/arith' has no built-in scorer (known: " in err, err
+
+
+def test_eval_data_that_is_not_a_prompt_file_is_named_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """A folder, a missing file, another kind of file: one line naming ``--data`` before the model or its tokenizer
+    loads; the control: a prompt file gets as far as the tokenizer."""
+    import posttrain.trainer.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "_load_tokenizer", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    (tmp_path / "notes.txt").write_text("1+1=2")
+    model = str(tiny_model_dir(tmp_path))
+    for given, problem in ((tmp_path, "is a folder; give .parquet/.jsonl/.json files"),
+                           (tmp_path / "gone.parquet", "does not exist"),
+                           (tmp_path / "notes.txt", "is not a .parquet/.jsonl/.json file")):
+        assert main(["--model", model, "--data", str(given)]) == 2
+        assert f"error: --data {given} {problem}" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="loaded"):
+        main(["--model", model, "--data", _datasets(tmp_path)[0]])
