@@ -108,15 +108,16 @@ class RunLoop:
         from posttrain.tracking import Tracking
 
         s, cfg = self.stage, self.stage.config.trainer
-        tracker = Tracking(cfg.logger if s.workers.writes else [], setup.run_dir(s.config), cfg.project_name,
-                           cfg.experiment_name, config_dict(s.config), s.total_steps)
         scratch = None
         try:
             with _StopOnSignals(self):
                 self.phase = "resume"
                 self._restore()
                 if s.global_step == 0 and s.workers.writes:
-                    _set_aside_earlier_metrics(setup.run_dir(s.config))
+                    _set_aside_earlier_results(setup.run_dir(s.config), getattr(s, "rollout_dumps", None))
+                # made once the earlier results are aside: tensorboard opens its event file in the run folder
+                tracker = Tracking(cfg.logger if s.workers.writes else [], setup.run_dir(s.config), cfg.project_name,
+                                   cfg.experiment_name, config_dict(s.config), s.total_steps)
                 if self.validate_first and s.global_step == 0 and not self._validate_first(tracker):
                     tracker.finish()
                     return s.history
@@ -294,20 +295,35 @@ class RunLoop:
         resume.report_signal_stop(signum, step, path)
 
 
-def _set_aside_earlier_metrics(run_dir: Path) -> None:
-    """A run starting at step 0 would append its steps to the metrics.jsonl an earlier run (or an earlier try
-    that saved no checkpoint) left in its run folder: that file moves to ``previous_run_<time>/`` first."""
+RUN_RESULTS = ("metrics.jsonl", "curves.png", "eval_cards", "tensorboard")
+"""What a run writes in its run folder, besides the sample dumps; ``rollout_dirs.json`` stays (each run writes the
+same pointer to its dumps before it starts)."""
+
+
+def _set_aside_earlier_results(run_dir: Path, dumps: Any = None) -> None:
+    """A run starting at step 0 would append its steps to the metrics.jsonl (and the dumps' index, the tensorboard
+    events) an earlier run, or an earlier try that saved no checkpoint, left in its run folder: those results
+    (`RUN_RESULTS`, and the sample dumps ``dumps`` writes inside the run folder) move to ``previous_run_<time>/``
+    first. A dump folder elsewhere is the user's to keep apart (its index names each step's time)."""
     earlier = run_dir / "metrics.jsonl"
     if not earlier.is_file() or earlier.stat().st_size == 0:
         return
+    inside = [d for d in (getattr(dumps, "train", None), getattr(dumps, "val", None))
+              if d is not None and d.folder.resolve().is_relative_to(run_dir.resolve()) and d.folder.exists()]
+    names = [n for n in RUN_RESULTS if (run_dir / n).exists()]
+    names += [str(d.folder.resolve().relative_to(run_dir.resolve())) for d in inside]
     aside = run_dir / f"previous_run_{time.strftime('%Y%m%d-%H%M%S')}"
     n = 0
-    while (aside / earlier.name).exists():
+    while aside.exists():
         n += 1
         aside = run_dir / f"previous_run_{time.strftime('%Y%m%d-%H%M%S')}_{n}"
-    aside.mkdir(parents=True, exist_ok=True)
-    os.replace(earlier, aside / earlier.name)
-    print(f"note: {earlier} held the steps of an earlier run; moved to {aside}/ (this run starts at step 0)", flush=True)
+    for name in names:
+        (aside / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(run_dir / name, aside / name)
+    for dump in inside:
+        dump.used = 0  # its bound counts this run's files only
+    print(f"note: {run_dir} held the results of an earlier run ({', '.join(names)}); moved to {aside}/ (this run "
+          "starts at step 0)", flush=True)
 
 
 def _saves_last(stage: Any) -> bool:

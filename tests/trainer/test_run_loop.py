@@ -117,21 +117,27 @@ def test_a_finished_run_started_again_says_so_and_keeps_no_superseded_checkpoint
     assert ("raise trainer.total_training_steps" in str(err.value)) == (stage != "rl")  # its last checkpoint is kept
 
 
-def test_a_run_starting_at_step_0_sets_the_earlier_metrics_aside(tmp_path, capsys):
+def test_a_run_starting_at_step_0_sets_the_earlier_results_aside(tmp_path, capsys):
     """start_over (or a new run in a run folder an earlier one used) never appends its steps to the earlier
-    run's metrics.jsonl: that file moves to previous_run_<time>/ in the run folder, with a note."""
+    run's results: its metrics.jsonl, the samples on disk (their index) and the tensorboard events move to
+    previous_run_<time>/ in the run folder, with a note; this run's files hold its own steps only."""
     import json
 
     from posttrain.trainer.trainer import RLTrainer
 
-    keys = ["trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.export_at_end=True"]
+    run = tmp_path / "run"
+    keys = ["trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.export_at_end=True",
+            f"trainer.rollout_data_dir={run / 'rollouts'}", "trainer.logger=[file,tensorboard]"]
     with one_thread():
         RLTrainer(tiny_config(tmp_path, keys)).fit()
         RLTrainer(tiny_config(tmp_path, [*keys, "trainer.start_over=True"])).fit()
-    run = tmp_path / "run"
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2]  # this run's steps only
-    (aside,) = run.glob("previous_run_*/metrics.jsonl")
-    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [1, 2]
-    assert f"note: {run / 'metrics.jsonl'} held the steps of an earlier run; moved to {aside.parent}/" in \
-        capsys.readouterr().out
+
+    def steps(path):
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    assert steps(run / "metrics.jsonl") == steps(run / "rollouts" / "index.jsonl") == [1, 2]  # this run's only
+    (aside,) = run.glob("previous_run_*")
+    assert steps(aside / "metrics.jsonl") == steps(aside / "rollouts" / "index.jsonl") == [1, 2]
+    assert len(list((run / "tensorboard").glob("events.*"))) == len(list((aside / "tensorboard").glob("events.*"))) == 1
+    assert (f"note: {run} held the results of an earlier run (metrics.jsonl, tensorboard, rollouts); moved to "
+            f"{aside}/") in capsys.readouterr().out
