@@ -231,3 +231,24 @@ def test_a_critic_host_memory_other_than_the_actors_is_refused_naming_both_keys(
     for critic, actor in (("auto", "speed"), ("speed", "speed")):
         load_config(str(BUILTIN_CONFIG), overrides=[*gae, f"critic.model.fsdp_config.host_memory={critic}",
                                                     f"actor_rollout_ref.actor.fsdp_config.host_memory={actor}"])
+
+
+def test_the_placement_chooses_before_it_builds(tmp_path, monkeypatch):
+    """`InProcess.choose_optimizer` decides (kind, what was asked, where moments are paged) and builds nothing;
+    `InProcess.optimizer` then builds that choice. The control: a tiny module under MIN_PARAMS_8BIT gets AdamW."""
+    import tempfile
+
+    from posttrain.host import paging
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if paging._filesystem_type(str(tmp_path)) in paging.IN_MEMORY_FILESYSTEMS:
+        pytest.skip("the test folder is in memory (tmpfs): host_paging=auto keeps state in memory there")
+    place = InProcess("cpu")
+    big = torch.nn.Linear(4000, MIN_PARAMS_8BIT // 4000, bias=False)
+    params = list(big.parameters())
+    choice = place.choose_optimizer(big, params, _optim(), _fsdp(), "actor_rollout_ref.actor")
+    assert (choice.kind, choice.requested, choice.trained_params) == ("adamw_8bit", "auto", MIN_PARAMS_8BIT)
+    assert choice.offload_dir is None and choice.idle_dir is not None and big.weight.grad is None
+    assert isinstance(place.optimizer(big, _optim(), _fsdp(), "actor_rollout_ref.actor"), AdamW8bit)
+    small = torch.nn.Linear(4, 4)
+    assert place.choose_optimizer(small, list(small.parameters()), _optim(), _fsdp(), "critic.model").kind == "adamw"

@@ -55,7 +55,7 @@ from posttrain.optim.build import build_optimizer, optimizer_kind, trainable_par
 from posttrain.optim.paged import PagedAdamW
 from posttrain.workers.prepare import OnDevice
 
-__all__ = ["HostLevers", "InProcess", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_bf16"]
+__all__ = ["HostLevers", "InProcess", "OptimizerChoice", "MEMORY_FIRST_PHASES", "memory_first", "store_frozen_in_bf16"]
 
 MEMORY_FIRST_PHASES = ("gen", "update_actor")
 """The actor's rollout and update: the phases whose large short-lived buffers (logits, the rollout's
@@ -95,6 +95,21 @@ class HostLevers:
     def host_paging(self, section: str) -> str:
         """``<section>.fsdp_config.host_paging``."""
         return self.paging.get(section, "auto")
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    """One role's optimizer as the placement decided it, before it is built (`InProcess.choose_optimizer`)."""
+
+    kind: str
+    """What is built (`posttrain.optim.names`: ``adamw``, ``adamw_8bit``, ...)."""
+    requested: str
+    """What ``optim.optimizer`` asked (``auto``: the memory plan chose ``kind``)."""
+    trained_params: int
+    offload_dir: str | None = None
+    """``optimizer_offload``: AdamW's moments paged to a file in this folder (`PagedAdamW`)."""
+    idle_dir: str | None = None
+    """``host_paging``: the 8-bit moments paged to a file in this folder between optimizer steps."""
 
 
 class InProcess(OnDevice):
@@ -142,33 +157,48 @@ class InProcess(OnDevice):
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
-        """AdamW; ``optim.optimizer: auto`` as the memory plan decides (8-bit moments on a CPU:
-        `posttrain.host.memory_plan`); its moments paged to a file (`PagedAdamW`) when
-        ``<section>.fsdp_config.optimizer_offload`` asks on a CPU run."""
+        """The role's optimizer, in two plain calls: what to build (`choose_optimizer`), then built (`_build_optimizer`);
+        said in the memory plan line. The process's host memory mode is set later, once (`settle`)."""
+        params = trainable_parameters(module)
+        choice = self.choose_optimizer(module, params, optim_config, fsdp_config, section)
+        optimizer = self._build_optimizer(params, optim_config, choice, section)
         role = section.removesuffix(".model")  # the critic's fsdp_config sits in critic.model, its optim in critic
+        self.plan.note_optimizer(role.rsplit(".", 1)[-1], choice.kind, choice.requested, choice.offload_dir is not None,
+                                 choice.trained_params, getattr(optimizer, "_paged", None) is not None,
+                                 getattr(optimizer, "kernel", "C"))
+        if role == "actor_rollout_ref.actor":  # its host memory mode is set once every role is built (settle)
+            self._actor_optimizer = (optimizer, choice.offload_dir is not None)
+        return optimizer
+
+    def choose_optimizer(self, module: nn.Module, params: list, optim_config: Any, fsdp_config: Any,
+                         section: str) -> "OptimizerChoice":
+        """``optim.optimizer`` (``auto``: as the memory plan decides, `posttrain.host.memory_plan`: 8-bit moments on a
+        CPU), where ``<section>.fsdp_config.optimizer_offload`` pages AdamW's moments (a CPU run), and where
+        ``host_paging`` pages 8-bit moments between steps. Nothing is built."""
+        role = section.removesuffix(".model")
         requested = optimizer_kind(optim_config, f"{role}.optim.optimizer")
-        directory = offload_directory(fsdp_config, "optimizer_offload", section, module, self.device)
-        if directory is not None and requested == "adamw_8bit":
+        offload = offload_directory(fsdp_config, "optimizer_offload", section, module, self.device)
+        if offload is not None and requested == "adamw_8bit":
             raise ValueError(f"{section}.optim.optimizer=posttrain_adamw_8bit and {section}.fsdp_config.optimizer_offload=True "
                              "both shrink AdamW's moments; choose one (8-bit moments stay in memory, offloaded ones "
                              "are paged to a file)")
-        params = trainable_parameters(module)
         count = sum(p.numel() for p in {id(p): p for p in params}.values())
-        kind = self.plan.optimizer(requested, paged=directory is not None, trained_params=count)
-        idle = (self._idle_state_directory(section, module)
-                if directory is None and kind == "adamw_8bit" else None)
-        make = None if directory is None else functools.partial(PagedAdamW, directory=directory)
-        optimizer = None if idle is None else self._page_or_keep(
-            lambda: build_optimizer(params, optim_config, functools.partial(AdamW8bit, directory=idle), kind=kind),
-            section, role)
-        if optimizer is None:
-            optimizer = build_optimizer(params, optim_config, make, kind=kind)
-        paged_codes = getattr(optimizer, "_paged", None) is not None
-        self.plan.note_optimizer(role.rsplit(".", 1)[-1], kind, requested, directory is not None, count, paged_codes,
-                                 getattr(optimizer, "kernel", "C"))
-        if role == "actor_rollout_ref.actor":  # its host memory mode is set once every role is built (settle)
-            self._actor_optimizer = (optimizer, directory is not None)
-        return optimizer
+        kind = self.plan.optimizer(requested, paged=offload is not None, trained_params=count)
+        idle = self._idle_state_directory(section, module) if offload is None and kind == "adamw_8bit" else None
+        return OptimizerChoice(kind, requested, count, offload, idle)
+
+    def _build_optimizer(self, params: list, optim_config: Any, choice: "OptimizerChoice",
+                         section: str) -> torch.optim.Optimizer:
+        """`build_optimizer` as ``choice`` says; 8-bit moments whose file ``host_paging=auto`` could not reserve
+        stay in memory (`_page_or_keep`)."""
+        if choice.idle_dir is not None:
+            paged = functools.partial(AdamW8bit, directory=choice.idle_dir)
+            built = self._page_or_keep(lambda: build_optimizer(params, optim_config, paged, kind=choice.kind),
+                                       section, section.removesuffix(".model"))
+            if built is not None:
+                return built
+        make = None if choice.offload_dir is None else functools.partial(PagedAdamW, directory=choice.offload_dir)
+        return build_optimizer(params, optim_config, make, kind=choice.kind)
 
     @staticmethod
     def one_pass(module: nn.Module) -> contextlib.AbstractContextManager:
