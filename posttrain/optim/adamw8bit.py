@@ -24,7 +24,7 @@ blocks of ``BLOCK`` (256) values; a block stores one float32 scale and one byte 
 
 Parameters with fewer than ``MIN_8BIT_SIZE`` (4096) values (norms, biases) keep float32 moments, as
 bitsandbytes does: they are a rounding error of the total and the most sensitive to it.
-The update is AdamW's (decoupled weight decay, bias correction); ``tests/test_adamw8bit.py`` holds it
+The update is AdamW's (decoupled weight decay, bias correction); ``tests/optim/test_adamw8bit.py`` holds it
 against a float64 AdamW on a small problem.
 """
 
