@@ -13,9 +13,9 @@ keys that trade memory for nothing or little:
   buffers), and the heap's free pages go back to the kernel after each rollout, before each optimizer step and
   after each update, so one phase's holes do not sit under the next. ``speed`` keeps every freed block in the heap
   for reuse (`posttrain.host.allocator.keep_freed_memory`), ``memory`` also maps the actor's rollout and update
-  buffers and trims the heap after them (`posttrain.distributed.placement.memory_first`). On the built-in run (Zen 4,
-  bf16, 15 steps, one run each) balanced peaks at 2.54-2.60 GB with a median step of 5.66-5.88 s, against
-  2.66 GB and 5.61 s before the update came from the heap; benchmarks/CHANGELOG.md has the figures, pass by pass.
+  buffers and trims the heap after them (`posttrain.distributed.placement.memory_first`). balanced is the default
+  because it gave the built-in run its lowest peak at the step time of ``speed`` (benchmarks/README.md, "Memory",
+  has the figures and machines; benchmarks/CHANGELOG.md how they were reached).
 - ``<role>.fsdp_config.host_paging: auto`` -> the role's idle state paged to a file in the temporary
   directory when that is on a disk (`idle_state_directory`): a frozen role's weights between its passes,
   a trained role's 8-bit moments between optimizer steps (`posttrain.optim.adamw8bit.AdamW8bit`'s
