@@ -197,10 +197,9 @@ def check_named_checkpoint(trainer: Any, fingerprint: Mapping[str, Any]) -> None
     if path is None or not is_step_dir_name(path.name) or not (path / EXTRA_FILE).is_file():
         return
     try:
-        saved = json.loads((path / EXTRA_FILE).read_text()).get(FINGERPRINT_KEY)
-    except (OSError, ValueError):
+        mismatches = _saved_with_other(path, fingerprint)
+    except ResumeError:
         return  # resolve_resume's checkpoint_problem names the unreadable file
-    mismatches = identity_mismatches(saved, _as_saved(fingerprint)) if saved else []
     if mismatches:
         raise ResumeError(f"trainer.resume_from_path={raw} is another run's checkpoint: it was saved with "
                           + "; ".join(mismatches) + ". Resume a checkpoint saved with this run's settings, or drop "
@@ -342,10 +341,16 @@ def _check_checkpoint_owner(trainer: Any, manager: CheckpointManager, fingerprin
                               f"trainer.default_local_dir at a fresh folder, or set trainer.start_over=True to move it to "
                               f"{root}/previous_run_<time>/")
         return
-    saved = _extra_state(latest).get(FINGERPRINT_KEY)
-    mismatches = identity_mismatches(saved, _as_saved(fingerprint)) if saved else []
+    mismatches = _saved_with_other(latest, fingerprint)
     if mismatches:
         raise ResumeError(_another_run(root, f"its checkpoint {latest.name} was saved with", mismatches))
+
+
+def _saved_with_other(step_dir: Path, fingerprint: Mapping[str, Any]) -> list[str]:
+    """How the run that saved ``step_dir`` differs from this one (model, algorithm, critic, LoRA, rollout mode); empty
+    when it is the same run or saved no fingerprint."""
+    saved = _extra_state(step_dir).get(FINGERPRINT_KEY)
+    return identity_mismatches(saved, _as_saved(fingerprint)) if saved else []
 
 
 def _extra_state(step_dir: Path) -> dict[str, Any]:
