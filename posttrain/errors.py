@@ -23,8 +23,8 @@ import sys
 import traceback
 from typing import Callable
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "PosttrainError", "SignalStop", "debug_enabled", "format_error", "read_utf8",
-           "run_cli", "user_errors"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "PosttrainError", "SignalStop", "debug_enabled", "format_error",
+           "read_utf8", "run_cli", "user_errors"]
 
 DEBUG_ENV = "POSTTRAIN_DEBUG"
 _DEBUG = False  # set while a `run_cli` call with --debug runs

@@ -157,8 +157,8 @@ class InProcess(OnDevice):
         start_run_peak()  # the run's process-tree peak is sampled from before its models load
 
     def optimizer(self, module: nn.Module, optim_config: Any, fsdp_config: Any, section: str) -> torch.optim.Optimizer:
-        """The role's optimizer, in two plain calls: what to build (`choose_optimizer`), then built (`_build_optimizer`);
-        said in the memory plan line. The process's host memory mode is set later, once (`settle`)."""
+        """The role's optimizer, in two plain calls: what to build (`choose_optimizer`), then built
+        (`_build_optimizer`); said in the memory plan line. The process's host memory mode is set later, once (`settle`)."""
         params = trainable_parameters(module)
         choice = self.choose_optimizer(module, params, optim_config, fsdp_config, section)
         optimizer = self._build_optimizer(params, optim_config, choice, section)

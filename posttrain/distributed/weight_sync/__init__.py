@@ -27,8 +27,8 @@ Collectives are blocking and need every rank: the driver tells the trainer to ``
 rollout worker to ``receive`` at the same time; each collective waits at most ``timeout_s``.
 
 Two files: `transport` (how the bytes travel: the collective group, the files) and `names` (what the trainer sends
-and how a rollout worker loads it: names, shapes, LoRA, vLLM). This package imports only torch at load time (transformers, peft and safetensors when first used),
-so `benchmarks/gpu_check.py` and light processes can use it.
+and how a rollout worker loads it: names, shapes, LoRA, vLLM). This package imports only torch at load time
+(transformers, peft and safetensors when first used), so `benchmarks/gpu_check.py` and light processes can use it.
 """
 
 from posttrain.distributed.weight_sync.names import (load_weights, push_trainer_weights, receive_into, stage_weights,
